@@ -1,0 +1,67 @@
+"""``FamilySpec``: everything harp-trt needs to know about one decoder family, in one place.
+
+A new family is one file with a ``FamilySpec`` subclass plus one line in ``families/__init__.py``.
+Module names follow Hugging Face ``*ForCausalLM`` models (``model.layers[i].self_attn.q_proj``...)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+__all__ = ["FamilySpec"]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]      # HF config.model_type values served by this spec
+    hf_config_class: ClassVar[str]              # transformers config class, for tiny test models
+    qkv_bias: ClassVar[bool] = False            # q/k/v projections carry a bias (Qwen2)
+    # Gemma2 normalises the attention output *before* the residual add, so alpha must scale after
+    # that norm: h <- h + alpha * post_attention_layernorm(o_proj(...)) (see README, "Gemma2").
+    alpha_after_post_attn_norm: ClassVar[bool] = False
+    norm_weight_offset: ClassVar[float] = 0.0   # RMSNorm gain is (offset + w): Gemma uses 1 + w
+    sliding_window_layers: ClassVar[bool] = False
+
+    # ---- module access --------------------------------------------------------------------
+    @staticmethod
+    def decoder(model: nn.Module) -> nn.Module:
+        return model.model
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return self.decoder(model).layers
+
+    # ---- the two halves of a decoder layer (used by the cached alpha search) --------------
+    def attn_residual(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual add of an attention output: ``h + attn_out``."""
+        return h + attn_out
+
+    def mlp_residual(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The MLP half of the layer: ``h + mlp(post_attention_layernorm(h))``."""
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and (where the family has it) logit soft-capping."""
+        logits = model.lm_head(self.decoder(model).norm(h))
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- tiny random models for tests -----------------------------------------------------
+    def tiny_config_kwargs(self) -> dict[str, Any]:
+        return dict(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rms_norm_eps=1e-6, tie_word_embeddings=False,
+        )
+
+    def tiny_config(self, **overrides: Any):
+        import transformers
+
+        cls = getattr(transformers, self.hf_config_class)
+        kw = self.tiny_config_kwargs()
+        kw.update(overrides)
+        return cls(**kw)

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import FamilySpec
+
+
+class Gemma2Family(FamilySpec):
+    """Gemma2: post-attention and pre/post-feed-forward norms, ``(1 + w)`` RMSNorm gains,
+    attention and final-logit soft-capping, alternating sliding-window layers. HARP's alpha goes
+    after the post-attention norm: ``h <- h + alpha * post_attention_layernorm(o_proj(...))``."""
+
+    name = "gemma2"
+    model_types = ("gemma2",)
+    hf_config_class = "Gemma2Config"
+    alpha_after_post_attn_norm = True
+    norm_weight_offset = 1.0
+    sliding_window_layers = True
+
+    def attn_residual(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        return h + layer.post_attention_layernorm(attn_out)
+
+    def mlp_residual(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+
+    def tiny_config_kwargs(self) -> dict[str, Any]:
+        kw = super().tiny_config_kwargs()
+        kw.update(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+                  final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
+        return kw

