@@ -1,0 +1,273 @@
+"""A pure-PyTorch reader for TensorRT-LLM checkpoints: loads ``config.json`` and every
+``rank{N}.safetensors`` and runs the forward pass the config describes, so a written checkpoint can
+be checked against the PyTorch HARP reference on a machine without TensorRT-LLM or a GPU.
+
+The reader knows nothing about Hugging Face models or HARP plans: everything comes from the files.
+It simulates the parallel execution rather than undoing it: each tensor-parallel rank computes its
+heads / MLP columns from its own shard and the partial outputs are summed (the all-reduce) or
+concatenated (``gather_output``); pipeline stages run their local layers in order. Full-sequence
+causal prefill only (no KV cache), fp32 throughout.
+
+Architectures: ``DeciLMForCausalLM`` (per-layer ``attention`` / ``linear`` / ``no_op``),
+``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` (optionally with qkv bias) and ``Gemma2ForCausalLM``.
+Per-layer attention windows come from ``runtime_defaults.max_attention_window`` (cyclic, like the
+runtime); a window of w lets token i see tokens i-w+1 .. i."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
+
+__all__ = ["TrtllmCheckpoint", "read_checkpoint", "SUPPORTED_ARCHITECTURES"]
+
+SUPPORTED_ARCHITECTURES = ("DeciLMForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                           "Qwen2ForCausalLM", "Gemma2ForCausalLM")
+
+_ACTS = {
+    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def _pp_layers(num_layers: int, pp: int, rank: int) -> list[int]:
+    base, extra = divmod(num_layers, pp)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _inv_freq(dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if not scaling:
+        return inv.float()
+    kind = scaling.get("type") or scaling.get("rope_type")
+    if kind == "linear":
+        return (inv / scaling["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled).float()
+    raise UnsupportedArchitectureError(f"reader: rotary scaling {kind!r} is not implemented",
+                                       "supported: none, linear, llama3")
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX rotary embedding on (B, T, heads, dim): halves are rotated, not interleaved pairs."""
+    d = cos.shape[-1]
+    x1, x2 = x[..., : d // 2], x[..., d // 2: d]
+    rot = torch.cat([-x2, x1], -1)
+    return torch.cat([x[..., :d] * cos + rot * sin, x[..., d:]], -1)
+
+
+@dataclass
+class _Layer:
+    kind: str               # attention | linear | no_op
+    kv_heads: int           # this layer's KV heads (0 for linear / no_op)
+    window: int | None      # attention window (None: full)
+
+
+class TrtllmCheckpoint:
+    """A TensorRT-LLM checkpoint folder loaded into memory (all ranks)."""
+
+    def __init__(self, config: dict[str, Any], ranks: list[dict[str, torch.Tensor]]):
+        self.config = config
+        self.ranks = ranks
+        arch = config["architecture"]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(f"reader: architecture {arch!r} is not supported; "
+                                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        m = config.get("mapping", {})
+        self.tp = int(m.get("tp_size", 1))
+        self.pp = int(m.get("pp_size", 1))
+        if len(ranks) != self.tp * self.pp:
+            raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, mapping needs {self.tp * self.pp}")
+        self.arch = arch
+        self.is_gemma2 = arch == "Gemma2ForCausalLM"
+        self.layers = self._layer_specs()
+
+    # ---- loading ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> "TrtllmCheckpoint":
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        try:
+            config = json.loads((p / "config.json").read_text())
+        except FileNotFoundError:
+            raise CorruptWeightsError(f"{p} has no config.json; not a TensorRT-LLM checkpoint") from None
+        m = config.get("mapping", {})
+        world = int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))
+        ranks = []
+        for r in range(world):
+            f = p / f"rank{r}.safetensors"
+            if not f.is_file():
+                raise CorruptWeightsError(f"{p} is missing {f.name} (mapping has {world} ranks)")
+            ranks.append(load_file(str(f)))
+        return cls(config, ranks)
+
+    def rank_weights(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        return self.ranks[tp_rank + pp_rank * self.tp]
+
+    # ---- structure ----------------------------------------------------------------------------
+    def _layer_specs(self) -> list[_Layer]:
+        c = self.config
+        n = c["num_hidden_layers"]
+        kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+        windows = (c.get("runtime_defaults") or {}).get("max_attention_window") or None
+        specs, attn_idx = [], 0
+        for i in range(n):
+            if self.arch == "DeciLMForCausalLM" and c.get("layer_configs"):
+                a = c["layer_configs"][i]["attention"]
+                kind = a.get("impl", "attention")
+                heads = (a.get("num_key_value_heads") or kv) if kind == "attention" else 0
+            else:
+                kind, heads = "attention", kv
+            w = None
+            if kind == "attention" and windows:
+                # DeciLM's runtime indexes windows over attention layers; others over all layers
+                idx = attn_idx if self.arch == "DeciLMForCausalLM" else i
+                w = int(windows[idx % len(windows)])
+            if kind == "attention":
+                attn_idx += 1
+            specs.append(_Layer(kind, heads, w))
+        return specs
+
+    def kv_heads_per_layer(self) -> list[int]:
+        return [s.kv_heads for s in self.layers]
+
+    def kv_cache_tokens(self, seq_len: int) -> list[int]:
+        """Tokens of K/V each layer keeps for one sequence of ``seq_len`` tokens (before paging)."""
+        return [0 if s.kind != "attention" else min(s.window or seq_len, seq_len) for s in self.layers]
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32, ``[batch, seq, vocab]``) of a full causal prefill of ``input_ids``."""
+        c = self.config
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        T = ids.shape[1]
+        head = c.get("head_size") or c["hidden_size"] // c["num_attention_heads"]
+        rot_dim = c.get("rotary_embedding_dim") or head
+        inv = _inv_freq(rot_dim, float(c.get("rotary_base", 10000.0)), c.get("rotary_scaling"))
+        ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None]
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None]
+        h = self._embed(ids)
+        for p in range(self.pp):
+            for local, g in enumerate(_pp_layers(c["num_hidden_layers"], self.pp, p)):
+                h = self._layer(h, p, local, self.layers[g], cos, sin)
+        last = self.pp - 1
+        h = _rms(h, self.rank_weights(0, last)["transformer.ln_f.weight"].float(), c["norm_epsilon"])
+        lm = torch.cat([self.rank_weights(t, last)["lm_head.weight"].float() for t in range(self.tp)])
+        logits = (h @ lm.T)[..., : c["vocab_size"]]
+        cap = c.get("final_logit_softcapping") if self.is_gemma2 else None
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits if input_ids.dim() == 2 else logits[0]
+
+    __call__ = forward
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.get("use_parallel_embedding"):
+            if c.get("embedding_sharding_dim", 0) != 0:
+                raise UnsupportedArchitectureError("reader: only vocab-dim (0) embedding sharding is supported")
+            table = torch.cat([self.rank_weights(t, 0)["transformer.vocab_embedding.weight"].float()
+                               for t in range(self.tp)])
+        else:
+            table = self.rank_weights(0, 0)["transformer.vocab_embedding.weight"].float()
+        h = F.embedding(ids, table)
+        if self.is_gemma2:
+            h = h * math.sqrt(c["hidden_size"])
+        return h
+
+    def _layer(self, h, pp_rank, local, spec: _Layer, cos, sin):
+        c = self.config
+        eps = c["norm_epsilon"]
+        pre = f"transformer.layers.{local}."
+        w0 = self.rank_weights(0, pp_rank)
+        mlp = "ffn" if self.arch == "DeciLMForCausalLM" else "mlp"
+        if spec.kind != "no_op":
+            x = _rms(h, w0[pre + "input_layernorm.weight"].float(), eps)
+            if spec.kind == "linear":  # ColumnLinear with gather_output: concatenate the shards
+                W = torch.cat([self.rank_weights(t, pp_rank)[pre + "attention.weight"].float()
+                               for t in range(self.tp)])
+                a = x @ W.T
+            else:
+                a = sum(self._attention_shard(x, self.rank_weights(t, pp_rank), pre, spec, cos, sin)
+                        for t in range(self.tp))
+            if self.is_gemma2:
+                a = _rms(a, w0[pre + "post_layernorm.weight"].float(), eps)
+            h = h + a
+        if self.is_gemma2:
+            x = _rms(h, w0[pre + "pre_feedforward_layernorm.weight"].float(), eps)
+            m = self._mlp(x, pp_rank, pre, mlp)
+            return h + _rms(m, w0[pre + "post_feedforward_layernorm.weight"].float(), eps)
+        if pre + "post_layernorm.weight" not in w0:  # DeciLM no_op FFN
+            return h
+        x = _rms(h, w0[pre + "post_layernorm.weight"].float(), eps)
+        return h + self._mlp(x, pp_rank, pre, mlp)
+
+    def _mlp(self, x, pp_rank, pre, mlp):
+        act = _ACTS[self.config["hidden_act"]]
+        out = 0
+        for t in range(self.tp):
+            w = self.rank_weights(t, pp_rank)
+            inter = act(x @ w[pre + f"{mlp}.fc.weight"].float().T) * (x @ w[pre + f"{mlp}.gate.weight"].float().T)
+            out = out + inter @ w[pre + f"{mlp}.proj.weight"].float().T
+        return out
+
+    def _attention_shard(self, x, w, pre, spec: _Layer, cos, sin):
+        """One tensor-parallel rank's share of an attention layer, already through its dense slice."""
+        c = self.config
+        hd = c.get("head_size") or c["hidden_size"] // c["num_attention_heads"]
+        nq = c["num_attention_heads"] // self.tp
+        nkv = (spec.kv_heads + self.tp - 1) // self.tp
+        qkv = x @ w[pre + "attention.qkv.weight"].float().T
+        if pre + "attention.qkv.bias" in w:
+            qkv = qkv + w[pre + "attention.qkv.bias"].float()
+        if qkv.shape[-1] != (nq + 2 * nkv) * hd:
+            raise CorruptWeightsError(f"{pre}attention.qkv has {qkv.shape[-1]} rows per rank, "
+                                      f"expected {(nq + 2 * nkv) * hd}")
+        B, T, _ = x.shape
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], -1)
+        q, k, v = q.view(B, T, nq, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        rep = nq // nkv
+        k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+        q_scaling = 1.0
+        cap = None
+        if self.is_gemma2:
+            q_scaling = math.sqrt(c["query_pre_attn_scalar"]) / math.sqrt(hd)
+            cap = c.get("attn_logit_softcapping")
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hd) * q_scaling)
+        if cap:
+            s = torch.tanh(s / cap) * cap
+        i = torch.arange(T)[:, None]
+        j = torch.arange(T)[None]
+        allowed = j <= i
+        if spec.window:
+            allowed = allowed & (j > i - spec.window)
+        s = s.masked_fill(~allowed, float("-inf"))
+        o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, nq * hd)
+        return o @ w[pre + "attention.dense.weight"].float().T
+
+
+def read_checkpoint(path: str | Path) -> TrtllmCheckpoint:
+    """Load a TensorRT-LLM checkpoint folder (``config.json`` + ``rank*.safetensors``)."""
+    return TrtllmCheckpoint.load(path)
