@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
 
-__all__ = ["TrtllmCheckpoint", "read_checkpoint", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["TrtllmCheckpoint", "read_checkpoint", "read_hf_decilm", "SUPPORTED_ARCHITECTURES"]
 
 SUPPORTED_ARCHITECTURES = ("DeciLMForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                            "Qwen2ForCausalLM", "Gemma2ForCausalLM")
@@ -156,6 +156,7 @@ class TrtllmCheckpoint:
         return [0 if s.kind != "attention" else min(s.window or seq_len, seq_len) for s in self.layers]
 
     # ---- forward ------------------------------------------------------------------------------
+    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (fp32, ``[batch, seq, vocab]``) of a full causal prefill of ``input_ids``."""
         c = self.config
@@ -266,6 +267,52 @@ class TrtllmCheckpoint:
         s = s.masked_fill(~allowed, float("-inf"))
         o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, nq * hd)
         return o @ w[pre + "attention.dense.weight"].float().T
+
+
+def read_hf_decilm(path: str | Path) -> TrtllmCheckpoint:
+    """Load an HF heterogeneous DeciLM folder (``block_configs``) as a single-rank checkpoint, so
+    the same forward pass checks it. Names and shapes follow the HF DeciLM / Nemotron-NAS layout."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    hf = json.loads((p / "config.json").read_text())
+    w = {}
+    for f in sorted(p.glob("*.safetensors")):
+        w.update(load_file(str(f)))
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    out: dict[str, torch.Tensor] = {"transformer.vocab_embedding.weight": w["model.embed_tokens.weight"],
+                                    "transformer.ln_f.weight": w["model.norm.weight"],
+                                    "lm_head.weight": w.get("lm_head.weight", w["model.embed_tokens.weight"])}
+    layer_configs, inter = [], None
+    for i, block in enumerate(hf["block_configs"]):
+        a, f = block["attention"], block["ffn"]
+        src, dst = f"model.layers.{i}.", f"transformer.layers.{i}."
+        if a.get("no_op"):
+            layer_configs.append({"attention": {"impl": "no_op", "num_key_value_heads": None}})
+        elif a.get("replace_with_linear"):
+            layer_configs.append({"attention": {"impl": "linear", "num_key_value_heads": None}})
+            out[dst + "attention.weight"] = w[src + "self_attn.linear_attn.weight"]
+        else:
+            layer_configs.append({"attention": {"impl": "attention",
+                                                "num_key_value_heads": heads // a["n_heads_in_group"]}})
+            out[dst + "attention.qkv.weight"] = torch.cat([w[src + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            out[dst + "attention.dense.weight"] = w[src + "self_attn.o_proj.weight"]
+        if not a.get("no_op"):
+            out[dst + "input_layernorm.weight"] = w[src + "input_layernorm.weight"]
+        n = int(2 * f["ffn_mult"] * hidden / 3)
+        inter = n if n % 256 == 0 else n + 256 - n % 256
+        layer_configs[-1]["ffn"] = {"impl": "mlp", "intermediate_size": inter}
+        out[dst + "post_layernorm.weight"] = w[src + "post_attention_layernorm.weight"]
+        for hf_name, trt in (("gate", "fc"), ("up", "gate"), ("down", "proj")):
+            out[dst + f"ffn.{trt}.weight"] = w[src + f"mlp.{hf_name}_proj.weight"]
+    config = {"architecture": "DeciLMForCausalLM", "vocab_size": hf["vocab_size"], "hidden_size": hidden,
+              "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": heads,
+              "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+              "head_size": hf.get("head_dim") or hidden // heads, "intermediate_size": inter,
+              "hidden_act": hf["hidden_act"], "norm_epsilon": hf["rms_norm_eps"],
+              "rotary_base": hf.get("rope_theta", 10000.0), "rotary_scaling": hf.get("rope_scaling"),
+              "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "layer_configs": layer_configs}
+    return TrtllmCheckpoint(config, [out])
 
 
 def read_checkpoint(path: str | Path) -> TrtllmCheckpoint:
