@@ -1,0 +1,187 @@
+"""Small structural helpers over ``onnx_ir`` graphs: constants, bounded back/forward traces,
+dead-code removal with accounting, and loading/saving with external data."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import GraphError
+
+__all__ = ["const_array", "is_const", "producer", "consumers", "only_consumer", "ancestors",
+           "name_hint_matches", "remove_dead", "DeadCode", "load_graph", "save_graph",
+           "total_initializer_bytes", "STAGE"]
+
+log = logging.getLogger(__name__)
+STAGE = "rewrite"
+SCOPE_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents (initializer or ``Constant`` node), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        attr = node.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+    return None
+
+
+def is_const(value: ir.Value | None) -> bool:
+    if value is None:
+        return False
+    if value.const_value is not None:
+        return True
+    node = value.producer()
+    return node is not None and node.op_type == "Constant"
+
+
+def producer(value: ir.Value | None) -> ir.Node | None:
+    return None if value is None else value.producer()
+
+
+def consumers(value: ir.Value) -> list[ir.Node]:
+    seen, out = set(), []
+    for node in value.consumers():
+        if id(node) not in seen:
+            seen.add(id(node))
+            out.append(node)
+    return out
+
+
+def only_consumer(value: ir.Value) -> ir.Node | None:
+    cons = consumers(value)
+    if len(cons) != 1 or value.is_graph_output():
+        return None
+    return cons[0]
+
+
+def ancestors(value: ir.Value, limit: int = 64) -> set[int]:
+    """ids of values reachable backwards from ``value`` (including it), visiting <= limit nodes."""
+    seen_vals: set[int] = {id(value)}
+    stack = [value]
+    visited = 0
+    while stack and visited < limit:
+        v = stack.pop()
+        node = v.producer()
+        if node is None:
+            continue
+        visited += 1
+        for inp in node.inputs:
+            if inp is not None and id(inp) not in seen_vals:
+                seen_vals.add(id(inp))
+                stack.append(inp)
+    return seen_vals
+
+
+def _layer_regex(layer: int) -> re.Pattern[str]:
+    return re.compile(rf"(?:^|[./_'\s])(?:layers?|h|blocks?)[._/]{layer}(?:[./_'\s]|$)")
+
+
+def name_hint_matches(node: ir.Node, layer: int) -> bool:
+    """Whether the node's name or torch name-scope metadata says it belongs to ``layer``.
+    A hint only: the rules check structure before they use a node found this way."""
+    rx = _layer_regex(layer)
+    if node.name and rx.search(node.name):
+        return True
+    scopes = node.metadata_props.get(SCOPE_KEY)
+    if scopes:
+        # the innermost module scope decides ("m.model.layers.3.self_attn" -> layer 3)
+        mods = re.findall(r"'([^']*)'", scopes)
+        mods = [m for m in mods if "layers" in m or "blocks" in m]
+        if mods and rx.search(mods[-1]):
+            return True
+    return False
+
+
+@dataclass
+class DeadCode:
+    nodes: list[str] = field(default_factory=list)
+    node_ops: dict[str, int] = field(default_factory=dict)
+    initializers: list[str] = field(default_factory=list)
+    params: int = 0
+    bytes: int = 0
+
+
+def remove_dead(graph: ir.Graph) -> DeadCode:
+    """Remove every node none of whose outputs is used or a graph output, then every initializer
+    nothing uses (and that is not a graph input/output). Returns what went."""
+    out = DeadCode()
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph)):
+            if any(o.is_graph_output() or o.uses() for o in node.outputs):
+                continue
+            out.nodes.append(node.name or f"<{node.op_type}>")
+            out.node_ops[node.op_type] = out.node_ops.get(node.op_type, 0) + 1
+            graph.remove(node, safe=True)
+            changed = True
+    for name, value in list(graph.initializers.items()):
+        if value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        tensor = value.const_value
+        if tensor is not None:
+            out.params += int(np.prod(tensor.shape.numpy())) if tensor.shape is not None else 0
+            out.bytes += tensor.nbytes
+        del graph.initializers[name]
+        out.initializers.append(name)
+    return out
+
+
+def total_initializer_bytes(graph: ir.Graph) -> int:
+    return sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+
+
+def load_graph(path: str | os.PathLike) -> ir.Model:
+    """Load an ONNX model with its external data (tensors stay memory-mapped), checking it first
+    so a truncated or corrupt file gives a typed error instead of a protobuf traceback."""
+    import onnx
+
+    p = Path(path)
+    if not p.is_file():
+        raise GraphError(STAGE, f"no ONNX file at {p}")
+    try:
+        onnx.checker.check_model(str(p), full_check=False)
+    except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
+        raise GraphError(STAGE, f"{p} fails the ONNX checker: {str(e).splitlines()[0][:300]}",
+                         "re-export the model; the file may be truncated") from None
+    except Exception as e:  # protobuf DecodeError and friends: the file is not a model at all
+        raise GraphError(STAGE, f"{p} is not a readable ONNX model ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200] if str(e) else 'decode failed'})",
+                         "re-export the model; the file may be truncated") from None
+    try:
+        return ir.load(str(p))
+    except Exception as e:  # same: onnx/protobuf raise several unrelated types
+        raise GraphError(STAGE, f"cannot load {p}: {type(e).__name__}: {e}") from None
+
+
+TWO_GB = 2 ** 31
+
+
+def save_graph(model: ir.Model, path: Path, external_threshold_bytes: int = TWO_GB - (1 << 26)) -> bool:
+    """Save ``model`` to ``path``; initializers go to ``<name>.data`` beside it when their total
+    size passes ``external_threshold_bytes`` (protobuf cannot hold a model >2 GB). Returns
+    whether external data was used."""
+    path = Path(path)
+    big = total_initializer_bytes(model.graph) > external_threshold_bytes
+    if big:
+        ir.save(model, str(path), external_data=path.name + ".data")
+    else:
+        ir.save(model, str(path))
+    return big
+
+
+def values_named(graph: ir.Graph, names: Iterable[str]) -> list[ir.Value]:
+    wanted = set(names)
+    return [v for v in list(graph.inputs) + list(graph.outputs) if v.name in wanted]

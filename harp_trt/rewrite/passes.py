@@ -1,0 +1,222 @@
+"""The HARP rewrite pass: match every pruned layer first (so a layer that cannot be matched
+fails the pass before anything changes), then rewrite each layer, drop its KV-cache inputs and
+outputs, and sweep what became dead, recording per layer what was matched and changed."""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import onnx_ir as ir
+
+from ..errors import GraphError
+from .graph import STAGE, remove_dead
+from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, describe
+
+__all__ = ["HarpRewritePass", "LayerReport", "RewriteResult", "count_attention_layers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    alpha: float
+    rule: str
+    locator: str
+    mode: str
+    match: dict[str, Any]
+    nodes_removed: int
+    removed_ops: dict[str, int]
+    nodes_added: list[str]
+    initializers_removed: list[str]
+    initializers_added: list[str]
+    params_removed: int
+    params_added: int
+    kv_inputs_removed: list[str]
+    kv_outputs_removed: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RewriteResult:
+    layers: list[LayerReport]
+    nodes_before: int
+    nodes_after: int
+    params_before: int
+    params_after: int
+    kv_inputs_before: int
+    kv_inputs_after: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def params_removed(self) -> int:
+        return self.params_before - self.params_after
+
+    @property
+    def kv_inputs_removed(self) -> list[str]:
+        return [n for r in self.layers for n in r.kv_inputs_removed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": [r.to_dict() for r in self.layers], "nodes_before": self.nodes_before,
+                "nodes_after": self.nodes_after, "params_before": self.params_before,
+                "params_after": self.params_after, "params_removed": self.params_removed,
+                "kv_inputs_before": self.kv_inputs_before, "kv_inputs_after": self.kv_inputs_after,
+                **self.extra}
+
+
+def _params(graph: ir.Graph) -> int:
+    total = 0
+    for v in graph.initializers.values():
+        t = v.const_value
+        if t is not None and t.shape is not None:
+            n = 1
+            for d in t.shape:
+                n *= int(d)
+            total += n
+    return total
+
+
+def _kv_inputs(graph: ir.Graph) -> list[ir.Value]:
+    return [v for v in graph.inputs if "past" in v.name]
+
+
+def count_attention_layers(graph: ir.Graph, rules: Sequence[AttentionRule] = DEFAULT_RULES) -> int:
+    """Number of attention cores of the first rule kind the graph has (0 if none)."""
+    for rule in rules:
+        n = sum(1 for node in graph if rule.is_core(node))
+        if n:
+            return n
+    return 0
+
+
+def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, siblings: list[ir.Value],
+                         matches: Mapping[int, AttentionMatch]) -> None:
+    """Exporters read batch size or past length with ``Shape(past_key_values.i.*)`` for the
+    whole graph. Before dropping that input, point such reads at a KV input that stays (same
+    layout), or derive them from ``input_ids`` / ``attention_mask`` when every layer is pruned."""
+    pruned = {id(k) for mm in matches.values() for k in mm.kv_inputs}
+    kept = [k for k in graph.inputs if "past" in k.name and id(k) not in pruned
+            and k.shape is not None and v.shape is not None and len(k.shape) == len(v.shape)]
+    by_name = {k.name: k for k in graph.inputs}
+    for use in list(v.uses()):
+        node = use.node
+        if node.op_type != "Shape":
+            continue
+        if kept:
+            node.replace_input_with(use.idx, kept[0])
+            continue
+        rank = len(v.shape) if v.shape is not None else 4
+        start = node.attributes.get_int("start", 0) % rank if node.attributes.get_int("start", 0) < 0 \
+            else node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", rank)
+        end = end % rank if end < 0 else min(end, rank)
+        if (start, end) == (0, 1) and "input_ids" in by_name:
+            node.replace_input_with(use.idx, by_name["input_ids"])
+        elif (start, end) == (2, 3) and {"input_ids", "attention_mask"} <= set(by_name):
+            # past length = total length - new tokens
+            total = ir.node("Shape", [by_name["attention_mask"]], attributes={"start": 1, "end": 2},
+                            name=f"harp/past_len/{v.name}/total")
+            new = ir.node("Shape", [by_name["input_ids"]], attributes={"start": 1, "end": 2},
+                          name=f"harp/past_len/{v.name}/new")
+            sub = ir.node("Sub", [total.outputs[0], new.outputs[0]], name=f"harp/past_len/{v.name}/Sub")
+            for n in (total, new, sub):
+                n.outputs[0].name = n.name + "_output_0"
+            graph.insert_before(node, [total, new, sub])
+            node.outputs[0].replace_all_uses_with(sub.outputs[0])
+
+
+class HarpRewritePass:
+    """Rewrite the pruned layers of ``model`` in place (HARP Eq. 4-5, ``rules.py``).
+
+    ``alphas`` maps layer index -> alpha. ``num_layers`` is the model's decoder depth (the plan's);
+    the graph must have exactly that many attention cores. ``head_dim`` is an optional hint for
+    graphs whose head size cannot be read from the graph."""
+
+    def __init__(self, alphas: Mapping[int, float], num_layers: int,
+                 rules: Sequence[AttentionRule] = DEFAULT_RULES, head_dim: int | None = None):
+        self.alphas = {int(k): float(v) for k, v in alphas.items()}
+        self.num_layers = int(num_layers)
+        self.rules = tuple(rules)
+        self.head_dim = head_dim
+
+    # -- matching ---------------------------------------------------------------------------
+    def match_layer(self, graph: ir.Graph, layer: int) -> AttentionMatch:
+        reasons = []
+        for rule in self.rules:
+            cores, locator = rule.pattern(graph, layer, self.num_layers)
+            if not cores:
+                reasons.append(f"{rule.name}: no {rule.description} nodes")
+                continue
+            if locator == "ambiguous":
+                reasons.append(f"{rule.name}: {len(cores)} candidate cores and none tied to layer "
+                               f"{layer} by KV-cache inputs, node names or position")
+                continue
+            res = rule.check(graph, cores[0], layer, locator, self.head_dim)
+            if res:
+                return res.match
+            reasons.append(f"{rule.name}: {res.reason}")
+        raise GraphError(STAGE, f"layer {layer}: no attention block recognised ({'; '.join(reasons)})",
+                         "the graph must hold one attention core per layer (Attention, "
+                         "GroupQueryAttention or MatMul-Softmax-MatMul) fed by constant-weight projections")
+
+    def check_layers(self, graph: ir.Graph) -> None:
+        bad = sorted(l for l in self.alphas if not 0 <= l < self.num_layers)
+        if bad:
+            raise GraphError(STAGE, f"plan layers {bad} out of range 0..{self.num_layers - 1}")
+        found = count_attention_layers(graph, self.rules)
+        if found != self.num_layers:
+            raise GraphError(STAGE, f"graph has {found} attention layers but the plan is for a "
+                                    f"{self.num_layers}-layer model",
+                             "the plan belongs to a different model than this graph")
+
+    # -- the pass -----------------------------------------------------------------------------
+    def __call__(self, model: ir.Model) -> RewriteResult:
+        graph = model.graph
+        self.check_layers(graph)
+        matches = {layer: self.match_layer(graph, layer) for layer in sorted(self.alphas)}
+        nodes_before, params_before, kv_before = len(graph), _params(graph), len(_kv_inputs(graph))
+        reports = []
+        for layer, m in matches.items():
+            alpha = self.alphas[layer]
+            rule = next(r for r in self.rules if r.name == m.rule)
+            edit = rule.rewrite(graph, m, alpha)
+            outs = [v for v in m.kv_outputs if v in list(graph.outputs)]
+            for v in outs:
+                graph.outputs.remove(v)
+            dead = remove_dead(graph)
+            ins = []
+            for v in m.kv_inputs:
+                if v not in list(graph.inputs):
+                    continue
+                _reroute_shape_reads(graph, v, [k for k in m.kv_inputs if k is not v], matches)
+                late = remove_dead(graph)
+                dead.nodes += late.nodes
+                dead.initializers += late.initializers
+                dead.params += late.params
+                for op, c in late.node_ops.items():
+                    dead.node_ops[op] = dead.node_ops.get(op, 0) + c
+                if v.uses():
+                    raise GraphError(STAGE, f"layer {layer}: KV input {v.name!r} is still used after "
+                                            f"the rewrite by {[u.node.name for u in v.uses()]}")
+                graph.inputs.remove(v)
+                ins.append(v)
+            if m.core.graph is not None or any(n.graph is not None for n in m.qk_nodes):
+                raise GraphError(STAGE, f"layer {layer}: the attention core or Q/K projections are "
+                                        f"still reachable after the rewrite")
+            rep = LayerReport(
+                layer=layer, alpha=alpha, rule=m.rule, locator=m.locator, mode=edit.mode,
+                match=describe(m), nodes_removed=len(dead.nodes), removed_ops=dead.node_ops,
+                nodes_added=edit.nodes_added, initializers_removed=dead.initializers,
+                initializers_added=edit.initializers_added, params_removed=dead.params,
+                params_added=edit.params_added, kv_inputs_removed=[v.name for v in ins],
+                kv_outputs_removed=[v.name for v in outs])
+            log.info("layer %d: %s via %s, alpha=%.4g (%s): -%d nodes, -%d/+%d params, -%d KV inputs",
+                     layer, m.rule, m.locator, alpha, edit.mode, len(dead.nodes), dead.params,
+                     edit.params_added, len(ins))
+            reports.append(rep)
+        graph.meta.pop("harp_names", None)
+        return RewriteResult(reports, nodes_before, len(graph), params_before, _params(graph),
+                             kv_before, len(_kv_inputs(graph)))
