@@ -1,0 +1,222 @@
+"""``TrtllmCheckpointStage``: plan + Hugging Face model -> TensorRT-LLM deployment artifact.
+
+Artifact layout (``<cache>/trtllm-<key>/``)::
+
+    manifest.json                 per-layer mapping, KV/GEMM costs, verification, engine status
+    plan.json                     the recipe
+    checkpoint/config.json        TensorRT-LLM checkpoint (trtllm-build input)
+    checkpoint/rank{N}.safetensors
+    hf/                           HF DeciLM (block_configs) checkpoint, Llama/Mistral only
+    build_engine.sh               the exact trtllm-build command (run where a GPU and TensorRT-LLM are)
+    llm_api_options.yaml          kv_cache_config.max_attention_window for one-token-window layers
+    engine/                       only where ``tensorrt_llm`` imports and a GPU is present
+
+Inputs: ``{"plan": Plan, "model": <HF *ForCausalLM>}`` plus optionally ``"tokenizer"`` (saved into
+``hf/``) and ``"model_digest"`` (the weights' digest; defaults to the plan's)."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import logging
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+from harp_trt.config import StageConfig, digest_of
+from harp_trt.errors import ConfigError, PreconditionError, VerificationError
+from harp_trt.families import family_of
+from harp_trt.harp import apply_harp, harp_alphas
+from harp_trt.plan import Plan
+from harp_trt.stage import Stage
+
+from .checkpoint import DTYPES, STAGE_NAME, ModelDims, check_layout, write_checkpoint
+from .hf_format import write_hf_decilm
+from .reader import read_checkpoint
+from .targets import ROUTE_WINDOW1, target_for
+
+__all__ = ["TrtllmCheckpointConfig", "TrtllmCheckpointStage", "build_command", "VERIFY_TOLERANCE"]
+
+log = logging.getLogger(__name__)
+
+# Reader vs PyTorch HARP reference, max |logit diff| / max(1, max |reference logit|). Half-precision
+# checkpoints are compared with a reference whose weights were rounded to the same dtype.
+VERIFY_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrtllmCheckpointConfig(StageConfig):
+    """Config of the TensorRT-LLM build stage. ``build``: ``auto`` runs ``build_engine.sh`` where
+    ``tensorrt_llm`` imports and a GPU is present, ``never`` only writes it."""
+
+    VERSION: ClassVar[int] = 1
+    dtype: str = "float16"
+    tp_size: int = 1
+    pp_size: int = 1
+    max_batch_size: int = 8
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 8192
+    tokens_per_block: int = 32
+    hf_format: bool = True
+    verify: bool = True
+    verify_tokens: int = 32
+    build: str = "auto"
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unsupported TensorRT-LLM dtype {self.dtype!r}; valid: {', '.join(DTYPES)}",
+                              "fp16 -> float16, bf16 -> bfloat16, fp32 -> float32")
+        for name in ("tp_size", "pp_size", "max_batch_size", "max_input_len", "max_seq_len",
+                     "max_num_tokens", "verify_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_input_len > self.max_seq_len:
+            raise ConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})",
+                              "max_seq_len counts prompt plus generated tokens")
+        t = self.tokens_per_block
+        if not isinstance(t, int) or t < 2 or t & (t - 1):
+            raise ConfigError(f"tokens_per_block must be a power of two >= 2, got {t!r}")
+        if self.build not in ("auto", "never"):
+            raise ConfigError(f"build must be 'auto' or 'never', got {self.build!r}")
+
+
+def build_command(cfg: TrtllmCheckpointConfig, checkpoint_dir: str, output_dir: str) -> list[str]:
+    """The ``trtllm-build`` argv (TensorRT-LLM 1.x flag names, see ``tensorrt_llm/commands/build.py``)."""
+    cmd = ["trtllm-build", "--checkpoint_dir", checkpoint_dir, "--output_dir", output_dir,
+           "--gemm_plugin", "auto", "--kv_cache_type", "paged",
+           "--max_batch_size", str(cfg.max_batch_size), "--max_input_len", str(cfg.max_input_len),
+           "--max_seq_len", str(cfg.max_seq_len), "--max_num_tokens", str(cfg.max_num_tokens)]
+    if cfg.tokens_per_block != 32:
+        cmd += ["--tokens_per_block", str(cfg.tokens_per_block)]
+    if cfg.tp_size * cfg.pp_size > 1:
+        cmd += ["--workers", str(cfg.tp_size * cfg.pp_size)]
+    return cmd
+
+
+def _script(cfg: TrtllmCheckpointConfig) -> str:
+    cmd = [a if a.startswith('"') else shlex.quote(a) for a in
+           build_command(cfg, '"$HERE/checkpoint"', '"$OUT"')]
+    pairs = [cmd[0]] + [f"{cmd[i]} {cmd[i + 1]}" for i in range(1, len(cmd), 2)]  # flag value
+    lines = " \\\n    ".join(pairs)
+    return ("#!/usr/bin/env bash\n"
+            "# Generated by harp-trt: build TensorRT engines from the HARP checkpoint beside this script.\n"
+            "# Usage: bash build_engine.sh [OUTPUT_DIR]   (needs tensorrt_llm and "
+            f"{cfg.tp_size * cfg.pp_size} GPU(s))\n"
+            "set -euo pipefail\n"
+            'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+            'OUT="${1:-$HERE/engine}"\n'
+            f"{lines}\n")
+
+
+def _llm_api_yaml(windows: list[int]) -> str:
+    return ("# LLM API / trtllm-serve options: per-layer attention windows (cyclic). HARP-pruned layers\n"
+            "# attend over one token, which makes them compute exactly alpha * V.O.\n"
+            "kv_cache_config:\n"
+            f"  max_attention_window: [{', '.join(map(str, windows))}]\n")
+
+
+class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
+    name: ClassVar[str] = STAGE_NAME
+    version: ClassVar[int] = 1
+    outputs: ClassVar[tuple[str, ...]] = ("plan.json", "checkpoint/config.json", "build_engine.sh")
+
+    def key_material(self, config, inputs):
+        base = super().key_material(config, inputs)
+        plan: Plan = inputs["plan"]
+        return {**base, "plan": digest_of(plan.to_dict()),
+                "model_digest": inputs.get("model_digest") or plan.model_digest}
+
+    def check_preconditions(self, config: TrtllmCheckpointConfig, inputs: Mapping[str, Any]) -> None:
+        plan, model = inputs.get("plan"), inputs.get("model")
+        if not isinstance(plan, Plan):
+            raise PreconditionError(self.name, "input 'plan' is missing or not a harp_trt.plan.Plan",
+                                    "pass Plan.load(<calibrate artifact>)")
+        if model is None or not hasattr(model, "config"):
+            raise PreconditionError(self.name, "input 'model' is missing or not a Hugging Face model",
+                                    "pass the model returned by harp_trt.models.load_model")
+        family = family_of(model.config)
+        dims = ModelDims.of(model.config)
+        check_layout(dims, target_for(family.name), config.dtype, config.tp_size, config.pp_size)
+        if config.max_seq_len > model.config.max_position_embeddings:
+            log.warning("max_seq_len %d exceeds the model's max_position_embeddings %d",
+                        config.max_seq_len, model.config.max_position_embeddings)
+
+    def run(self, config: TrtllmCheckpointConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
+        out = Path(out_dir)
+        plan: Plan = inputs["plan"]
+        model = inputs["model"]
+        plan.save(out / "plan.json")
+        info = write_checkpoint(model, plan, out / "checkpoint", dtype=config.dtype, tp_size=config.tp_size,
+                                pp_size=config.pp_size, max_seq_len=config.max_seq_len,
+                                tokens_per_block=config.tokens_per_block)
+        hf = (write_hf_decilm(model, plan, out / "hf", dtype=config.dtype, tokenizer=inputs.get("tokenizer"))
+              if config.hf_format else {"written": False, "reason": "hf_format is off"})
+        script = out / "build_engine.sh"
+        script.write_text(_script(config))
+        script.chmod(0o755)
+        windows = read_checkpoint_config_windows(out / "checkpoint")
+        if info["route"] == ROUTE_WINDOW1 and windows:
+            (out / "llm_api_options.yaml").write_text(_llm_api_yaml(windows))
+        body = {"model": {"ref": plan.model_ref, "digest": inputs.get("model_digest") or plan.model_digest},
+                "checkpoint": info, "hf_checkpoint": hf,
+                "build_command": build_command(config, "checkpoint", "engine")}
+        if config.verify:
+            body["verification"] = self._verify(config, plan, model, out / "checkpoint")
+        body["engine"] = self._maybe_build(config, out)
+        return body
+
+    # ---- postcondition: the written checkpoint computes the HARP model --------------------------
+    def _verify(self, config, plan: Plan, model, ckpt: Path) -> dict[str, Any]:
+        family = family_of(model.config)
+        ref = model
+        if not harp_alphas(model, family) or config.dtype != "float32":
+            ref = copy.deepcopy(model).float()
+            if config.dtype != "float32":  # same weight rounding as the checkpoint
+                with torch.no_grad():
+                    for p in ref.parameters():
+                        p.copy_(p.to(DTYPES[config.dtype]).float())
+            if not harp_alphas(ref, family):
+                apply_harp(ref, plan.alpha_map, family)
+        n = min(config.verify_tokens, config.max_input_len)
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = ref(ids.to(next(ref.parameters()).device)).logits.float().cpu()
+        got = read_checkpoint(ckpt).forward(ids)
+        diff = float((got - want).abs().max())
+        scale = max(1.0, float(want.abs().max()))
+        tol = VERIFY_TOLERANCE[config.dtype] * scale
+        result = {"max_abs_diff": diff, "tolerance": tol, "tokens": n, "passed": diff <= tol}
+        log.info("%s: logits max |diff| %.3g (tolerance %.3g)", self.name, diff, tol)
+        if diff > tol:
+            raise VerificationError(self.name, f"checkpoint logits differ from the PyTorch HARP model: "
+                                    f"max |diff| {diff:.3g} > tolerance {tol:.3g}",
+                                    "this is a bug in the writer; please report it with the plan")
+        return result
+
+    def _maybe_build(self, config, out: Path) -> dict[str, Any]:
+        if config.build == "never":
+            return {"built": False, "reason": "build is 'never'"}
+        if importlib.util.find_spec("tensorrt_llm") is None:
+            return {"built": False, "reason": "tensorrt_llm is not installed here; run build_engine.sh on a GPU host"}
+        if not torch.cuda.is_available() or torch.cuda.device_count() < config.tp_size * config.pp_size:
+            return {"built": False, "reason": f"needs {config.tp_size * config.pp_size} GPU(s); "
+                    "run build_engine.sh on a GPU host"}
+        r = subprocess.run(["bash", str(out / "build_engine.sh"), str(out / "engine")],
+                           capture_output=True, text=True)
+        (out / "build_engine.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            raise VerificationError(self.name, f"trtllm-build failed (exit {r.returncode}): "
+                                    f"{(r.stderr or r.stdout).strip()[-400:]}", "see build_engine.log in the artifact")
+        return {"built": True, "dir": "engine"}
+
+
+def read_checkpoint_config_windows(ckpt: Path) -> list[int] | None:
+    import json
+
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    return (cfg.get("runtime_defaults") or {}).get("max_attention_window")
