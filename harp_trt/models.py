@@ -24,7 +24,7 @@ from filelock import FileLock
 from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, UnknownModelError)
 from .families import FamilySpec, family_of
 
-__all__ = ["Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "weight_digest",
+__all__ = ["check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "weight_digest",
            "load_tokenizer"]
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,23 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def check_safetensors(path: Path) -> None:
+    """Cheap structural check: the header parses and the file holds every tensor's bytes."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length beyond end of file")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise ValueError(f"file has {size} bytes, tensors need {8 + n + end}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptWeightsError(f"{path} is not a complete safetensors file ({e})",
+                                  "the download or copy was probably cut short; fetch it again") from None
+
+
 def weight_digest(folder: Path) -> str:
     """sha256 over (name, sha256) of every ``*.safetensors`` file. Memoised per file by
     (size, mtime) in ``.harp_digest.json`` beside the weights when the folder is writable."""
@@ -89,6 +106,7 @@ def weight_digest(folder: Path) -> str:
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
         entry = memo.get(f.name)
         if not entry or entry.get("stamp") != stamp:
+            check_safetensors(f)
             entry = {"stamp": stamp, "sha256": _file_sha256(f)}
             memo[f.name] = entry
             changed = True

@@ -54,11 +54,28 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
         render(result)
 
 
+def _quiet_libraries() -> None:
+    """Hide Hugging Face progress bars and warnings: errors must stay one or two lines."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        _quiet_libraries()
     try:
         result = args._module.run(args)
     except HarpError as e:

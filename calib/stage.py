@@ -1,0 +1,176 @@
+"""The calibrate stage: score layers, choose P, search alpha (Algorithm 1); artifact = plan.
+
+Artifact ``calibrate-<key>/``: ``plan.json`` (the contract for later stages, see
+``harp_trt.plan``), ``search_trace.parquet`` (every candidate tried), ``scores.csv`` and
+``alpha_search.png``. The key hashes the weights' digest, this config, the corpus digest and the
+code version — not the model's path."""
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import harp_trt
+from harp_trt.config import StageConfig
+from harp_trt.errors import ConfigError, PreconditionError
+from harp_trt.plan import Plan
+from harp_trt.stage import Stage
+
+from .search import DEFAULT_GRID, Progress, search_alphas
+from .strategies import STRATEGIES, ScoreContext, get_strategy
+
+__all__ = ["CalibrateConfig", "CalibrateStage", "CalibrateInputs", "library_versions"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CalibrateConfig(StageConfig):
+    """Calibration settings. ``layers`` = P; ``tokens`` is the budget of each split."""
+
+    VERSION = 1
+    layers: int = 2
+    strategy: str = "top"
+    alpha_grid: tuple[float, ...] = DEFAULT_GRID
+    tokens: int = 8192
+    seq_len: int = 512
+    corpus: str = "wiki"
+    score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        STRATEGIES.get(self.strategy)  # raises with "did you mean"
+        if self.layers <= 0:
+            raise ConfigError(f"--layers must be a positive number of layers to prune, got {self.layers}")
+        if not self.alpha_grid:
+            raise ConfigError("--alpha-grid is empty; give values in [0, 1], e.g. 0,0.5,1")
+        bad = [a for a in self.alpha_grid if not 0.0 <= float(a) <= 1.0]
+        if bad:
+            raise ConfigError(f"--alpha-grid values must lie in [0, 1]; got {bad}")
+        if self.tokens < self.seq_len:
+            raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--seq-len {self.seq_len})")
+        if self.seq_len < 2:
+            raise ConfigError(f"--seq-len must be >= 2, got {self.seq_len}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+
+    def key_material(self) -> dict[str, Any]:
+        d = super().key_material()
+        d["alpha_grid"] = [round(float(a), 6) for a in self.alpha_grid]
+        return d
+
+
+@dataclass
+class CalibrateInputs:
+    """What the stage reads: a resolved model and a corpus (loaded lazily by the stage)."""
+
+    resolved: Any               # harp_trt.models.ResolvedModel
+    corpus: Any                 # harp_trt.data.Corpus
+    naive: bool = False         # reference search; same answer, not part of the key
+    progress: Progress | None = None
+    on_phase: Callable[[str], None] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "harp-trt": harp_trt.__version__}
+    for pkg in ("torch", "transformers", "onnx", "onnxruntime", "safetensors"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+class CalibrateStage(Stage[CalibrateConfig]):
+    name = "calibrate"
+    version = 1
+    outputs = ("plan.json", "search_trace.parquet", "scores.csv", "alpha_search.png")
+
+    def key_material(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        inp: CalibrateInputs = inputs["calibrate"]
+        return {"stage_version": self.version, "code": harp_trt.__version__, "config": config.key_material(),
+                "weights": inp.resolved.digest, "corpus": inp.corpus.digest}
+
+    def check_preconditions(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> None:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(inputs["calibrate"].resolved.folder, trust_remote_code=False)
+        n = cfg.num_hidden_layers
+        if config.layers >= n:
+            raise PreconditionError(self.name, f"--layers {config.layers} must be smaller than the model's "
+                                    f"{n} layers (valid: 1..{n - 1})")
+
+    def run(self, config: CalibrateConfig, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
+        import polars as pl
+
+        from harp_trt.data import token_windows
+        from harp_trt.models import load_model, load_tokenizer
+        from harp_trt.ppl import perplexity
+
+        inp: CalibrateInputs = inputs["calibrate"]
+        phase = inp.on_phase or (lambda s: log.info(s))
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
+        model, family = load_model(inp.resolved, dtype=config.dtype)
+        tok = load_tokenizer(inp.resolved.folder)
+        calib = token_windows(tok, inp.corpus, "calib", config.seq_len, config.tokens)
+        held = token_windows(tok, inp.corpus, "heldout", config.seq_len, config.tokens)
+        timings["load"] = time.perf_counter() - t
+
+        phase(f"scoring layers ({config.strategy})")
+        t = time.perf_counter()
+        strategy = get_strategy(config.strategy)
+        ctx = ScoreContext(family=family, config=model.config, folder=inp.resolved.folder, model=model,
+                           windows=calib[: config.score_windows])
+        scores = strategy.score(ctx)
+        selected = strategy.select(scores, config.layers)
+        timings["score"] = time.perf_counter() - t
+
+        phase("dense perplexity")
+        t = time.perf_counter()
+        ppl_dense = perplexity(model, calib)
+        ppl_held_dense = perplexity(model, held)
+        timings["dense_ppl"] = time.perf_counter() - t
+
+        phase(f"alpha search over layers {selected}")
+        res = search_alphas(model, family, calib, selected, config.alpha_grid, naive=inp.naive,
+                            progress=inp.progress)
+        timings["search"] = res.seconds
+
+        phase("held-out perplexity")
+        t = time.perf_counter()
+        ppl_held_searched = perplexity(model, held)
+        from harp_trt.harp import set_alpha
+
+        for l in selected:
+            set_alpha(model, l, 1.0, family)
+        ppl_held_alpha1 = perplexity(model, held)
+        timings["heldout_ppl"] = time.perf_counter() - t
+
+        ppl = {"dense": ppl_dense, "alpha1": res.ppl_alpha1, "searched": res.ppl_searched,
+               "heldout_dense": ppl_held_dense, "heldout_alpha1": ppl_held_alpha1,
+               "heldout_searched": ppl_held_searched}
+        plan = Plan(model_ref=inp.resolved.ref, model_digest=inp.resolved.digest, family=family.name,
+                    num_layers=model.config.num_hidden_layers, strategy=config.strategy,
+                    layers=tuple(selected), alphas=tuple(res.alphas[l] for l in selected),
+                    scores=tuple(scores), grid=tuple(float(a) for a in config.alpha_grid), ppl=ppl,
+                    extra={"tokens": int(calib.numel()), "heldout_tokens": int(held.numel()),
+                           "seq_len": config.seq_len, "corpus": inp.corpus.name,
+                           "corpus_digest": inp.corpus.digest, "naive_search": inp.naive,
+                           "timings": {k: round(v, 3) for k, v in timings.items()},
+                           "versions": library_versions()})
+        plan.save(out_dir / "plan.json")
+        pl.DataFrame(res.trace).write_parquet(out_dir / "search_trace.parquet")
+        pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
+                      "selected": [i in selected for i in range(len(scores))]}).write_csv(out_dir / "scores.csv")
+        from .plots import plot_search
+
+        plot_search(plan, res.trace, out_dir / "alpha_search.png")
+        return {"model": inp.resolved.to_dict(), "plan": "plan.json", "layers": selected,
+                "alphas": list(plan.alphas), "ppl": ppl}

@@ -1,0 +1,38 @@
+"""harp-trt calibrate: choose the pruned layers and search their alphas (Algorithm 1)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ._common import add_calibrate_arguments, add_model_argument, calibrate_config_from_args, progress_bar
+
+NAME = "calibrate"
+HELP = "score layers, choose P and search alpha; writes a cached plan artifact"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p)
+    add_calibrate_arguments(p)
+    p.add_argument("--force", action="store_true", help="recompute even if the artifact is cached")
+
+
+def run(args) -> dict:
+    from calib import run_calibrate
+    from harp_trt.store import ArtifactStore
+
+    t0 = time.perf_counter()
+    config = calibrate_config_from_args(args)
+    store = ArtifactStore(args.workdir)
+    with progress_bar(not args.json) as (on_candidate, on_phase):
+        art = run_calibrate(args.model, config, store, naive=args.naive, force=args.force,
+                            progress=on_candidate, on_phase=on_phase)
+    return calibrate_summary(art, time.perf_counter() - t0)
+
+
+def calibrate_summary(art, seconds: float) -> dict:
+    from ..plan import Plan
+
+    plan = Plan.load(art.path)
+    return {"artifact": str(art.path), "plan": str(art.path / "plan.json"), "model": plan.model_ref,
+            "strategy": plan.strategy, "layers": list(plan.layers), "alphas": list(plan.alphas),
+            "ppl": plan.ppl, "seconds": round(seconds, 3), "cached": art.cached}

@@ -1,0 +1,59 @@
+"""harp-trt eval: perplexity of the dense model, the plan's layers at alpha=1, and the plan."""
+from __future__ import annotations
+
+import argparse
+
+NAME = "eval"
+HELP = "perplexity of dense / alpha=1 / searched alphas of a plan on any text"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from calib.stage import CalibrateConfig as C
+
+    p.add_argument("--plan", required=True, help="calibrate artifact folder, its key, or a plan.json")
+    p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' (held-out split) or a .txt/.jsonl file")
+    p.add_argument("--split", default="heldout", choices=["heldout", "calib"],
+                   help="which half of the corpus (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=C.default("tokens"))
+    p.add_argument("--seq-len", type=int, default=C.default("seq_len"))
+    p.add_argument("--model", default=None, help="override the plan's model reference (same weights)")
+
+
+def run(args) -> dict:
+    from ..data import load_corpus, token_windows
+    from ..errors import ConfigError
+    from ..harp import apply_harp, set_alpha
+    from ..models import load_model, load_tokenizer, resolve_model
+    from ..plan import Plan
+    from ..ppl import perplexity
+    from ..store import ArtifactStore
+
+    store = ArtifactStore(args.workdir)
+    plan = _load_plan(args.plan, store)
+    resolved = resolve_model(args.model or plan.model_ref, store.root)
+    if resolved.digest != plan.model_digest:
+        raise ConfigError(f"model {resolved.ref!r} (digest {resolved.digest[:12]}) is not the plan's model "
+                          f"(digest {plan.model_digest[:12]})", "pass --model with the plan's weights")
+    model, family = load_model(resolved)
+    corpus = load_corpus(args.corpus, store.root)
+    windows = token_windows(load_tokenizer(resolved.folder), corpus, args.split, args.seq_len, args.tokens)
+    dense = perplexity(model, windows)
+    apply_harp(model, {l: 1.0 for l in plan.layers}, family)
+    alpha1 = perplexity(model, windows)
+    for l, a in plan.alpha_map.items():
+        set_alpha(model, l, a, family)
+    searched = perplexity(model, windows)
+    return {"plan": str(args.plan), "corpus": corpus.name, "split": args.split, "tokens": int(windows.numel()),
+            "layers": list(plan.layers), "alphas": list(plan.alphas),
+            "dense": dense, "alpha1": alpha1, "searched": searched}
+
+
+def _load_plan(ref: str, store) -> "Plan":
+    from pathlib import Path
+
+    from ..plan import Plan
+
+    p = Path(ref)
+    if p.exists():
+        return Plan.load(p)
+    return Plan.load(store.open(ref).path)

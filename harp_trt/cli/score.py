@@ -1,0 +1,60 @@
+"""harp-trt score: per-layer scores of one strategy and the P layers it would prune."""
+from __future__ import annotations
+
+import argparse
+
+from ._common import add_model_argument, default_layers
+
+NAME = "score"
+HELP = "score every layer with a strategy (top, gate-norm, sink, bi, attn-sim)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from calib.stage import CalibrateConfig as C
+
+    add_model_argument(p)
+    p.add_argument("--strategy", default=C.default("strategy"))
+    p.add_argument("--layers", "-P", type=int, default=None, help="how many layers to select")
+    p.add_argument("--tokens", type=int, default=C.default("score_windows") * C.default("seq_len"),
+                   help="calibration tokens for data-driven strategies (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=C.default("seq_len"))
+    p.add_argument("--corpus", default=C.default("corpus"))
+    p.add_argument("--save", default=None, help="write the table to a .csv or .parquet file")
+
+
+def run(args) -> dict:
+    import polars as pl
+    from transformers import AutoConfig
+
+    from calib.strategies import ScoreContext, get_strategy
+    from ..errors import ConfigError
+    from ..families import family_of
+    from ..models import load_model, load_tokenizer, resolve_model
+    from ..store import ArtifactStore
+
+    store = ArtifactStore(args.workdir)
+    strategy = get_strategy(args.strategy)
+    resolved = resolve_model(args.model, store.root)
+    cfg = AutoConfig.from_pretrained(resolved.folder, trust_remote_code=False)
+    family = family_of(cfg)
+    p = args.layers if args.layers is not None else default_layers(args.model)
+    ctx = ScoreContext(family=family, config=cfg, folder=resolved.folder)
+    if strategy.needs_data:  # data-free strategies stream weights and never load the model
+        from ..data import load_corpus, token_windows
+
+        ctx.model, _ = load_model(resolved)
+        corpus = load_corpus(args.corpus, store.root)
+        ctx.windows = token_windows(load_tokenizer(resolved.folder), corpus, "calib", args.seq_len, args.tokens)
+    scores = strategy.score(ctx)
+    selected = strategy.select(scores, p)
+    df = pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
+                       "selected": [i in selected for i in range(len(scores))]})
+    if args.save:
+        if args.save.endswith(".parquet"):
+            df.write_parquet(args.save)
+        elif args.save.endswith(".csv"):
+            df.write_csv(args.save)
+        else:
+            raise ConfigError(f"--save must end in .csv or .parquet, got {args.save!r}")
+    return {"model": args.model, "strategy": args.strategy, "scores": scores, "selected": selected,
+            "_tables": {f"{args.strategy} scores": df.to_dicts()}}

@@ -1,0 +1,121 @@
+"""HARP in PyTorch (harp_trt.harp) against independent re-implementations, all four families."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny
+from harp_trt.families import family_of
+from harp_trt.harp import HarpAttention, apply_harp, harp_alphas
+
+TOL = 1e-5  # fp32, same math in a different order
+
+
+def _expected_layer(family, layer, h, alpha):
+    """h + alpha * o_proj(repeat_kv(v_proj(norm(h)))) (Gemma2: alpha after the post-attn norm), then
+    the MLP half, with repeat_kv written as an explicit per-head loop over the ORIGINAL weights."""
+    attn = layer.self_attn
+    cfg = attn.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.head_dim
+    x = layer.input_layernorm(h)
+    v = x @ attn.v_proj.weight.T + (attn.v_proj.bias if attn.v_proj.bias is not None else 0)
+    blocks = [v[..., (i // (heads // kv)) * d: (i // (heads // kv) + 1) * d] for i in range(heads)]
+    o = torch.cat(blocks, -1) @ attn.o_proj.weight.T
+    if attn.o_proj.bias is not None:
+        o = o + attn.o_proj.bias
+    if family.alpha_after_post_attn_norm:
+        h = h + alpha * layer.post_attention_layernorm(o)
+    else:
+        h = h + alpha * o
+    return family.mlp_residual(layer, h)
+
+
+@torch.inference_mode()
+def test_pruned_layer_equals_formula(family):
+    dense = make_tiny(family)
+    fam = family_of(dense.config)
+    h = torch.randn(2, 7, dense.config.hidden_size)
+    expected = {l: _expected_layer(fam, fam.layers(dense)[l], h, a) for l, a in {1: 0.3, 3: 1.0}.items()}
+    harp = apply_harp(make_tiny(family), {1: 0.3, 3: 1.0})
+    rot = fam.decoder(harp).rotary_emb(h, torch.arange(7)[None])
+    for l, exp in expected.items():
+        got = fam.layers(harp)[l](h, attention_mask=None, position_embeddings=rot)
+        assert (got - exp).abs().max() < TOL, f"layer {l}"
+
+
+@torch.inference_mode()
+def test_vo_equals_attention_restricted_to_self(family):
+    """A standard attention block whose mask lets each token see only itself returns exactly
+    o_proj(repeat_kv(v)): softmax over one key is 1 and RoPE does not touch V. HarpAttention must
+    agree with the untouched module under that mask (independent of our repeat_kv)."""
+    model = make_tiny(family, attn="eager")
+    fam = family_of(model.config)
+    orig = fam.layers(model)[2].self_attn
+    x = torch.randn(2, 6, model.config.hidden_size)
+    eye = torch.full((6, 6), float("-inf")).fill_diagonal_(0.0)[None, None].expand(2, 1, 6, 6)
+    rot = fam.decoder(model).rotary_emb(x, torch.arange(6)[None])
+    ref, _ = orig(x, position_embeddings=rot, attention_mask=eye)
+    apply_harp(model, {2: 1.0})
+    got, _ = fam.layers(model)[2].self_attn(x)
+    assert (got - ref).abs().max() < TOL
+
+
+def test_q_and_k_are_deleted(family):
+    model = make_tiny(family)
+    before = sum(p.numel() for p in model.parameters())
+    attn = family_of(model.config).layers(model)[1].self_attn
+    qk = sum(p.numel() for m in (attn.q_proj, attn.k_proj) for p in m.parameters())
+    apply_harp(model, {1: 0.5, 2: 0.5})
+    after = sum(p.numel() for p in model.parameters())
+    assert before - after == 2 * qk
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(("layers.1." in n or "layers.2." in n) and ("q_proj" in n or "k_proj" in n) for n in names)
+    assert any("layers.0.self_attn.q_proj" in n for n in names)
+
+
+@pytest.mark.parametrize("layers", [{2: 0.7, 3: 0.4}, {0: 0.5, 2: 1.0}, {0: 1.0, 1: 0.2, 3: 0.0}])
+def test_generate_with_cache_matches_recompute(family, layers):
+    """Greedy generate() through the KV cache equals full recomputation without a cache, and
+    pruned layers hold no cache entries (also when layer 0 is pruned)."""
+    model = apply_harp(make_tiny(family), layers)
+    model.generation_config.eos_token_id = None  # compare full-length sequences
+    ids = torch.randint(4, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)
+    x = ids
+    with torch.inference_mode():
+        for _ in range(8):
+            x = torch.cat([x, model(x, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out.sequences, x)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    for i, layer in enumerate(cache.layers):
+        assert (type(layer).__name__ == "DummyLayer") == (i in layers), i
+        if i not in layers:
+            assert layer.get_seq_length() == 5 + 8 - 1 and layer.keys.numel() > 0
+    assert cache.get_seq_length() == 5 + 8 - 1
+
+
+@torch.inference_mode()
+def test_eager_and_sdpa_agree():
+    a = apply_harp(make_tiny("llama", attn="eager"), {1: 0.4, 3: 0.9})
+    b = apply_harp(make_tiny("llama", attn="sdpa"), {1: 0.4, 3: 0.9})
+    ids = torch.randint(0, 128, (2, 9))
+    assert (a(ids).logits - b(ids).logits).abs().max() < 1e-4
+
+
+@torch.inference_mode()
+def test_alpha_zero_removes_block(family):
+    model = apply_harp(make_tiny(family), {2: 0.0})
+    fam = family_of(model.config)
+    layer = fam.layers(model)[2]
+    assert isinstance(layer.self_attn, HarpAttention) and layer.self_attn.v_proj is None
+    assert harp_alphas(model) == {2: 0.0}
+    h = torch.randn(1, 4, model.config.hidden_size)
+    rot = fam.decoder(model).rotary_emb(h, torch.arange(4)[None])
+    assert torch.allclose(layer(h, attention_mask=None, position_embeddings=rot), fam.mlp_residual(layer, h))
+
+
+def test_layer_out_of_range():
+    with pytest.raises(IndexError):
+        apply_harp(make_tiny("llama"), {4: 1.0})

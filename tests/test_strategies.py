@@ -1,0 +1,85 @@
+"""Layer-scoring strategies: one score per layer, selection rules, Gate-Norm formula."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from calib.strategies import STRATEGIES, ScoreContext, get_strategy
+from calib.strategies.gate_norm import gate_norm_scores
+from conftest import make_tiny, save_tiny
+from harp_trt.errors import ConfigError, UnknownNameError
+from harp_trt.families import family_of
+
+
+def _ctx(model, **kw):
+    return ScoreContext(family=family_of(model.config), config=model.config, model=model,
+                        windows=torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)), **kw)
+
+
+@pytest.mark.parametrize("name", ["top", "gate-norm", "sink", "bi", "attn-sim"])
+def test_one_finite_score_per_layer(family, name):
+    model = make_tiny(family, num_hidden_layers=5)
+    strat = get_strategy(name)
+    scores = strat.score(_ctx(model))
+    assert len(scores) == 5 and all(torch.isfinite(torch.tensor(scores)))
+    sel = strat.select(scores, 2)
+    assert len(sel) == 2 and sel == sorted(sel)
+    if strat.protect_ends:
+        assert 0 not in sel and 4 not in sel
+
+
+def test_top_selects_highest_layers():
+    s = get_strategy("top")
+    assert s.select(s.score(_ctx(make_tiny("llama", num_hidden_layers=6))), 3) == [3, 4, 5]
+
+
+def test_gate_norm_matches_brute_force(family):
+    """score_l = mean_h ||diag(g) W_q^(h)T W_k^(k(h)) diag(g)||_F / sqrt(d), built explicitly."""
+    model = make_tiny(family)
+    fam = family_of(model.config)
+    cfg = model.config
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    expected = []
+    for layer in fam.layers(model):
+        g = layer.input_layernorm.weight.detach() + fam.norm_weight_offset
+        wq = layer.self_attn.q_proj.weight.detach() * g
+        wk = layer.self_attn.k_proj.weight.detach() * g
+        vals = []
+        for h in range(heads):
+            k = h // (heads // kv)
+            m = wq[h * d:(h + 1) * d].T @ wk[k * d:(k + 1) * d]  # D x D bilinear form
+            vals.append(torch.linalg.matrix_norm(m, "fro") / d ** 0.5)
+        expected.append(float(torch.stack(vals).mean()))
+    got = gate_norm_scores(ScoreContext(family=fam, config=cfg, model=model))
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_gate_norm_streams_from_safetensors(tmp_path):
+    folder = save_tiny("qwen2", tmp_path / "m")
+    model = make_tiny("qwen2")
+    from_model = gate_norm_scores(ScoreContext(family=family_of(model.config), config=model.config, model=model))
+    from_disk = gate_norm_scores(ScoreContext(family=family_of(model.config), config=model.config, folder=folder))
+    assert from_disk == pytest.approx(from_model, rel=1e-6)
+
+
+def test_sink_scores_are_attention_mass_on_position_zero():
+    model = make_tiny("llama", attn="eager")
+    ctx = _ctx(model)
+    scores = get_strategy("sink").score(ctx)
+    out = model(input_ids=ctx.windows[:1], output_attentions=True)
+    assert 0.0 < scores[0] < 1.0
+    # one window: the score of layer 1 over the first window alone
+    one = get_strategy("sink").score(ScoreContext(family=ctx.family, config=model.config, model=model,
+                                                  windows=ctx.windows[:1]))
+    assert one[1] == pytest.approx(float(out.attentions[1][0, :, 1:, 0].mean()), rel=1e-5)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_selection_errors():
+    s = get_strategy("sink")
+    with pytest.raises(ConfigError, match="1..2"):
+        s.select([0.1, 0.2, 0.3, 0.4], 3)
+    with pytest.raises(ConfigError):
+        get_strategy("top").select([0.0, 1.0], 0)
+    with pytest.raises(UnknownNameError, match="did you mean 'gate-norm'"):
+        STRATEGIES.get("gatenorm")
