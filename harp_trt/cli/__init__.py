@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "harp_trt.cli.calibrate",
     "eval": "harp_trt.cli.eval",
     "cache": "harp_trt.cli.cache",
+    "deploy": "harp_trt.cli.deploy",
 }
 
 
