@@ -1,0 +1,312 @@
+"""Export a Hugging Face ``*ForCausalLM`` (fp32) to ONNX with a KV cache: the graph every later
+stage (rewrite, ORT build) starts from.
+
+I/O contract (``rewrite`` surgery and ``OrtCausalLM`` depend on it exactly):
+
+* inputs  ``input_ids`` [B, S] int64, ``attention_mask`` [B, P+S] int64 (1 = token, 0 = left
+  padding), ``position_ids`` [B, S] int64, and for every layer i that has a KV cache
+  ``past_key_values.{i}.key`` / ``past_key_values.{i}.value`` [B, kv_heads, P, head_dim] fp32;
+* outputs ``logits`` [B, S, V] fp32 and ``present.{i}.key`` / ``present.{i}.value``
+  [B, kv_heads, P+S, head_dim] (the past with the new tokens appended).
+
+B, S and P are dynamic (``batch``, ``seq``, ``past``; the mask's axis is ``total``). A model
+already patched by :func:`harp_trt.harp.apply_harp` exports with no KV I/O for its pruned layers.
+The graph carries ``harp_trt.export`` (JSON) in its metadata: model type, layer counts, heads,
+head_dim, which layers have KV and the HARP alphas. Weights go to ``model.onnx.data`` only when
+they exceed 2 GB (the protobuf limit); below that ``model.onnx`` is self-contained.
+
+How it is exported: ``torch.onnx.export(dynamo=True, opset 23)`` on a thin wrapper that takes the
+KV cache as flat tensors and builds the ``DynamicCache`` inside forward (transformers 5 takes a
+``cache`` object, not tuples). sdpa attention becomes the opset-23 ``Attention`` op fed by a boolean
+[B, 1, S, P+S] causal+padding mask, with ``RotaryEmbedding`` and ``RMSNormalization`` ops; every
+node's ``pkg.torch.onnx.name_scopes`` metadata names its HF module. Gemma2 is exported with eager
+attention (sdpa cannot soft-cap), so its attention stays as MatMul/Tanh/Softmax.
+
+Which form is fastest in ONNX Runtime on CPU (SmolLM2-135M, fp32, 2 threads, measured while
+writing this module; ``bench/ort_vs_torch.py`` repeats it): the opset-23 ``Attention`` kernel
+materialises the full S x T score matrix per head and took ~44 % of a 2048-token prefill (ORT
+~1.7x slower than PyTorch sdpa there); ``com.microsoft::GroupQueryAttention`` with the padding
+mask passed as ``attention_bias`` runs the same attention ~1.6x faster than PyTorch's causal
+flash kernel and needs no repeat_kv copies. The dense export therefore stays portable (standard
+ops, what the rewrite rules match) and the ORT builder converts ``Attention`` to
+``GroupQueryAttention`` in a separate pass (``builders.ort.gqa``) that keeps this I/O contract."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..config import StageConfig
+from ..errors import ConfigError, GraphError, PreconditionError, VerificationError
+from ..stage import Stage
+
+__all__ = ["export_dense", "verify_export", "kv_layers_of", "ExportConfig", "ExportStage",
+           "EXPORT_META_KEY", "read_export_meta", "input_names", "output_names", "exporter_versions",
+           "TOKENIZER_FILES"]
+
+log = logging.getLogger(__name__)
+
+EXPORT_META_KEY = "harp_trt.export"
+EXTERNAL_DATA_THRESHOLD = 2_000_000_000  # bytes; protobuf cannot hold a model over 2 GiB
+# copied next to model.onnx so later stages (build, generate) need nothing from the model folder
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json", "config.json")
+
+
+# ---- names -----------------------------------------------------------------------------------
+def input_names(kv_layers: list[int]) -> list[str]:
+    return ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{t}" for i in kv_layers for t in ("key", "value")]
+
+
+def output_names(kv_layers: list[int]) -> list[str]:
+    return ["logits"] + [f"present.{i}.{t}" for i in kv_layers for t in ("key", "value")]
+
+
+def kv_layers_of(model: nn.Module) -> list[int]:
+    """Indices of the decoder layers that keep attention (and so a KV cache)."""
+    from ..families import family_of
+    from ..harp import HarpAttention
+
+    layers = family_of(model.config).layers(model)
+    return [i for i, l in enumerate(layers) if not isinstance(l.self_attn, HarpAttention)]
+
+
+def _dims(config) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv, hd
+
+
+def exporter_versions() -> dict[str, str]:
+    import onnx
+    import onnxscript
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "onnx": onnx.__version__, "onnxscript": onnxscript.__version__}
+
+
+# ---- the wrapper -----------------------------------------------------------------------------
+class _FlatKV(nn.Module):
+    """``(input_ids, attention_mask, position_ids, [k0, v0, k1, v1, ...]) -> (logits, k0', v0', ...)``
+    for the layers in ``kv_layers``; the others get a ``DummyLayer`` (no cache)."""
+
+    def __init__(self, model: nn.Module, kv_layers: list[int], num_layers: int):
+        super().__init__()
+        self.model = model
+        self.kv_layers = list(kv_layers)
+        self.num_layers = num_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, past: list[torch.Tensor]):
+        from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
+
+        cache = DynamicCache()
+        # plain DynamicLayers everywhere: sliding-window layers keep the whole past too (the mask
+        # applies the window), so every present has the same [B, kv, P+S, hd] layout
+        cache.layers = [DummyLayer() for _ in range(self.num_layers)]
+        for j, i in enumerate(self.kv_layers):
+            k, v = past[2 * j], past[2 * j + 1]
+            layer = DynamicLayer()
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+            cache.layers[i] = layer
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=True)
+        result = [out.logits]
+        for i in self.kv_layers:
+            result += [out.cache.layers[i].keys, out.cache.layers[i].values]
+        return tuple(result)
+
+
+def _example(model: nn.Module, kv_layers: list[int], batch: int, seq: int, past: int, seed: int = 0):
+    heads, kv, hd = _dims(model.config)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, past + seq, dtype=torch.long)
+    pos = torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous()
+    dtype = next(model.parameters()).dtype
+    flat = [torch.randn(batch, kv, past, hd, generator=g).to(dtype) for _ in range(2 * len(kv_layers))]
+    return ids, mask, pos, flat
+
+
+def _meta(model: nn.Module, kv_layers: list[int]) -> dict[str, Any]:
+    cfg = model.config
+    heads, kv, hd = _dims(cfg)
+    return {
+        "format": "harp-export/1", "model_type": cfg.model_type, "num_layers": cfg.num_hidden_layers,
+        "num_heads": heads, "kv_heads": kv, "head_dim": hd, "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size, "kv_layers": kv_layers,
+        "harp_alphas": {str(k): v for k, v in (getattr(cfg, "harp_alphas", None) or {}).items()},
+        "sliding_window": getattr(cfg, "sliding_window", None),
+        "layer_types": list(getattr(cfg, "layer_types", None) or []),
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "dtype": "float32", "versions": exporter_versions(),
+    }
+
+
+def export_dense(model: nn.Module, out_dir: Path, opset: int = 23) -> Path:
+    """Export ``model`` (a ``*ForCausalLM``, fp32, optionally HARP-patched) to ``out_dir/model.onnx``
+    following the module's I/O contract; returns the path. ``out_dir`` is created if needed."""
+    if opset < 23:
+        raise ConfigError(f"opset {opset} is too old: the export needs opset >= 23 "
+                          "(Attention, RotaryEmbedding, RMSNormalization)")
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        raise ConfigError(f"export takes an fp32 model, got {dtype}", "load it with dtype='float32'")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.onnx"
+    model.eval()
+    num_layers = model.config.num_hidden_layers
+    kv_layers = kv_layers_of(model)
+    wrapper = _FlatKV(model, kv_layers, num_layers).eval()
+    args = _example(model, kv_layers, batch=2, seq=5, past=3)
+    dyn = [{0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"},
+           [{0: "batch", 2: "past"}] * (2 * len(kv_layers))]
+    seen, weight_bytes = set(), 0
+    for p in model.parameters():  # tied weights count once
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            weight_bytes += p.numel() * p.element_size()
+    log.info("exporting %s (%d layers, KV for %d) to %s", model.config.model_type, num_layers,
+             len(kv_layers), path)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                wrapper, args, None, input_names=input_names(kv_layers),
+                output_names=output_names(kv_layers), dynamic_shapes=dyn, opset_version=opset,
+                dynamo=True, optimize=True, verbose=False)
+        except Exception as e:  # torch.export raises many types; keep the first line
+            msg = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+            raise GraphError("export", f"torch.onnx.export failed for {model.config.model_type}: {msg}",
+                             "check the model loads and runs a forward pass with cache=DynamicCache()") from e
+    program.model.metadata_props[EXPORT_META_KEY] = json.dumps(_meta(model, kv_layers))
+    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    for stale in (path, out_dir / "model.onnx.data"):
+        stale.unlink(missing_ok=True)
+    program.save(path, external_data=external)
+    log.info("wrote %s (%.1f MB weights%s)", path, weight_bytes / 1e6, ", external data" if external else "")
+    return path
+
+
+def read_export_meta(onnx_path: Path) -> dict[str, Any]:
+    """The ``harp_trt.export`` metadata of an exported (or rewritten) graph, without loading weights."""
+    import onnx
+
+    try:
+        m = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise GraphError("export", f"cannot read ONNX model {onnx_path}: {type(e).__name__}: {e}"[:400],
+                         "re-run the export stage (the file may be truncated)") from None
+    for p in m.metadata_props:
+        if p.key == EXPORT_META_KEY:
+            return json.loads(p.value)
+    return {}
+
+
+# ---- numeric check ---------------------------------------------------------------------------
+def verify_export(model: nn.Module, onnx_path: Path, atol: float = 1e-4,
+                  shapes: tuple[tuple[int, int, int], ...] = ((1, 7, 0), (2, 3, 4))) -> dict[str, float]:
+    """Run the ONNX graph in ORT (CPU) and the PyTorch model on the same inputs, for each
+    (batch, seq, past) in ``shapes``; returns max |diff| per output kind and raises
+    ``VerificationError`` if logits differ by more than ``atol * max(1, max|logits|)``."""
+    import numpy as np
+    import onnxruntime as ort
+
+    kv_layers = kv_layers_of(model)
+    wrapper = _FlatKV(model, kv_layers, model.config.num_hidden_layers).eval()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+    names = input_names(kv_layers)
+    report = {"logits": 0.0, "present": 0.0, "tolerance": 0.0}
+    for b, s, p in shapes:
+        args = _example(model, kv_layers, b, s, p, seed=1 + b + s + p)
+        with torch.no_grad():
+            ref = wrapper(*args)
+        flat = [args[0], args[1], args[2], *args[3]]
+        got = sess.run(None, {n: t.numpy() for n, t in zip(names, flat)})
+        tol = atol * max(1.0, float(ref[0].abs().max()))
+        report["tolerance"] = max(report["tolerance"], tol)
+        report["logits"] = max(report["logits"], float(np.abs(got[0] - ref[0].numpy()).max()))
+        for g_, r_ in zip(got[1:], ref[1:]):
+            report["present"] = max(report["present"], float(np.abs(g_ - r_.numpy()).max()))
+    log.info("export check: logits max|diff| %.3g, present max|diff| %.3g (tolerance %.3g)",
+             report["logits"], report["present"], report["tolerance"])
+    if not (report["logits"] <= report["tolerance"] and report["present"] <= report["tolerance"]):
+        raise VerificationError(
+            "export", f"ONNX differs from PyTorch: logits max|diff| {report['logits']:.3g}, present "
+            f"max|diff| {report['present']:.3g}, tolerance {report['tolerance']:.3g}",
+            "report this with the model type; try another opset")
+    return report
+
+
+# ---- the stage -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExportConfig(StageConfig):
+    """``opset``: ONNX opset (>= 23). ``verify_atol``: logits tolerance relative to max|logits|."""
+
+    VERSION = 1
+    opset: int = 23
+    verify_atol: float = 1e-4
+
+    def validate(self) -> None:
+        if self.opset < 23:
+            raise ConfigError(f"ExportConfig.opset must be >= 23, got {self.opset}")
+        if not 0 < self.verify_atol < 1:
+            raise ConfigError(f"ExportConfig.verify_atol must lie in (0, 1), got {self.verify_atol}")
+
+
+class ExportStage(Stage[ExportConfig]):
+    """inputs: ``{"model": ResolvedModel}``. Writes ``model.onnx`` (+ ``model.onnx.data`` over
+    2 GB), the tokenizer and config files, and a manifest with the KV layout and the numeric check.
+
+    The key hashes the weights' digest, the opset and the exporter versions (not the plan), so
+    every plan tried on one model shares one export."""
+
+    name = "export"
+    version = 1
+    outputs = ("model.onnx", "config.json")
+
+    def key_material(self, config: ExportConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        base = super().key_material(config, inputs)
+        resolved = inputs.get("model")
+        return {**base, "model_digest": getattr(resolved, "digest", None), "exporter": exporter_versions()}
+
+    def check_preconditions(self, config: ExportConfig, inputs: Mapping[str, Any]) -> None:
+        resolved = inputs.get("model")
+        if resolved is None or not hasattr(resolved, "folder"):
+            raise PreconditionError(self.name, "needs inputs={'model': ResolvedModel}",
+                                    "resolve it with harp_trt.models.resolve_model(ref, cache_root)")
+        if not (Path(resolved.folder) / "config.json").is_file():
+            raise PreconditionError(self.name, f"model folder {resolved.folder} has no config.json")
+
+    def run(self, config: ExportConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
+        from ..models import load_model
+
+        resolved = inputs["model"]
+        model, family = load_model(resolved, dtype="float32")
+        path = export_dense(model, Path(out_dir), opset=config.opset)
+        check = verify_export(model, path, atol=config.verify_atol)
+        copied = []
+        for name in TOKENIZER_FILES:
+            src = Path(resolved.folder) / name
+            if src.is_file():
+                shutil.copy2(src, Path(out_dir) / name)
+                copied.append(name)
+        meta = read_export_meta(path)
+        return {"model": resolved.to_dict(), "family": family.name, "onnx": path.name,
+                "external_data": (Path(out_dir) / "model.onnx.data").exists(), "kv_layers": meta["kv_layers"],
+                "num_layers": meta["num_layers"], "kv_heads": meta["kv_heads"], "head_dim": meta["head_dim"],
+                "verify": check, "files": copied, "versions": meta["versions"]}
