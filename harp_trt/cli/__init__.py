@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "harp_trt.cli.calibrate",
     "eval": "harp_trt.cli.eval",
     "cache": "harp_trt.cli.cache",
+    "bench": "harp_trt.cli.bench",
     "deploy": "harp_trt.cli.deploy",
 }
 

@@ -1,0 +1,109 @@
+"""The ONNX Runtime engine: ``harp_trt.ort_session.OrtCausalLM`` on a dense engine folder and on
+the HARP (rewritten) one, in one process. A folder is a ``builders.ort`` engine (``engine.json``
++ ``model.onnx``) or any folder with a ``model.onnx`` following the export I/O contract, plus the
+tokenizer and ``config.json``."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from harp_trt.errors import PreconditionError
+from harp_trt.store import Artifact
+
+from .engines import Engine, EnginePair
+from .flops import ModelDims
+
+__all__ = ["OrtEngine", "load_ort_pair"]
+
+log = logging.getLogger(__name__)
+
+
+class OrtEngine(Engine):
+    """The exported graph returns logits for every position, so a prefill computes all of them."""
+
+    backend = "ort"
+    prefill_logits = "all"
+
+    def __init__(self, session, variant: str, max_positions: int):
+        self.session = session
+        self.variant = variant
+        self._max = max_positions
+
+    @property
+    def max_positions(self) -> int:
+        return self._max
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        x = ids.numpy().astype(np.int64)
+        b, s = x.shape
+        pos = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
+        logits, present = self.session.forward(x, np.ones((b, s), np.int64), pos, None)
+        return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (present, s)
+
+    def decode(self, token: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        past, p = state
+        x = token.numpy().astype(np.int64)
+        b = x.shape[0]
+        logits, present = self.session.forward(x, np.ones((b, p + 1), np.int64),
+                                               np.full((b, 1), p, np.int64), past)
+        return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (present, p + 1)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        x = ids.numpy().astype(np.int64)
+        b, s = x.shape
+        pos = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
+        logits, _ = self.session.forward(x, np.ones((b, s), np.int64), pos, None)
+        return torch.from_numpy(np.asarray(logits, dtype=np.float32))
+
+    def cache_bytes(self, state: Any) -> int:
+        past, _ = state
+        return int(sum(k.nbytes + v.nbytes for k, v in past.values()))
+
+    def close(self) -> None:
+        self.session = None
+
+
+def _folder(s: Any) -> Path:
+    return s.path if isinstance(s, Artifact) else Path(s)
+
+
+def load_ort_pair(plan, source, config) -> EnginePair:
+    """``source``: ``{"dense": folder|Artifact, "harp": folder|Artifact}``."""
+    from transformers import AutoConfig
+
+    from harp_trt.models import load_tokenizer
+    from harp_trt.ort_session import OrtCausalLM
+
+    folders = {v: _folder(source[v]) for v in ("dense", "harp")}
+    for v, f in folders.items():
+        if not (f / "config.json").is_file():
+            raise PreconditionError("bench", f"{v} engine folder {f} has no config.json",
+                                    "engine folders carry the model's config and tokenizer files")
+    cfg = AutoConfig.from_pretrained(folders["dense"], trust_remote_code=False)
+    max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+    threads = config.threads or None
+    engines = {}
+    for v, f in folders.items():
+        if (f / "engine.json").is_file():
+            sess = OrtCausalLM.from_engine(f, intra_op_threads=threads)
+        else:
+            sess = OrtCausalLM(f / "model.onnx", intra_op_threads=threads)
+        engines[v] = OrtEngine(sess, v, max_pos)
+    kept = set(engines["harp"].session.kv_layers)
+    want = set(range(cfg.num_hidden_layers)) - set(plan.layers)
+    if kept != want:
+        raise PreconditionError("bench", f"HARP engine {folders['harp']} keeps KV for layers {sorted(kept)}; the "
+                                f"plan keeps {sorted(want)}", "rebuild the HARP engine from this plan")
+    tok = load_tokenizer(folders["dense"])
+    info = {v: {"folder": str(f), "threads": engines[v].session.intra_op_threads,
+                "providers": engines[v].session.providers,
+                "engine": json.loads((f / "engine.json").read_text()) if (f / "engine.json").is_file() else None}
+            for v, f in folders.items()}
+    log.info("ort engines: dense %s, harp %s", folders["dense"], folders["harp"])
+    return EnginePair("ort", engines["dense"], engines["harp"], tok, ModelDims.from_config(cfg),
+                      plan.alpha_map, info)

@@ -1,0 +1,88 @@
+"""Engines the bench compares: one backend, a dense and a HARP instance of the same model.
+
+An ``Engine`` is the minimum the bench needs from a backend: a prefill that returns the last
+token's logits and a cache, a one-token decode step, teacher-forced logits for perplexity and
+lm-eval, and the size of its cache. Backends register a loader in ``ENGINES`` (lazy: ``"torch"``
+imports only PyTorch/transformers, ``"ort"`` only ONNX Runtime); a loader returns an
+``EnginePair`` so both engines share one tokenizer, one set of dimensions and one process."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harp_trt.registry import Registry
+
+from .flops import ModelDims
+
+__all__ = ["Engine", "EnginePair", "ENGINES", "engine_names"]
+
+
+class Engine(abc.ABC):
+    """One model in one backend. ``variant`` is ``"dense"`` or ``"harp"``. Token ids and logits
+    are torch tensors on the CPU whatever the backend; logits are float32."""
+
+    backend: str = "?"
+    variant: str = "?"
+    prefill_logits: str = "last"   # which positions a prefill computes logits for ("last" | "all")
+
+    @property
+    @abc.abstractmethod
+    def max_positions(self) -> int:
+        """Longest sequence the model was built for (``max_position_embeddings``)."""
+
+    @abc.abstractmethod
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``ids [B, S]`` -> (logits of the last position ``[B, V]``, cache state)."""
+
+    @abc.abstractmethod
+    def decode(self, token: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """One step: ``token [B, 1]`` after ``state`` -> (logits ``[B, V]``, new state)."""
+
+    @abc.abstractmethod
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits ``[B, S, V]`` of ``ids [B, S]`` (no cache kept)."""
+
+    @abc.abstractmethod
+    def cache_bytes(self, state: Any) -> int:
+        """Bytes the KV cache in ``state`` occupies (measured on the tensors, not computed)."""
+
+    def close(self) -> None:
+        """Free the backend's resources (models, sessions)."""
+
+
+@dataclass
+class EnginePair:
+    """Dense and HARP engines of one backend, with what both share."""
+
+    backend: str
+    dense: Engine
+    harp: Engine
+    tokenizer: Any
+    dims: ModelDims
+    pruned: dict[int, float]
+    info: dict[str, Any] = field(default_factory=dict)   # what was loaded (paths, digests, threads)
+
+    def engines(self) -> dict[str, Engine]:
+        return {"dense": self.dense, "harp": self.harp}
+
+    @property
+    def max_positions(self) -> int:
+        return min(self.dense.max_positions, self.harp.max_positions)
+
+    def close(self) -> None:
+        self.dense.close()
+        self.harp.close()
+
+
+# name -> loader(plan, source, config) -> EnginePair; ``source`` is a ResolvedModel (torch) or a
+# mapping {"dense": folder, "harp": folder} of built engines (ort).
+ENGINES: Registry[Callable[..., EnginePair]] = Registry("bench engine")
+ENGINES.register("torch", "bench.engine_torch:load_torch_pair")
+ENGINES.register("ort", "bench.engine_ort:load_ort_pair")
+
+
+def engine_names() -> list[str]:
+    return ENGINES.names()

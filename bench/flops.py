@@ -1,0 +1,171 @@
+"""The ideal speed-up of HARP, from counting the work it removes.
+
+A measured speed-up means little on its own: it is shown next to the ratio of the work the dense
+and the HARP model must do, so a reader sees how much of the possible gain an engine realises.
+
+Work per token, one decoder layer, counting a multiply-add as 2 FLOPs (h = hidden size,
+q = heads x head_dim, kv = kv_heads x head_dim, I = MLP width, T = keys the token attends to):
+
+    kept layer     Q proj 2hq + K,V proj 2*2h*kv + scores 2qT + softmax c*heads*T + AV 2qT
+                   + O proj 2qh + MLP 3*2hI
+    pruned layer   V proj 2h*kv + folded V.O 2*kv*h + MLP 3*2hI        (HARP, Eq. 4-5)
+    alpha = 0      MLP only
+
+The pruned layer has no softmax, no RoPE and no scores: its attention is the per-token linear map
+V.O, and O folds over the repeated KV heads into a kv x h matrix (``harp_trt.rewrite.fold``), so
+the O GEMM shrinks from q x h to kv x h. Norms, RoPE and residual adds are left out (a few FLOPs
+per element, under 1 % of a layer); the LM head (2hV) is counted for the positions an engine
+computes logits for (``logits="last"`` or ``"all"``). Sliding-window layers attend to at most
+``window`` keys. A prefill of S tokens sums the per-token work over T = 1..S.
+
+Decode on CPUs and GPUs is bound by memory traffic rather than FLOPs, so a second ideal is given
+for it: bytes read per token = weights + the KV cache at that context."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["ModelDims", "SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
+           "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
+
+# max-subtract, exp, sum and divide per score element
+SOFTMAX_FLOPS_PER_SCORE = 4
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shapes the count needs, read from a Hugging Face config (``from_config``)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    windows: tuple[int | None, ...] = field(default=())  # per layer: None = full attention
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelDims":
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        n = cfg.num_hidden_layers
+        window = getattr(cfg, "sliding_window", None)
+        types = list(getattr(cfg, "layer_types", None) or [])
+        if window and types:
+            windows = tuple(window if t == "sliding_attention" else None for t in types)
+        elif window and getattr(cfg, "model_type", "") in ("mistral",):
+            windows = (window,) * n
+        else:
+            windows = (None,) * n
+        return cls(n, cfg.hidden_size, heads, kv, hd, cfg.intermediate_size, cfg.vocab_size, windows)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
+
+
+def _keys_sum(seq: int, window: int | None) -> int:
+    """sum_{t=1..seq} min(t, window): keys attended over a causal prefill of ``seq`` tokens."""
+    if window is None or window >= seq:
+        return seq * (seq + 1) // 2
+    return window * (window + 1) // 2 + (seq - window) * window
+
+
+def _linear_parts(d: ModelDims, layer: int, alpha: float | None) -> tuple[int, int]:
+    """(FLOPs per token independent of T, FLOPs per attended key) of one layer.
+    ``alpha`` None = kept layer."""
+    mlp = 3 * 2 * d.hidden * d.intermediate
+    if alpha is None:
+        proj = 2 * d.hidden * d.q_dim + 2 * 2 * d.hidden * d.kv_dim + 2 * d.q_dim * d.hidden
+        per_key = 2 * d.q_dim + SOFTMAX_FLOPS_PER_SCORE * d.heads + 2 * d.q_dim
+        return proj + mlp, per_key
+    if alpha == 0.0:
+        return mlp, 0
+    return 2 * d.hidden * d.kv_dim + 2 * d.kv_dim * d.hidden + mlp, 0
+
+
+def layer_flops_per_token(d: ModelDims, layer: int, keys: int, alpha: float | None = None) -> int:
+    fixed, per_key = _linear_parts(d, layer, alpha)
+    w = d.window(layer)
+    return fixed + per_key * (min(keys, w) if w else keys)
+
+
+def flops_per_token(d: ModelDims, keys: int, pruned: Mapping[int, float] | None = None,
+                    logits: bool = True) -> int:
+    """FLOPs of one token attending to ``keys`` keys (itself included)."""
+    pruned = pruned or {}
+    total = sum(layer_flops_per_token(d, i, keys, pruned.get(i)) for i in range(d.num_layers))
+    return total + (2 * d.hidden * d.vocab if logits else 0)
+
+
+def prefill_flops(d: ModelDims, seq: int, pruned: Mapping[int, float] | None = None,
+                  logits: str = "last") -> int:
+    """FLOPs of a causal prefill of ``seq`` tokens; ``logits`` = "last" | "all" | "none"."""
+    pruned = pruned or {}
+    total = 0
+    for i in range(d.num_layers):
+        fixed, per_key = _linear_parts(d, i, pruned.get(i))
+        total += fixed * seq + per_key * _keys_sum(seq, d.window(i))
+    n_logits = {"last": 1, "all": seq, "none": 0}[logits]
+    return total + n_logits * 2 * d.hidden * d.vocab
+
+
+def decode_flops(d: ModelDims, context: int, pruned: Mapping[int, float] | None = None) -> int:
+    """FLOPs of one decode step after ``context`` tokens (it attends to context + 1 keys)."""
+    return flops_per_token(d, context + 1, pruned, logits=True)
+
+
+def kv_bytes_per_token(d: ModelDims, pruned: Mapping[int, float] | None = None, dtype_bytes: int = 4) -> int:
+    """K and V bytes one token adds to the cache (batch 1); pruned layers keep none."""
+    kept = d.num_layers - len(pruned or {})
+    return 2 * kept * d.kv_dim * dtype_bytes
+
+
+def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, float] | None = None,
+                           dtype_bytes: int = 4) -> int:
+    """Bytes read by one decode step: every weight once (the embedding row is negligible) plus
+    the KV cache of ``context`` tokens. Pruned layers read V and the folded kv x h O only."""
+    pruned = pruned or {}
+    params = d.hidden * d.vocab  # LM head
+    for i in range(d.num_layers):
+        params += 3 * d.hidden * d.intermediate
+        a = pruned.get(i)
+        if a is None:
+            params += d.hidden * d.q_dim + 2 * d.hidden * d.kv_dim + d.q_dim * d.hidden
+        elif a != 0.0:
+            params += 2 * d.hidden * d.kv_dim
+    cache = 0
+    for i in range(d.num_layers):
+        if i not in pruned:
+            w = d.window(i)
+            cache += 2 * d.kv_dim * (min(context, w) if w else context)
+    return (params + cache) * dtype_bytes
+
+
+def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_context: int,
+                   prefill_logits: str = "last", dtype_bytes: int = 4) -> dict[str, Any]:
+    """Dense / HARP work ratios: ``prefill`` per sequence length, ``ttft`` (the prefill of
+    ``decode_context`` tokens), ``decode`` (FLOPs) and
+    ``decode_bytes`` (memory traffic) at ``decode_context``, plus the raw counts."""
+    prefill = {}
+    for s in seq_lens:
+        dense, harp = prefill_flops(d, s, None, prefill_logits), prefill_flops(d, s, pruned, prefill_logits)
+        prefill[int(s)] = {"dense_flops": dense, "harp_flops": harp, "ideal": dense / harp}
+    td = prefill_flops(d, decode_context, None, prefill_logits)
+    th = prefill_flops(d, decode_context, pruned, prefill_logits)
+    dd, dh = decode_flops(d, decode_context), decode_flops(d, decode_context, pruned)
+    bd = decode_bytes_per_token(d, decode_context, None, dtype_bytes)
+    bh = decode_bytes_per_token(d, decode_context, pruned, dtype_bytes)
+    return {"prefill": prefill,
+            "ttft": {"dense_flops": td, "harp_flops": th, "ideal": td / th},
+            "decode": {"dense_flops": dd, "harp_flops": dh, "ideal": dd / dh},
+            "decode_bytes": {"dense_bytes": bd, "harp_bytes": bh, "ideal": bd / bh}}

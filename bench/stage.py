@@ -1,0 +1,570 @@
+"""The bench stage: latency and accuracy of a HARP engine against the dense engine.
+
+inputs (``Stage.execute``): ``plan`` (a ``Plan``) and ``bench`` (``BenchInputs``: the engine
+source, the corpus, progress callbacks). Artifact ``bench-<key>/``:
+
+* ``latency.{parquet,csv}``      median/p90/p99/mean ms per (measure, seq_len, variant), tokens/s;
+* ``latency_samples.parquet``    every timed sample;
+* ``speedup.{parquet,csv}``      dense/HARP speed-up per measure next to the ideal from ``flops``;
+* ``accuracy.{parquet,csv}``     perplexity, agreement and lm-eval metrics, dense vs HARP;
+* ``report.md``, ``latency.png``, ``accuracy.png``, ``summary.json`` (what ``--json`` prints).
+
+The key hashes the stage version, the config, the plan, the weights' digest (torch) or the engines'
+keys/digests (ort), the corpus digest, the library versions and the machine (CPU model, cores,
+threads): timings from another machine are not this machine's. Gates are *not* part of the key:
+``check_gates`` reads a finished (or cached) summary."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import harp_trt
+from harp_trt.config import StageConfig, digest_of
+from harp_trt.errors import ConfigError, GateError, HarpError, PostconditionError, PreconditionError
+from harp_trt.plan import Plan
+from harp_trt.stage import Stage
+from harp_trt.store import Artifact, ArtifactStore
+
+from .tasks import DEFAULT_TASKS
+
+__all__ = ["BenchConfig", "BenchInputs", "BenchStage", "run_bench", "check_gates", "headline_speedup",
+           "machine_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig(StageConfig):
+    """``seq_lens``: prefill lengths. ``decode_context``/``decode_tokens``: generation figures
+    (TTFT, ms/token, KV bytes). ``tasks``: lm-eval tasks (empty = none), ``limit`` documents per
+    task (0 = all). ``ppl_tokens``/``ppl_seq_len``: held-out perplexity budget. ``threads``: 0 =
+    the library default."""
+
+    VERSION = 1
+    engine: str = "torch"
+    seq_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    decode_context: int = 512
+    decode_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 5
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    limit: int = 100
+    batch_size: int = 8
+    task_dir: str = ""
+    eval_data: str = ""
+    corpus: str = "wiki"
+    ppl_tokens: int = 8192
+    ppl_seq_len: int = 512
+    greedy_prompts: int = 4
+    greedy_tokens: int = 32
+    dtype: str = "float32"
+    threads: int = 0
+    latency: bool = True
+    accuracy: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        from .engines import ENGINES
+
+        ENGINES.get(self.engine)  # "did you mean"
+        if self.latency and not self.seq_lens:
+            raise ConfigError("--seq-lens is empty; give prompt lengths, e.g. 128,512,2048")
+        if any(int(s) < 1 for s in self.seq_lens):
+            raise ConfigError(f"--seq-lens must be positive token counts, got {list(self.seq_lens)}")
+        for name in ("decode_context", "decode_tokens", "repeats", "batch_size", "ppl_seq_len",
+                     "greedy_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "limit", "threads", "greedy_prompts"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"BenchConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.ppl_tokens < self.ppl_seq_len:
+            raise ConfigError(f"--ppl-tokens ({self.ppl_tokens}) must be at least one window "
+                              f"(--ppl-seq-len {self.ppl_seq_len})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+
+    def key_material(self) -> dict[str, Any]:
+        d = super().key_material()
+        # paths are not content: the eval wheel is pinned, a task folder is hashed by content
+        d.pop("eval_data")
+        d["task_dir"] = _dir_digest(self.task_dir) if self.task_dir else ""
+        d["seq_lens"] = [int(s) for s in self.seq_lens]
+        return d
+
+
+def _dir_digest(folder: str) -> str:
+    p = Path(folder)
+    if not p.is_dir():
+        return f"missing:{folder}"
+    return digest_of({str(f.relative_to(p)): f.read_text(errors="replace") for f in sorted(p.rglob("*.yaml"))})
+
+
+@dataclass
+class BenchInputs:
+    """``source``: a ``ResolvedModel`` (torch) or ``{"dense": path|Artifact, "harp": path|Artifact}``
+    of built engine folders (ort). ``corpus``: a ``harp_trt.data.Corpus`` (None skips perplexity)."""
+
+    source: Any
+    corpus: Any = None
+    cache_root: Path | None = None
+    on_phase: Callable[[str], None] | None = None
+    extra: dict = field(default_factory=dict)
+
+    def source_key(self) -> Any:
+        if isinstance(self.source, Mapping):
+            out = {}
+            for v, s in self.source.items():
+                if isinstance(s, Artifact):
+                    out[v] = s.key
+                else:
+                    from harp_trt.rewrite.stage import file_digest
+
+                    out[v] = file_digest(Path(s) / "model.onnx")
+            return out
+        return {"weights": getattr(self.source, "digest", None)}
+
+
+def machine_fingerprint(threads: int) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or torch.get_num_threads(),
+            "system": platform.system()}
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "harp-trt": harp_trt.__version__}
+    for pkg in ("torch", "transformers", "onnxruntime", "lm_eval", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _model_limits(source: Any) -> tuple[int, str]:
+    """(max_position_embeddings, where it was read) of the engine source."""
+    folders = []
+    if isinstance(source, Mapping):
+        for s in source.values():
+            folders.append(s.path if isinstance(s, Artifact) else Path(s))
+    else:
+        folders.append(Path(source.folder))
+    limit = None
+    for f in folders:
+        cfg = f / "config.json"
+        if cfg.is_file():
+            m = json.loads(cfg.read_text()).get("max_position_embeddings")
+            if m:
+                limit = m if limit is None else min(limit, m)
+    return (int(limit) if limit else 1 << 30), str(folders[0])
+
+
+class BenchStage(Stage[BenchConfig]):
+    name = "bench"
+    version = 1
+    outputs = ("latency.parquet", "latency.csv", "latency_samples.parquet", "speedup.parquet", "speedup.csv",
+               "accuracy.parquet", "accuracy.csv", "report.md", "latency.png", "accuracy.png", "summary.json")
+
+    def key_material(self, config: BenchConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        plan: Plan = inputs["plan"]
+        inp: BenchInputs = inputs["bench"]
+        return {"stage_version": self.version, "code": harp_trt.__version__, "config": config.key_material(),
+                "plan": digest_of(plan.to_dict()), "source": inp.source_key(),
+                "corpus": getattr(inp.corpus, "digest", None), "versions": _versions(),
+                "machine": machine_fingerprint(config.threads)}
+
+    def check_preconditions(self, config: BenchConfig, inputs: Mapping[str, Any]) -> None:
+        plan: Plan = inputs["plan"]
+        inp: BenchInputs = inputs["bench"]
+        check_source_matches_plan(plan, inp.source, config.engine)
+        max_pos, where = _model_limits(inp.source)
+        too_long = [int(s) for s in config.seq_lens if int(s) > max_pos] if config.latency else []
+        if too_long:
+            raise PreconditionError(self.name, f"--seq-lens {too_long} exceed the model's context of {max_pos} "
+                                    f"tokens (max_position_embeddings in {where})",
+                                    f"use lengths up to {max_pos}")
+        if config.latency and config.decode_context + config.decode_tokens > max_pos:
+            raise PreconditionError(self.name, f"--decode-context {config.decode_context} + --decode-tokens "
+                                    f"{config.decode_tokens} exceed the model's context of {max_pos} tokens")
+        if config.accuracy and config.ppl_seq_len > max_pos:
+            raise PreconditionError(self.name, f"--ppl-seq-len {config.ppl_seq_len} exceeds the model's context "
+                                    f"of {max_pos} tokens")
+        if config.accuracy and config.tasks:
+            from .tasks import check_task_names, user_task_names
+
+            check_task_names(config.tasks, user_task_names(config.task_dir) if config.task_dir else ())
+
+    def run(self, config: BenchConfig, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
+        import polars as pl
+        import torch
+
+        from .engines import ENGINES
+        from .flops import ideal_speedups
+        from .latency import LatencySettings, measure_generation, measure_prefill, summarise
+        from .report import plot_accuracy, plot_latency, write_report
+
+        plan: Plan = inputs["plan"]
+        inp: BenchInputs = inputs["bench"]
+        phase = inp.on_phase or (lambda s: log.info(s))
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        phase(f"loading {config.engine} engines (dense and HARP)")
+        pair = ENGINES.get(config.engine)(plan, inp.source, config)
+        try:
+            machine = machine_fingerprint(config.threads)
+            samples: list[dict] = []
+            cache: dict[str, dict] = {}
+            if config.latency:
+                settings = LatencySettings(tuple(int(s) for s in config.seq_lens), config.decode_context,
+                                           config.decode_tokens, config.warmup, config.repeats, config.seed)
+                samples += measure_prefill(pair, settings, phase)
+                gen, cache = measure_generation(pair, settings, phase)
+                samples += gen
+            lat_rows = summarise(samples)
+            for r in lat_rows:
+                r["engine"] = pair.backend
+                c = cache.get(r["variant"], {})
+                r["kv_bytes_per_token"] = c.get("kv_bytes_per_token") if r["measure"] != "prefill" else None
+            ideal = ideal_speedups(pair.dims, pair.pruned, [int(s) for s in config.seq_lens],
+                                   config.decode_context, pair.dense.prefill_logits,
+                                   dtype_bytes=2 if config.dtype != "float32" else 4)
+            speed_rows = _speedups(lat_rows, ideal, config)
+
+            acc_rows: list[dict] = []
+            ppl: dict[str, Any] = {}
+            agree: dict[str, Any] = {}
+            task_info: dict[str, Any] = {}
+            if config.accuracy:
+                ppl, agree = _heldout(pair, inp, config, phase)
+                acc_rows += [
+                    {"task": "heldout", "metric": "perplexity", "split": "heldout", "dense": ppl["dense"],
+                     "harp": ppl["harp"], "dense_stderr": None, "harp_stderr": None, "n": ppl["tokens"],
+                     "higher_is_better": False},
+                    {"task": "heldout", "metric": "top1_agreement", "split": "heldout", "dense": 1.0,
+                     "harp": agree["top1_agreement"], "dense_stderr": None, "harp_stderr": None,
+                     "n": ppl["tokens"], "higher_is_better": True},
+                ]
+                if "greedy_match" in agree:
+                    acc_rows.append({"task": "heldout", "metric": "greedy_match", "split": "heldout", "dense": 1.0,
+                                     "harp": agree["greedy_match"], "dense_stderr": None, "harp_stderr": None,
+                                     "n": agree["greedy_prompts"], "higher_is_better": True})
+                if config.tasks:
+                    rows, task_info = _lm_eval(pair, inp, config, out_dir, phase)
+                    acc_rows += rows
+            for r in acc_rows:
+                r["delta"] = r["harp"] - r["dense"]
+            schema = {"task": pl.String, "metric": pl.String, "split": pl.String, "dense": pl.Float64,
+                      "harp": pl.Float64, "delta": pl.Float64, "dense_stderr": pl.Float64,
+                      "harp_stderr": pl.Float64, "n": pl.Int64, "higher_is_better": pl.Boolean}
+            acc = pl.DataFrame(acc_rows, schema=schema)
+            lat = pl.DataFrame(lat_rows, schema={
+                "engine": pl.String, "measure": pl.String, "seq_len": pl.Int64, "variant": pl.String,
+                "median_ms": pl.Float64, "p90_ms": pl.Float64, "p99_ms": pl.Float64, "mean_ms": pl.Float64,
+                "min_ms": pl.Float64, "n": pl.Int64, "tokens_per_s": pl.Float64, "kv_bytes_per_token": pl.Float64})
+            spd = pl.DataFrame(speed_rows, schema={
+                "measure": pl.String, "seq_len": pl.Int64, "dense_median_ms": pl.Float64,
+                "harp_median_ms": pl.Float64, "speedup": pl.Float64, "ideal_speedup": pl.Float64,
+                "ideal_speedup_bytes": pl.Float64, "realised": pl.Float64, "dense_gflops": pl.Float64,
+                "harp_gflops": pl.Float64})
+            pl.DataFrame(samples, schema={"measure": pl.String, "variant": pl.String, "seq_len": pl.Int64,
+                                          "repeat": pl.Int64, "step": pl.Int64, "ms": pl.Float64}
+                         ).write_parquet(out_dir / "latency_samples.parquet")
+            for name, df in (("latency", lat), ("speedup", spd), ("accuracy", acc)):
+                df.write_parquet(out_dir / f"{name}.parquet")
+                df.write_csv(out_dir / f"{name}.csv")
+
+            summary = _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info)
+            (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            title = f"{summary['model']} · {pair.backend} · layers {list(plan.layers)} · {machine['cpu']}"
+            plot_latency(spd, out_dir / "latency.png", title)
+            tasks_only = acc.filter(pl.col("task") != "heldout")
+            plot_accuracy(tasks_only, {"dense": ppl.get("dense", 0.0), "harp": ppl.get("harp", 0.0)} if ppl else {},
+                          out_dir / "accuracy.png", title)
+            write_report(out_dir / "report.md", summary, spd, lat, acc)
+        finally:
+            pair.close()
+        return {"summary": summary}
+
+    def check_postconditions(self, config: BenchConfig, inputs: Mapping[str, Any], out_dir) -> None:
+        super().check_postconditions(config, inputs, out_dir)
+        import polars as pl
+
+        if config.latency:
+            lat = pl.read_parquet(Path(out_dir) / "latency.parquet")
+            for measure in ("prefill", "ttft", "decode"):
+                got = set(lat.filter(pl.col("measure") == measure)["variant"].to_list())
+                if got != {"dense", "harp"}:
+                    raise PostconditionError(self.name, f"latency table lacks dense and HARP rows for {measure} "
+                                             f"(has {sorted(got)})")
+
+
+def check_source_matches_plan(plan: Plan, source: Any, engine: str) -> None:
+    """PreconditionError when the engines were not built from the plan's weights and layers."""
+    if isinstance(source, Mapping):
+        missing = [v for v in ("dense", "harp") if v not in source]
+        if missing:
+            raise PreconditionError("bench", f"the {engine} engine needs a dense and a HARP engine folder; "
+                                    f"missing {', '.join(missing)}", "pass --dense-engine DIR and --harp-engine DIR")
+        for variant, s in source.items():
+            folder = s.path if isinstance(s, Artifact) else Path(s)
+            digest, layers = _engine_identity(folder)
+            if digest is not None and digest != plan.model_digest:
+                raise PreconditionError("bench", f"{variant} engine {folder} was built from other weights "
+                                        f"(digest {digest[:12]}) than the plan's model (digest "
+                                        f"{plan.model_digest[:12]})", "bench engines built from the plan's model")
+            if variant == "harp" and layers is not None and sorted(layers) != sorted(plan.layers):
+                raise PreconditionError("bench", f"HARP engine {folder} prunes layers {sorted(layers)}, the plan "
+                                        f"prunes {list(plan.layers)}", "rebuild the engine from this plan")
+            if variant == "dense" and layers:
+                raise PreconditionError("bench", f"dense engine {folder} already prunes layers {sorted(layers)}",
+                                        "pass the dense (unrewritten) export as --dense-engine")
+        return
+    digest = getattr(source, "digest", None)
+    if digest != plan.model_digest:
+        raise PreconditionError("bench", f"model {getattr(source, 'ref', source)!r} (weights {str(digest)[:12]}) "
+                                f"is not the model the plan was calibrated on (weights {plan.model_digest[:12]})",
+                                "pass --model with the plan's weights, or calibrate this model first")
+
+
+def _engine_identity(folder: Path) -> tuple[str | None, list[int] | None]:
+    """(weights digest, pruned layers) recorded by the export/rewrite/build stages, where present:
+    the artifact manifest's model digest, engine.json's KV layout (layers without KV are pruned),
+    a plan.json beside the graph, or the graph's export metadata."""
+    def read(name):
+        f = folder / name
+        try:
+            return json.loads(f.read_text()) if f.is_file() else None
+        except ValueError:
+            return None
+
+    manifest, engine, plan = read("manifest.json"), read("engine.json"), read("plan.json")
+    digest = None
+    for d in (manifest, engine):
+        if d is not None and digest is None:
+            found = _find(d, ("model_digest", "digest"))
+            digest = found if isinstance(found, str) else None
+    layers = None
+    kv = (engine or {}).get("kv") or {}
+    if isinstance(kv.get("layers"), list) and kv.get("num_layers"):
+        layers = sorted(set(range(int(kv["num_layers"]))) - {int(i) for i in kv["layers"]})
+    elif plan is not None and isinstance(plan.get("layers"), list):
+        layers = [int(i) for i in plan["layers"]]
+    elif (folder / "model.onnx").is_file():
+        try:
+            from harp_trt.rewrite.export import read_export_meta
+
+            meta = read_export_meta(folder / "model.onnx")
+            if isinstance(meta.get("kv_layers"), list) and meta.get("num_layers"):
+                layers = sorted(set(range(int(meta["num_layers"]))) - {int(i) for i in meta["kv_layers"]})
+        except HarpError as e:  # a user's graph without our metadata: nothing to check against
+            log.info("no export metadata in %s: %s", folder, e)
+    return digest, layers
+
+
+def _find(d: Any, keys: tuple[str, ...]) -> Any:
+    """First value under one of ``keys`` in a nested dict (breadth first)."""
+    queue = [d]
+    while queue:
+        cur = queue.pop(0)
+        if isinstance(cur, dict):
+            for k in keys:
+                if k in cur and isinstance(cur[k], (str, list)):
+                    return cur[k]
+            queue += [v for v in cur.values() if isinstance(v, dict)]
+    return None
+
+
+def _speedups(lat_rows: list[dict], ideal: dict[str, Any], config: BenchConfig) -> list[dict]:
+    med = {(r["measure"], r["seq_len"], r["variant"]): r["median_ms"] for r in lat_rows}
+    out = []
+    keys = sorted({(m, s) for m, s, _ in med})
+    for measure, seq in keys:
+        d, h = med.get((measure, seq, "dense")), med.get((measure, seq, "harp"))
+        if d is None or h is None:
+            continue
+        bytes_ideal = None
+        if measure == "prefill":
+            flops = ideal["prefill"].get(seq)
+        elif measure == "ttft":
+            flops = ideal["ttft"]
+        else:
+            flops = ideal["decode"]
+            bytes_ideal = ideal["decode_bytes"]["ideal"]
+        speed = d / h
+        idl = flops["ideal"] if flops else None
+        out.append({"measure": measure, "seq_len": seq, "dense_median_ms": d, "harp_median_ms": h,
+                    "speedup": speed, "ideal_speedup": idl, "ideal_speedup_bytes": bytes_ideal,
+                    "realised": (speed - 1) / (idl - 1) if idl and idl > 1 else None,
+                    "dense_gflops": flops["dense_flops"] / 1e9 if flops else None,
+                    "harp_gflops": flops["harp_flops"] / 1e9 if flops else None})
+    return out
+
+
+def _heldout(pair, inp: BenchInputs, config: BenchConfig, phase) -> tuple[dict, dict]:
+    from harp_trt.data import token_windows
+
+    from .accuracy import greedy_match, heldout_accuracy
+
+    if inp.corpus is None:
+        from harp_trt.errors import CorpusError
+
+        raise CorpusError("the bench needs a corpus for held-out perplexity", "pass --corpus wiki or a file")
+    windows = token_windows(pair.tokenizer, inp.corpus, "heldout", config.ppl_seq_len, config.ppl_tokens)
+    phase(f"held-out perplexity on {windows.numel()} tokens")
+    acc = heldout_accuracy(pair, windows, phase)
+    ppl = {"dense": acc["ppl_dense"], "harp": acc["ppl_harp"], "increase": acc["ppl_harp"] / acc["ppl_dense"] - 1,
+           "tokens": acc["tokens"], "seq_len": config.ppl_seq_len, "corpus": inp.corpus.name}
+    agree = {"top1_agreement": acc["top1_agreement"]}
+    if config.greedy_prompts:
+        prompt_len = min(32, config.ppl_seq_len)
+        prompts = windows[: config.greedy_prompts, :prompt_len]
+        agree.update(greedy_match(pair, prompts, config.greedy_tokens))
+    return ppl, agree
+
+
+def _lm_eval(pair, inp: BenchInputs, config: BenchConfig, out_dir: Path, phase) -> tuple[list[dict], dict]:
+    from .lm_eval_adapter import EngineLM, evaluate_tasks
+    from .tasks import EVAL_TASKS, eval_data_root, write_task_yamls
+
+    builtin = [t for t in config.tasks if t in EVAL_TASKS]
+    include = [config.task_dir] if config.task_dir else []
+    info: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="harp-bench-tasks-") as td:
+        if builtin:
+            root = eval_data_root(inp.cache_root or Path(tempfile.gettempdir()), config.eval_data or None)
+            info = write_task_yamls(builtin, root, Path(td))
+            include.append(td)
+        phase(f"lm-eval {', '.join(config.tasks)} (limit {config.limit or 'none'})")
+        lms = {v: EngineLM(e, pair.tokenizer, batch_size=config.batch_size) for v, e in pair.engines().items()}
+        rows = evaluate_tasks(lms, list(config.tasks), include, config.limit or None, seed=config.seed)
+    table: dict[tuple, dict] = {}
+    for r in rows:
+        if r["metric"] in ("sample_len",):
+            continue
+        k = (r["task"], r["metric"])
+        e = table.setdefault(k, {"task": r["task"], "metric": r["metric"],
+                                 "split": info.get(r["task"], {}).get("split", "user"), "n": r["n"],
+                                 "higher_is_better": r["metric"] != "perplexity"})
+        e[r["variant"]] = r["value"]
+        e[f"{r['variant']}_stderr"] = r["stderr"]
+    out = [e for e in table.values() if "dense" in e and "harp" in e]
+    for e in out:
+        e.setdefault("dense_stderr", None)
+        e.setdefault("harp_stderr", None)
+    return out, info
+
+
+def headline_speedup(summary: Mapping[str, Any]) -> tuple[str, float] | None:
+    """(label, value) of the speed-up the ``--min-speedup`` gate checks: prefill at the longest
+    measured prompt (the paper's figure), else decode."""
+    pre = summary.get("prefill_speedup") or {}
+    if pre:
+        seq = max(pre, key=lambda s: int(s))
+        return f"prefill speed-up at {seq} tokens", float(pre[seq])
+    if summary.get("decode_speedup") is not None:
+        return f"decode speed-up at {summary['decode_context']} tokens", float(summary["decode_speedup"])
+    return None
+
+
+def check_gates(summary: Mapping[str, Any], max_ppl_increase: float | None = None,
+                min_speedup: float | None = None) -> list[str]:
+    """Raise GateError naming each figure that fell short; return the gates that passed."""
+    failed, passed = [], []
+    if max_ppl_increase is not None:
+        p = summary.get("ppl") or {}
+        if "increase" not in p:
+            failed.append("held-out perplexity was not measured (run with accuracy on) but --max-ppl-increase "
+                          "was given")
+        elif p["increase"] > max_ppl_increase:
+            failed.append(f"held-out perplexity increase {100 * p['increase']:.2f} % (dense {p['dense']:.4f} -> "
+                          f"HARP {p['harp']:.4f}) exceeds --max-ppl-increase {max_ppl_increase:g} "
+                          f"({100 * max_ppl_increase:.2f} %)")
+        else:
+            passed.append(f"ppl increase {100 * p['increase']:.2f} % <= {100 * max_ppl_increase:.2f} %")
+    if min_speedup is not None:
+        head = headline_speedup(summary)
+        if head is None:
+            failed.append("no speed-up was measured (run with latency on) but --min-speedup was given")
+        elif head[1] < min_speedup:
+            failed.append(f"{head[0]} {head[1]:.3f}x is below --min-speedup {min_speedup:g}x")
+        else:
+            passed.append(f"{head[0]} {head[1]:.3f}x >= {min_speedup:g}x")
+    if failed:
+        raise GateError("bench gate failed: " + "; ".join(failed),
+                        "see report.md in the bench artifact for the full tables")
+    return passed
+
+
+def _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info) -> dict[str, Any]:
+    import polars as pl
+
+    def by(measure):
+        return {str(r["seq_len"]): r for r in spd.filter(pl.col("measure") == measure).iter_rows(named=True)}
+
+    pre, dec, ttft = by("prefill"), by("decode"), by("ttft")
+    dec_row = next(iter(dec.values()), None)
+    ttft_row = next(iter(ttft.values()), None)
+    tps = {r["variant"]: r["tokens_per_s"] for r in lat.filter(pl.col("measure") == "decode").iter_rows(named=True)}
+    kv = {v: c["kv_bytes_per_token"] for v, c in cache.items()}
+    tasks = {}
+    for r in acc.filter(pl.col("task") != "heldout").iter_rows(named=True):
+        tasks.setdefault(r["task"], {})[r["metric"]] = {"dense": r["dense"], "harp": r["harp"], "delta": r["delta"]}
+    return {
+        "model": plan.model_ref, "model_digest": plan.model_digest, "engine": pair.backend,
+        "layers": list(plan.layers), "alphas": list(plan.alphas), "machine": machine["cpu"],
+        "threads": machine["threads"], "repeats": config.repeats, "warmup": config.warmup,
+        "prefill_speedup": {k: r["speedup"] for k, r in pre.items()},
+        "prefill_ideal": {k: r["ideal_speedup"] for k, r in pre.items()},
+        "prefill_ms": {k: {"dense": r["dense_median_ms"], "harp": r["harp_median_ms"]} for k, r in pre.items()},
+        "decode_context": config.decode_context,
+        "decode_speedup": dec_row["speedup"] if dec_row else None,
+        "decode_ideal_flops": dec_row["ideal_speedup"] if dec_row else None,
+        "decode_ideal_bytes": dec_row["ideal_speedup_bytes"] if dec_row else None,
+        "ttft_speedup": ttft_row["speedup"] if ttft_row else None,
+        "tokens_per_s": tps,
+        "kv_bytes_per_token": kv,
+        "kv_reduction": (kv["dense"] / kv["harp"]) if kv.get("harp") else None,
+        "ppl": ppl, "top1_agreement": agree.get("top1_agreement"), "greedy_match": agree.get("greedy_match"),
+        "tasks": tasks, "task_splits": {t: i["split"] for t, i in task_info.items()},
+    }
+
+
+def run_bench(plan_artifact: Any, source: Any, config: BenchConfig, store: ArtifactStore | None = None,
+              force: bool = False, on_phase: Callable[[str], None] | None = None) -> Artifact:
+    """Bench a plan: ``plan_artifact`` is a calibrate ``Artifact``, its folder, a plan.json or a
+    ``Plan``; ``source`` is a model reference / ``ResolvedModel`` (engine "torch") or
+    ``{"dense": ..., "harp": ...}`` engine folders or artifacts (engine "ort"). Returns the
+    (cached or new) bench ``Artifact``; its manifest's ``summary`` is what ``--json`` prints."""
+    from harp_trt.data import load_corpus
+    from harp_trt.models import ResolvedModel, resolve_model
+
+    store = store or ArtifactStore()
+    if isinstance(plan_artifact, Plan):
+        plan = plan_artifact
+    else:
+        plan = Plan.load(plan_artifact.path if isinstance(plan_artifact, Artifact) else Path(plan_artifact))
+    if not isinstance(source, (Mapping, ResolvedModel)):
+        source = resolve_model(str(source or plan.model_ref), store.root)
+    corpus = load_corpus(config.corpus, store.root) if config.accuracy else None
+    inputs: dict[str, Any] = {"plan": plan, "bench": BenchInputs(source, corpus, store.root, on_phase)}
+    if isinstance(plan_artifact, Artifact):
+        inputs["calibrate"] = plan_artifact
+    return BenchStage().execute(store, config, inputs, force=force)
