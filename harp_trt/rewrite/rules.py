@@ -485,7 +485,8 @@ def _forward_cores(seeds: list[ir.Value], core_ids: set[int], depth: int) -> lis
                 if id(n) in core_ids:
                     hits.append(n)
                     continue
-                nxt.extend(n.outputs)
+                if n.op_type in LAYOUT_OPS | {"Concat", "Slice"}:  # the cache's data path, not Shape reads
+                    nxt.extend(n.outputs)
         frontier = nxt
     return hits
 
