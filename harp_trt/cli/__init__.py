@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "score": "harp_trt.cli.score",
     "calibrate": "harp_trt.cli.calibrate",
     "eval": "harp_trt.cli.eval",
+    "rewrite": "harp_trt.cli.rewrite",
     "cache": "harp_trt.cli.cache",
     "bench": "harp_trt.cli.bench",
     "deploy": "harp_trt.cli.deploy",
