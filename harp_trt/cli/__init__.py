@@ -19,6 +19,7 @@ __all__ = ["main", "COMMANDS"]
 
 # command name -> module (imported lazily, so `harp-trt --help` does not import torch)
 COMMANDS: dict[str, str] = {
+    "build": "harp_trt.cli.build",
     "score": "harp_trt.cli.score",
     "calibrate": "harp_trt.cli.calibrate",
     "eval": "harp_trt.cli.eval",

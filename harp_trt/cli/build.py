@@ -1,0 +1,75 @@
+"""harp-trt build: the one-command pipeline (calibrate -> rewrite -> build -> bench)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ._common import add_calibrate_arguments, add_model_argument, calibrate_config_from_args, progress_bar
+
+NAME = "build"
+HELP = "calibrate -> rewrite -> build (-> bench), reusing every cached artifact"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..pipeline import BACKEND_NAMES, STAGES
+
+    add_model_argument(p)
+    add_calibrate_arguments(p)
+    p.add_argument("--backend", default="ort", help=f"{' | '.join(BACKEND_NAMES)} (default %(default)s)")
+    p.add_argument("--force", default=None, metavar="STAGE",
+                   help=f"rerun STAGE and every stage after it ({', '.join(STAGES)})")
+    p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
+    p.add_argument("--bench-seq-lens", default="128,512,1024,2048", help="bench prefill lengths (default %(default)s)")
+    p.add_argument("--bench-tasks", default="none",
+                   help="bench lm-eval tasks, comma-separated, or 'none' (default %(default)s)")
+    p.add_argument("--bench-limit", type=int, default=100, help="documents per lm-eval task (default %(default)s)")
+    p.add_argument("--bench-repeats", type=int, default=3, help="timed repeats per shape (default %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="trtllm: tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="trtllm: pipeline-parallel size")
+
+
+def run(args) -> dict:
+    from ..pipeline import run_build
+    from ..store import ArtifactStore
+
+    t0 = time.perf_counter()
+    store = ArtifactStore(args.workdir)
+    calib_config = calibrate_config_from_args(args)
+    bench_config = _bench_config(args) if args.bench else None
+    trtllm_config = None
+    if args.backend == "trtllm":
+        from builders.trtllm.stage import TrtllmCheckpointConfig
+
+        trtllm_config = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
+    with progress_bar(not args.json) as (on_candidate, on_phase):
+        res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
+                        bench_config=bench_config, trtllm_config=trtllm_config, on_phase=on_phase,
+                        progress=on_candidate)
+    plan = res.plan
+    out = {"model": args.model, "backend": args.backend, "layers": list(plan.layers), "alphas": list(plan.alphas),
+           "ppl": plan.ppl, "stages": {r.stage: {"artifact": str(r.artifact.path), "cached": r.artifact.cached,
+                                               "seconds": round(r.seconds, 3)} for r in res.records},
+           "all_cached": all(r.artifact.cached for r in res.records),
+           "seconds": round(time.perf_counter() - t0, 3), "notes": res.notes,
+           "_tables": {"stages": [r.row() for r in res.records]}}
+    engine = res.artifact("build")
+    if engine is not None:
+        out["engine"] = str(engine.path)
+        kv = (engine.manifest.get("engine") or {}).get("kv") or {}
+        if "bytes_per_token" in kv:
+            out["kv_bytes_per_token"] = {"harp": kv["bytes_per_token"], "dense": kv.get("dense_bytes_per_token")}
+    bench = res.artifact("bench")
+    if bench is not None:
+        out["bench"] = bench.manifest.get("summary", {})
+    return out
+
+
+def _bench_config(args):
+    from bench.stage import BenchConfig
+
+    from .bench import _ints, _tasks
+
+    return BenchConfig.from_dict({
+        "engine": "ort" if args.backend in ("ort", "triton") else "torch",
+        "seq_lens": _ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": _tasks(args.bench_tasks),
+        "limit": args.bench_limit, "repeats": args.bench_repeats, "corpus": args.corpus})
