@@ -32,7 +32,7 @@ def tiny(tmp_path):
 
 def test_deploy_writes_verified_artifact(tiny, tmp_path, capsys):
     folder, plan = tiny
-    args = _args(["--plan", str(plan), "--dtype", "float32", "--tp", "2", "--max-input-len", "32",
+    args = _args(["trtllm", "--plan", str(plan), "--dtype", "float32", "--tp", "2", "--max-input-len", "32",
                   "--max-seq-len", "64", "--workdir", str(tmp_path / "cache"), "--json"])
     out = deploy.run(args)
     assert out["architecture"] == "Qwen2ForCausalLM" and out["route"] == "window1" and not out["cached"]
@@ -49,4 +49,4 @@ def test_deploy_refuses_a_plan_for_other_weights(tiny, tmp_path):
     folder, plan = tiny
     other = save_tiny("qwen2", tmp_path / "other", seed=1)
     with pytest.raises(PreconditionError, match="is not the model the plan was calibrated on"):
-        deploy.run(_args(["--plan", str(plan), "--model", str(other), "--workdir", str(tmp_path / "c")]))
+        deploy.run(_args(["trtllm", "--plan", str(plan), "--model", str(other), "--workdir", str(tmp_path / "c")]))

@@ -1,6 +1,12 @@
-"""harp-trt deploy: turn a calibrate plan into a TensorRT-LLM deployment artifact (checkpoint for
+"""harp-trt deploy: turn HARP artifacts into deployments.
+
+``deploy trtllm --plan P``: a calibrate plan -> TensorRT-LLM deployment artifact (checkpoint for
 trtllm-build, HF DeciLM checkpoint where the family allows it, build_engine.sh), verified by reading
-it back in PyTorch."""
+it back in PyTorch.
+
+``deploy triton --artifact A --out REPO``: an ONNX artifact (export, rewrite, ORT engine) or a
+TensorRT-LLM artifact -> a Triton Inference Server model repository (config.pbtxt files checked
+against Triton's schema, client.py, README.md)."""
 from __future__ import annotations
 
 import argparse
@@ -9,15 +15,42 @@ import time
 from ._common import add_model_argument
 
 NAME = "deploy"
-HELP = "write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)"
+HELP = "deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint) or triton (model repository)"
+TARGETS = ("trtllm", "triton")
+
+
+def _common_suppressed(p: argparse.ArgumentParser) -> None:
+    """--workdir/--json/-v after the target too; SUPPRESS keeps a value given before the target."""
+    from . import common_arguments
+
+    tmp = argparse.ArgumentParser(add_help=False)
+    common_arguments(tmp)
+    for a in tmp._actions:
+        kw = {"help": a.help, "default": argparse.SUPPRESS, "dest": a.dest}
+        if a.nargs == 0:  # a flag (store_true)
+            p.add_argument(*a.option_strings, action="store_true", **kw)
+        else:
+            p.add_argument(*a.option_strings, **kw)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="target", required=True, metavar="{trtllm,triton}")
+    t = sub.add_parser("trtllm", help="TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
+                       description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan")
+    add_trtllm_arguments(t)
+    _common_suppressed(t)
+    r = sub.add_parser("triton", help="Triton model repository for an ONNX or TensorRT-LLM artifact",
+                       description="write a Triton model repository (config.pbtxt checked against Triton's "
+                                   "schema, client.py, README.md) for an ONNX or TensorRT-LLM artifact")
+    add_triton_arguments(r)
+    _common_suppressed(r)
+
+
+def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
     from builders.trtllm.stage import TrtllmCheckpointConfig as C
 
     p.add_argument("--plan", required=True, help="calibrate artifact folder (or key) or a plan.json file")
     add_model_argument(p, required=False)
-    p.add_argument("--backend", default="trtllm", choices=["trtllm"], help="deployment target (default %(default)s)")
     p.add_argument("--dtype", default=C.default("dtype"), help="float16 | bfloat16 | float32 (default %(default)s)")
     p.add_argument("--tp", type=int, default=C.default("tp_size"), help="tensor-parallel GPUs (default %(default)s)")
     p.add_argument("--pp", type=int, default=C.default("pp_size"), help="pipeline stages (default %(default)s)")
@@ -33,6 +66,85 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is cached")
 
 
+def add_triton_arguments(p: argparse.ArgumentParser) -> None:
+    from builders.triton.repository import TritonRepoConfig as C
+
+    p.add_argument("--artifact", required=True,
+                   help="export/rewrite/ORT-engine folder with model.onnx, or a trtllm artifact (folder or cache key)")
+    p.add_argument("--out", required=True, help="model repository folder to write (must be new or empty)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    g = p.add_argument_group("ONNX Runtime model")
+    g.add_argument("--model-name", default=C.default("model_name"), help="Triton model name (default %(default)s)")
+    g.add_argument("--device", default=C.default("device"), choices=["cpu", "gpu"],
+                   help="instance kind: cpu -> KIND_CPU, gpu -> KIND_GPU (default %(default)s)")
+    g.add_argument("--instances", type=int, default=C.default("instances"), help="model instances (default %(default)s)")
+    g.add_argument("--threads", type=int, default=C.default("threads"),
+                   help="ONNX Runtime intra-op threads, 0 = its default (default %(default)s)")
+    g.add_argument("--copy", action="store_true", help="copy model files instead of hard-linking them")
+    g = p.add_argument_group("TensorRT-LLM models")
+    g.add_argument("--max-batch-size", type=int, default=C.default("max_batch_size"),
+                   help="Triton max batch size, 0 = the engine's (default %(default)s)")
+    g.add_argument("--engine-dir", default=C.default("engine_dir"),
+                   help="engine folder as the server sees it (default: <artifact>/engine, where build_engine.sh writes)")
+    g.add_argument("--tokenizer-dir", default=C.default("tokenizer_dir"),
+                   help="tokenizer folder to copy (default: the artifact's hf/ or the plan's model folder)")
+    g.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=C.default("kv_cache_free_gpu_mem_fraction"),
+                   help="(default %(default)s)")
+    g.add_argument("--batching-strategy", default=C.default("batching_strategy"),
+                   choices=["inflight_fused_batching", "V1"], help="(default %(default)s)")
+    g.add_argument("--batch-scheduler-policy", default=C.default("batch_scheduler_policy"),
+                   choices=["guaranteed_no_evict", "max_utilization"], help="(default %(default)s)")
+    g.add_argument("--decoupled", action="store_true", help="decoupled (streaming) tensorrt_llm model")
+    g.add_argument("--include-input", action="store_true", help="return the prompt with the output text")
+    g.add_argument("--kv-cache-reuse", action="store_true", help="enable KV cache reuse (prefix caching)")
+    g.add_argument("--max-queue-delay-us", type=int, default=C.default("max_queue_delay_microseconds"),
+                   help="(default %(default)s)")
+    g.add_argument("--preprocessing-instances", type=int, default=C.default("preprocessing_instances"),
+                   help="(default %(default)s)")
+    g.add_argument("--postprocessing-instances", type=int, default=C.default("postprocessing_instances"),
+                   help="(default %(default)s)")
+
+
+def run(args) -> dict:
+    if args.target == "triton":
+        return run_triton(args)
+    return run_trtllm(args)
+
+
+def run_triton(args) -> dict:
+    from builders.triton.repository import TritonRepoConfig, write_repository
+
+    from ..store import ArtifactStore
+
+    t0 = time.perf_counter()
+    config = TritonRepoConfig.from_dict({
+        "model_name": args.model_name, "device": args.device, "instances": args.instances, "threads": args.threads,
+        "link": not args.copy, "max_batch_size": args.max_batch_size, "engine_dir": args.engine_dir,
+        "tokenizer_dir": args.tokenizer_dir, "kv_cache_free_gpu_mem_fraction": args.kv_cache_free_gpu_mem_fraction,
+        "batching_strategy": args.batching_strategy, "batch_scheduler_policy": args.batch_scheduler_policy,
+        "decoupled": args.decoupled, "exclude_input_in_output": not args.include_input,
+        "enable_kv_cache_reuse": args.kv_cache_reuse, "max_queue_delay_microseconds": args.max_queue_delay_us,
+        "preprocessing_instances": args.preprocessing_instances,
+        "postprocessing_instances": args.postprocessing_instances})
+    store = ArtifactStore(args.workdir) if getattr(args, "workdir", None) else None
+    r = write_repository(args.artifact, args.out, config, force=args.force, store=store)
+    result = {"repository": r["repository"], "kind": r["kind"], "artifact": r["artifact"]["path"],
+              "artifact_stage": r["artifact"]["stage"], "seconds": round(time.perf_counter() - t0, 3)}
+    if r["kind"] == "onnx":
+        result.update({"model": r["model"], "instance_kind": r["instance_kind"], "inputs": len(r["inputs"]),
+                       "outputs": len(r["outputs"]), "kv_layers": r["kv_layers"], "pruned_layers": r["pruned_layers"],
+                       "weights": r["placed_by"]})
+    else:
+        v = r["template_values"]
+        result.update({"models": ", ".join(r["models"]), "engine_dir": r["engine_dir"], "engine_built": r["engine_built"],
+                       "max_batch_size": v["triton_max_batch_size"],
+                       "max_attention_window_size": v["max_attention_window_size"],
+                       "decoupled": v["decoupled_mode"]})
+        result["_tables"] = {"template keys": [{"key": k, "value": "(backend default)" if val is None else val}
+                                               for k, val in v.items()]}
+    return result
+
+
 def _load_plan(ref: str, store):
     from pathlib import Path
 
@@ -44,7 +156,7 @@ def _load_plan(ref: str, store):
     return Plan.load(store.open(ref).path)
 
 
-def run(args) -> dict:
+def run_trtllm(args) -> dict:
     from builders.trtllm.stage import TrtllmCheckpointConfig, TrtllmCheckpointStage
 
     from ..errors import PreconditionError

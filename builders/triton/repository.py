@@ -1,0 +1,538 @@
+"""``TritonRepoStage``: an ONNX or TensorRT-LLM artifact -> a Triton model repository.
+
+Inputs: one artifact folder (or cache key).
+
+* ONNX Runtime: an ``export`` or ``rewrite`` artifact, an ORT engine folder (``engine.json`` next to
+  ``model.onnx``), or any folder holding ``model.onnx`` -> one ``onnxruntime`` model
+  (``onnx_repo.py``).
+* TensorRT-LLM: a ``trtllm`` artifact (``TrtllmCheckpointStage``) -> ensemble / preprocessing /
+  tensorrt_llm / postprocessing (``trtllm_repo.py``).
+
+Every repository also gets ``client.py`` (tritonclient gRPC), ``README.md`` (how to start the server
+and call it) and ``harp_triton.json`` (what was written from which artifact, and the values of the
+template keys). The repository is written to a temporary sibling of ``--out`` and renamed into
+place only after every ``config.pbtxt`` parses as Triton's ``ModelConfig`` and the ensemble wiring
+checks out (:func:`validate_repository`), so a failure leaves nothing half-written. An existing,
+non-empty ``--out`` is replaced only with ``force``."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+from harp_trt.config import StageConfig
+from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
+from harp_trt.stage import Stage
+from harp_trt.store import MANIFEST
+
+from .pbtxt import STAGE, parse_model_config
+
+__all__ = ["TritonRepoConfig", "TritonRepoStage", "ArtifactInfo", "inspect_artifact", "write_repository",
+           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST", "TOKENIZER_FILES",
+           "NGC_ONNX_IMAGE", "NGC_TRTLLM_IMAGE"]
+
+log = logging.getLogger(__name__)
+
+ONNX_STAGES = ("export", "rewrite", "build-ort")
+TRTLLM_STAGES = ("trtllm",)
+REPO_MANIFEST = "harp_triton.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json", "config.json")
+# NGC images (pick the release whose backends match your build; see README.md in the repository)
+NGC_ONNX_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
+NGC_TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonRepoConfig(StageConfig):
+    """How the repository is written.
+
+    ONNX: ``model_name`` (folder and model name), ``device`` (``cpu`` -> KIND_CPU, ``gpu`` ->
+    KIND_GPU instances), ``instances``, ``threads`` (ORT intra-op threads; 0 = ORT's default),
+    ``link`` (hard-link model files instead of copying where the filesystem allows).
+    TensorRT-LLM: ``max_batch_size`` (0 = the engine's), ``engine_dir`` (path *as the server sees
+    it*; empty = ``<artifact>/engine``, where build_engine.sh writes), ``tokenizer_dir`` (where to
+    copy the tokenizer from; empty = the artifact's ``hf/`` or the plan's model folder), and the
+    tensorrtllm-backend settings of the same names."""
+
+    VERSION: ClassVar[int] = 1
+    model_name: str = "harp"
+    device: str = "cpu"
+    instances: int = 1
+    threads: int = 0
+    link: bool = True
+    max_batch_size: int = 0
+    engine_dir: str = ""
+    tokenizer_dir: str = ""
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    batching_strategy: str = "inflight_fused_batching"
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    decoupled: bool = False
+    exclude_input_in_output: bool = True
+    enable_kv_cache_reuse: bool = False
+    max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 0
+    preprocessing_instances: int = 1
+    postprocessing_instances: int = 1
+
+    def validate(self) -> None:
+        if self.device not in ("cpu", "gpu"):
+            raise ConfigError(f"device must be 'cpu' or 'gpu', got {self.device!r}",
+                              "cpu -> KIND_CPU instances, gpu -> KIND_GPU instances")
+        if not self.model_name or not all(c.isalnum() or c in "_-." for c in self.model_name) \
+                or self.model_name in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm"):
+            raise ConfigError(f"model_name {self.model_name!r} is not a usable Triton model name",
+                              "use letters, digits, '_', '-' or '.'")
+        for name in ("instances", "preprocessing_instances", "postprocessing_instances"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("threads", "max_batch_size", "max_queue_delay_microseconds", "max_queue_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        if not 0.0 < float(self.kv_cache_free_gpu_mem_fraction) <= 1.0:
+            raise ConfigError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1], got "
+                              f"{self.kv_cache_free_gpu_mem_fraction!r}")
+        if self.batching_strategy not in ("inflight_fused_batching", "V1"):
+            raise ConfigError(f"batching_strategy must be 'inflight_fused_batching' or 'V1', got "
+                              f"{self.batching_strategy!r}")
+        if self.batch_scheduler_policy not in ("guaranteed_no_evict", "max_utilization"):
+            raise ConfigError(f"batch_scheduler_policy must be 'guaranteed_no_evict' or 'max_utilization', "
+                              f"got {self.batch_scheduler_policy!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactInfo:
+    kind: str               # "onnx" or "trtllm"
+    path: Path
+    stage: str | None       # the manifest's stage, "ort-engine" for an engine.json folder, None for a bare folder
+    manifest: dict[str, Any]
+    onnx: Path | None = None
+    engine: dict[str, Any] | None = None  # engine.json of an ORT engine folder
+
+
+def inspect_artifact(ref: str | os.PathLike, store=None) -> ArtifactInfo:
+    """Classify an artifact folder (or a cache key, looked up in ``store``) for the Triton target."""
+    p = Path(ref)
+    if not p.is_dir() and store is not None:
+        try:
+            p = store.open(str(ref)).path
+        except Exception:  # CacheError: report below with the Triton wording
+            pass
+    if not p.is_dir():
+        raise PreconditionError(STAGE, f"no artifact folder at {ref}",
+                                "pass an export/rewrite/ORT-engine/trtllm artifact folder or its cache key "
+                                "(`harp-trt cache ls`)")
+    p = p.resolve()
+    manifest = json.loads((p / MANIFEST).read_text()) if (p / MANIFEST).is_file() else {}
+    stage = manifest.get("stage")
+    engine_json = p / "engine.json"
+    valid = ", ".join(ONNX_STAGES + TRTLLM_STAGES)
+    if stage in TRTLLM_STAGES:
+        return ArtifactInfo("trtllm", p, stage, manifest)
+    if stage is not None and stage not in ONNX_STAGES and not engine_json.is_file():
+        raise PreconditionError(STAGE, f"{p.name} is a {stage!r} artifact; Triton repositories are written from "
+                                f"{valid} artifacts or an ORT engine folder",
+                                "deploy the plan first (`harp-trt deploy trtllm --plan ...`, or export/rewrite it "
+                                "to ONNX), then pass that artifact")
+    name = manifest.get("onnx") or "model.onnx"
+    engine: Any = None
+    if engine_json.is_file():
+        try:
+            engine = json.loads(engine_json.read_text())
+        except ValueError:
+            raise PreconditionError(STAGE, f"{engine_json} is not valid JSON") from None
+        stage = stage or "ort-engine"
+        onnx_name = engine.get("model") if isinstance(engine, dict) else None  # builders/ort engine.json
+        name = onnx_name if isinstance(onnx_name, str) and onnx_name.endswith(".onnx") else name
+    onnx_path = p / name
+    if not onnx_path.is_file():
+        what = f"{stage!r} artifact" if stage else "folder"
+        raise PreconditionError(STAGE, f"{what} {p} has no {name}",
+                                "re-run the stage that writes it; an ONNX Runtime repository needs the graph")
+    return ArtifactInfo("onnx", p, stage, manifest, onnx_path,
+                        engine if engine_json.is_file() and isinstance(engine, dict) else None)
+
+
+def _tokenizer_files(folder: Path) -> list[str]:
+    files = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    vocab = {"tokenizer.json", "tokenizer.model", "vocab.json"}
+    return files if vocab & set(files) else []
+
+
+# ---- validation -------------------------------------------------------------------------------
+def validate_repository(repo: Path) -> dict[str, Any]:
+    """Parse every ``<model>/config.pbtxt`` into ``ModelConfig`` and check the repository is
+    loadable as far as it can be without a server: model name = folder name, a version folder
+    ``1/`` exists, no ``${...}`` left in any text file, and every ensemble step names a model of the
+    repository, maps only tensors that model has, with matching data types and dims, and reads only
+    ensemble inputs or outputs of earlier steps. Returns ``{model name: ModelConfig}``."""
+    repo = Path(repo)
+    configs = {}
+    for cfg_path in sorted(repo.glob("*/config.pbtxt")):
+        msg = parse_model_config(cfg_path, where=str(cfg_path.relative_to(repo)))
+        folder = cfg_path.parent.name
+        if msg.name != folder:
+            raise PostconditionError(STAGE, f"{folder}/config.pbtxt names the model {msg.name!r}; Triton needs "
+                                     f"the folder name {folder!r}")
+        if not (cfg_path.parent / "1").is_dir():
+            raise PostconditionError(STAGE, f"model {folder} has no version folder 1/")
+        if not msg.input or not msg.output:
+            raise PostconditionError(STAGE, f"model {folder} declares no inputs or no outputs")
+        configs[folder] = msg
+    if not configs:
+        raise PostconditionError(STAGE, f"{repo} holds no <model>/config.pbtxt")
+    for f in repo.rglob("*"):
+        if f.is_file() and f.suffix in (".pbtxt", ".py", ".md", ".json", ".sh") and f.stat().st_size < 1 << 22:
+            text = f.read_text(errors="replace")
+            if "${" in text and f.name not in TOKENIZER_FILES:
+                raise PostconditionError(STAGE, f"{f.relative_to(repo)} still holds a template key "
+                                         f"{text[text.index('${'):][:40].splitlines()[0]!r}")
+    for name, msg in configs.items():
+        if msg.platform == "ensemble":
+            _check_ensemble(name, msg, configs)
+    return configs
+
+
+def _tensors(msg, group: str) -> dict[str, Any]:
+    return {t.name: t for t in getattr(msg, group)}
+
+
+def _check_ensemble(name: str, ens, configs: dict[str, Any]) -> None:
+    def fail(text: str):
+        raise PostconditionError(STAGE, f"ensemble {name}: {text}")
+
+    available = dict(_tensors(ens, "input"))  # tensor name -> spec (data_type, dims)
+    for i, step in enumerate(ens.ensemble_scheduling.step):
+        model = configs.get(step.model_name)
+        if model is None:
+            fail(f"step {i} runs model {step.model_name!r}, which is not in the repository")
+        if model.max_batch_size < ens.max_batch_size:
+            fail(f"max_batch_size {ens.max_batch_size} exceeds {step.model_name}'s {model.max_batch_size}")
+        m_in, m_out = _tensors(model, "input"), _tensors(model, "output")
+        for key, value in step.input_map.items():
+            if key not in m_in:
+                fail(f"step {step.model_name} maps input {key!r}, which the model does not have")
+            if value not in available:
+                fail(f"step {step.model_name} reads {value!r} before any step produces it")
+            src, dst = available[value], m_in[key]
+            if src.data_type != dst.data_type or list(src.dims) != list(dst.dims):
+                fail(f"{value!r} ({src.data_type}, {list(src.dims)}) does not match {step.model_name}.{key} "
+                     f"({dst.data_type}, {list(dst.dims)})")
+        required = {n for n, t in m_in.items() if not t.optional}
+        missing = required - set(step.input_map)
+        if missing:
+            fail(f"step {step.model_name} leaves required input(s) {sorted(missing)} unmapped")
+        for key, value in step.output_map.items():
+            if key not in m_out:
+                fail(f"step {step.model_name} maps output {key!r}, which the model does not have")
+            available[value] = m_out[key]
+    for out in ens.output:
+        if out.name not in available:
+            fail(f"output {out.name!r} is produced by no step")
+        src = available[out.name]
+        if src.data_type != out.data_type or list(src.dims) != list(out.dims):
+            fail(f"output {out.name!r} does not match the step output that produces it")
+
+
+# ---- the stage --------------------------------------------------------------------------------
+class TritonRepoStage(Stage[TritonRepoConfig]):
+    """inputs: ``{"artifact": ArtifactInfo | Artifact | path}`` (``"engine"``, ``"onnx"`` and ``"trtllm"``
+    are accepted as the key too). Writes a Triton model repository into ``out_dir``. Usable with
+    ``Stage.execute`` (the repository then lives in the artifact cache, keyed by the upstream
+    artifact and the config) or through :func:`write_repository` (a folder of the user's choice)."""
+
+    name: ClassVar[str] = STAGE
+    version: ClassVar[int] = 1
+    outputs: ClassVar[tuple[str, ...]] = ("README.md", "client.py", REPO_MANIFEST)
+    INPUT_KEYS: ClassVar[tuple[str, ...]] = ("artifact", "engine", "onnx", "trtllm")
+
+    @classmethod
+    def artifact_of(cls, inputs: Mapping[str, Any]) -> ArtifactInfo:
+        ref = next((inputs[k] for k in cls.INPUT_KEYS if inputs.get(k) is not None), None)
+        if isinstance(ref, ArtifactInfo):
+            return ref
+        if ref is None:
+            raise PreconditionError(STAGE, f"needs one of the inputs {', '.join(cls.INPUT_KEYS)} "
+                                    "(an artifact, its folder or an ArtifactInfo)",
+                                    "e.g. TritonRepoStage().execute(store, config, {'engine': ort_artifact})")
+        return inspect_artifact(getattr(ref, "path", ref))
+
+    def key_material(self, config: TritonRepoConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        base = super().key_material(config, inputs)
+        info = self.artifact_of(inputs)
+        return {**base, "artifact": info.manifest.get("key") or str(info.path)}
+
+    def check_preconditions(self, config: TritonRepoConfig, inputs: Mapping[str, Any]) -> None:
+        info = self.artifact_of(inputs)
+        if info.kind == "trtllm":
+            from .trtllm_repo import read_checkpoint_config
+
+            read_checkpoint_config(info.path)
+            self._tokenizer_source(config, info)
+
+    def run(self, config: TritonRepoConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
+        info = self.artifact_of(inputs)
+        out = Path(out_dir)
+        header = [f"Written by harp-trt from {info.stage or 'folder'} artifact {info.path}",
+                  "Checked against Triton's model_config.proto (tritonclient model_config_pb2)."]
+        body = (self._run_onnx(config, info, out, header) if info.kind == "onnx"
+                else self._run_trtllm(config, info, out, header))
+        body = {"artifact": {"path": str(info.path), "stage": info.stage, "key": info.manifest.get("key")}, **body}
+        report = {"format": "harp-triton/1", "stage": STAGE, "stage_version": self.version,
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": config.to_dict(), **body}
+        (out / REPO_MANIFEST).write_text(json.dumps(report, indent=2, default=str))
+        return body
+
+    def check_postconditions(self, config: TritonRepoConfig, inputs: Mapping[str, Any], out_dir) -> None:
+        super().check_postconditions(config, inputs, out_dir)
+        validate_repository(Path(out_dir))
+
+    # -- ONNX ------------------------------------------------------------------------------------
+    def _run_onnx(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
+        from .onnx_repo import write_onnx_model
+
+        kind = "KIND_GPU" if config.device == "gpu" else "KIND_CPU"
+        header = header + ["max_batch_size 0: every tensor lists its batch dimension; the client keeps the "
+                           "KV cache (past_key_values.* in, present.* out)."]
+        engine = info.engine or {}
+        threads = config.threads or int(engine.get("intra_op_threads") or 0)
+        providers = [str(x) for x in engine.get("providers") or []]
+        if config.device == "gpu" and providers and not any("CUDA" in x or "Tensorrt" in x for x in providers):
+            log.warning("ORT engine %s was optimized for %s; ONNX Runtime's saved optimized graphs can hold "
+                        "provider-specific nodes, so for KIND_GPU prefer the export/rewrite artifact",
+                        info.path, ", ".join(providers))
+        summary = write_onnx_model(info.onnx, out, config.model_name, kind, config.instances, threads,
+                                   config.link, header)
+        summary["engine_providers"] = providers
+        if summary["pruned_layers"]:
+            log.info("HARP-pruned layers without KV tensors: %s", summary["pruned_layers"])
+        tok_files = _tokenizer_files(info.path)
+        if tok_files:
+            (out / config.model_name / "tokenizer").mkdir()
+            for f in tok_files:
+                shutil.copy2(info.path / f, out / config.model_name / "tokenizer" / f)
+        else:
+            log.warning("artifact %s has no tokenizer files; client.py will need --tokenizer", info.path)
+        defaults = {"model": config.model_name, "tokenizer": f"{config.model_name}/tokenizer",
+                    "url": "localhost:8001", "max_tokens": 32}
+        _write_client(out, "ort_client.py", defaults)
+        (out / "README.md").write_text(_readme_onnx(config, info, summary, bool(tok_files)))
+        return {"kind": "onnx", "device": config.device, "instance_kind": kind, **summary,
+                "tokenizer_files": tok_files}
+
+    # -- TensorRT-LLM ----------------------------------------------------------------------------
+    def _tokenizer_source(self, config, info: ArtifactInfo) -> tuple[Path, list[str]]:
+        candidates = []
+        if config.tokenizer_dir:
+            candidates.append(Path(config.tokenizer_dir))
+        else:
+            candidates.append(info.path / "hf")
+            refs = [(info.manifest.get("model") or {}).get("ref")]
+            if (info.path / "plan.json").is_file():
+                refs.append(json.loads((info.path / "plan.json").read_text()).get("model_ref"))
+            candidates += [Path(r) for r in refs if r]
+        for c in candidates:
+            if c.is_dir() and (files := _tokenizer_files(c)):
+                return c, files
+        raise PreconditionError(STAGE, f"no tokenizer files found for {info.path.name} (looked in "
+                                f"{', '.join(str(c) for c in candidates)})",
+                                "pass --tokenizer-dir with the model's tokenizer folder")
+
+    def _run_trtllm(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
+        from .trtllm_repo import read_checkpoint_config, trtllm_model_configs, write_trtllm_models
+
+        ckpt = read_checkpoint_config(info.path)
+        engine_dir = config.engine_dir or str(info.path / "engine")
+        configs, values = trtllm_model_configs(info.manifest, ckpt, config, engine_dir)
+        tok_src, tok_files = self._tokenizer_source(config, info)
+        write_trtllm_models(out, configs, tok_src, tok_files, header)
+        engine_built = bool((info.manifest.get("engine") or {}).get("built")) or (Path(engine_dir) / "config.json").is_file()
+        build = info.manifest.get("config") or {}
+        _write_client(out, "trtllm_client.py", {"url": "localhost:8001", "max_tokens": 32,
+                                                "decoupled": config.decoupled})
+        summary = {"kind": "trtllm", "models": list(configs), "engine_dir": engine_dir,
+                   "engine_built": engine_built, "tokenizer_from": str(tok_src), "tokenizer_files": tok_files,
+                   "architecture": ckpt.get("architecture"), "world_size": (ckpt.get("mapping") or {}).get(
+                       "world_size", build.get("tp_size", 1) * build.get("pp_size", 1)),
+                   "template_values": values}
+        (out / "README.md").write_text(_readme_trtllm(config, info, summary))
+        return summary
+
+
+def _write_client(out: Path, asset: str, defaults: dict[str, Any]) -> None:
+    src = (Path(__file__).parent / "assets" / asset).read_text()
+    marker = "DEFAULTS: dict = {}"
+    if marker not in src:
+        raise PostconditionError(STAGE, f"client template {asset} lost its DEFAULTS line")
+    client = out / "client.py"
+    client.write_text(src.replace(marker, f"DEFAULTS: dict = {defaults!r}", 1))
+    client.chmod(0o755)
+
+
+# ---- README -----------------------------------------------------------------------------------
+def _readme_onnx(config, info: ArtifactInfo, s: dict[str, Any], has_tokenizer: bool) -> str:
+    gpu = config.device == "gpu"
+    pruned = s["pruned_layers"]
+    harp = (f"HARP-pruned layers {pruned} have no KV cache tensors; the {len(s['kv_layers'])} kept layers "
+            f"{s['kv_layers']} do." if pruned else "All layers keep their KV cache (dense graph).")
+    tok_note = "" if has_tokenizer else ("\nThe artifact had no tokenizer files: pass `--tokenizer DIR` to "
+                                         "client.py.\n")
+    return f"""# Triton model repository: `{config.model_name}` (ONNX Runtime)
+
+Written by `harp-trt deploy triton` from `{info.path}` ({info.stage or 'folder'}).
+{harp}
+
+```
+{config.model_name}/config.pbtxt      backend onnxruntime, max_batch_size 0, weights {'hard-linked' if s['placed_by'] == 'link' else 'copied'}
+{config.model_name}/1/{'  '.join(s['files'])}
+{config.model_name}/tokenizer/        used by client.py (Triton ignores non-numeric folders)
+client.py                     greedy generation over gRPC, KV cache kept by the client
+harp_triton.json              what was written, from which artifact
+```
+
+## Start the server
+
+With the NGC container (it ships the onnxruntime backend; the graph uses opset 23, so the
+container's ONNX Runtime must be 1.22 or newer: check the release notes of the tag you pick):
+
+```bash
+docker run --rm {'--gpus all ' if gpu else ''}-p 8000:8000 -p 8001:8001 -p 8002:8002 \\
+  -v "$(pwd)":/models {NGC_ONNX_IMAGE} \\
+  tritonserver --model-repository=/models
+```
+
+or, where `tritonserver` is installed: `tritonserver --model-repository=$(pwd)`.
+Instances run on the {'GPU (KIND_GPU, CUDA execution provider)' if gpu else 'CPU (KIND_CPU)'};
+`harp-trt deploy triton --device {'cpu' if gpu else 'gpu'}` writes the other kind.
+
+## Call it
+
+```bash
+pip install "tritonclient[grpc]" transformers numpy
+python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
+```
+{tok_note}
+## Tensors
+
+`max_batch_size` is 0 and every tensor lists its batch dimension: `attention_mask` is
+[batch, past+seq] and the KV tensors are [batch, kv_heads, past, head_dim], so requests with
+different lengths cannot be concatenated by Triton's batcher, and the cache is the client's state.
+Each call sends `input_ids`, `attention_mask`, `position_ids` and `past_key_values.{{i}}.key/value`
+and receives `logits` and `present.{{i}}.key/value`, which become the next call's past.
+
+Inputs: {', '.join(f'`{n}`' for n in s['inputs'])}
+
+Outputs: {', '.join(f'`{n}`' for n in s['outputs'])}
+"""
+
+
+def _readme_trtllm(config, info: ArtifactInfo, s: dict[str, Any]) -> str:
+    v = s["template_values"]
+    world = int(s["world_size"] or 1)
+    windows = (f"`max_attention_window_size` = `{v['max_attention_window_size']}` (per layer; HARP-pruned "
+               "layers attend over one token, so their KV cache holds one block)."
+               if v["max_attention_window_size"] else
+               "No per-layer attention windows (DeciLM linear layers carry no KV cache at all).")
+    engine = ("The engine is built." if s["engine_built"] else
+              f"The engine is not built yet: run `bash {info.path / 'build_engine.sh'}` inside the container "
+              "first (it writes the engine where `gpt_model_path` points).")
+    launch = ("tritonserver --model-repository=/models" if world == 1 else
+              "TRTLLM_ORCHESTRATOR=1 tritonserver --model-repository=/models")
+    return f"""# Triton model repository: TensorRT-LLM ({s['architecture']})
+
+Written by `harp-trt deploy triton` from `{info.path}`.
+
+```
+ensemble/        text_input, max_tokens -> text_output (preprocessing -> tensorrt_llm -> postprocessing)
+preprocessing/   Python backend: tokenizer (1/tokenizer), max_tokens clamped to the engine's max_seq_len
+tensorrt_llm/    tensorrtllm backend, gpt_model_path = {s['engine_dir']}
+postprocessing/  Python backend: detokenizer (1/tokenizer)
+client.py        sends a prompt to the ensemble and prints the reply
+harp_triton.json the values of the template keys and where everything came from
+```
+
+{engine}
+{windows}
+Batching: `{v['batching_strategy']}`, max batch size {v['triton_max_batch_size']},
+`kv_cache_free_gpu_mem_fraction` {v['kv_cache_free_gpu_mem_fraction']}, decoupled (streaming) mode
+{'on' if v['decoupled_mode'] else 'off'}.
+
+## Start the server
+
+Use the TensorRT-LLM container, the same release for `build_engine.sh` and for serving (an engine
+runs only with the TensorRT-LLM version that built it). The engine and this repository must be
+visible inside the container at the paths in the configs, so mount the artifact at its own path:
+
+```bash
+docker run --rm --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 \\
+  -v "$(pwd)":/models -v "{info.path}":"{info.path}" {NGC_TRTLLM_IMAGE} \\
+  {launch}
+```
+
+{'' if world == 1 else f'The engine spans {world} GPUs: orchestrator mode (TRTLLM_ORCHESTRATOR=1) lets the backend start its MPI workers itself. '}If the engine lives elsewhere in the container, rewrite with `--engine-dir PATH`.
+
+## Call it
+
+```bash
+pip install "tritonclient[grpc]" numpy
+python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
+```
+
+or over HTTP: `curl -s localhost:8000/v2/models/ensemble/generate -d '{{"text_input": "Hello", "max_tokens": 16}}'`.
+"""
+
+
+# ---- the entry point --------------------------------------------------------------------------
+def write_repository(artifact: str | os.PathLike, out: str | os.PathLike, config: TritonRepoConfig | None = None,
+                     force: bool = False, store=None) -> dict[str, Any]:
+    """Write a Triton model repository for ``artifact`` at ``out``; returns the report (also saved
+    as ``<out>/harp_triton.json``). Bad input raises a ``HarpError`` before anything is written."""
+    config = config or TritonRepoConfig()
+    info = inspect_artifact(artifact, store)
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise PreconditionError(STAGE, f"--out {out} exists and is not a folder", "pick another --out")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise PreconditionError(STAGE, f"--out {out} exists and is not empty",
+                                "pass --force to replace it, or pick another --out")
+    if out == info.path or info.path in out.parents:
+        raise PreconditionError(STAGE, f"--out {out} lies inside the artifact {info.path}", "pick another --out")
+    stage = TritonRepoStage()
+    stage.check_preconditions(config, {"artifact": info})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        stage.run(config, {"artifact": info}, tmp)
+        report = json.loads((tmp / REPO_MANIFEST).read_text())
+        stage.check_postconditions(config, {"artifact": info}, tmp)
+        _publish(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.info("wrote Triton repository %s in %.2f s", out, time.perf_counter() - t0)
+    return {**report, "repository": str(out)}
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed afterwards."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,209 @@
+"""Triton repository for TensorRT-LLM: real ``TrtllmCheckpointStage`` artifacts of tiny Qwen2 (window1
+route: per-layer attention windows) and Llama (DeciLM route, tokenizer in hf/) models -> ensemble,
+preprocessing, tensorrt_llm, postprocessing; every config.pbtxt parsed with ``model_config_pb2``, no
+``${`` left, values equal to the build config, the ensemble wiring checked (and shown to catch a
+broken map), the Python-backend helpers run on the copied tokenizer, and the error paths."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from builders.triton import (TEMPLATE_KEYS, TritonRepoConfig, parse_model_config, string_params,
+                             validate_repository, write_repository)
+from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
+from harp_trt.cli import main
+from harp_trt.errors import PostconditionError, PreconditionError
+from harp_trt.plan import Plan
+from harp_trt.store import ArtifactStore
+
+from conftest import _tiny_tokenizer, make_tiny
+
+MODELS = ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm"]
+BUILD = dict(dtype="float32", max_batch_size=6, max_input_len=32, max_seq_len=64)
+
+
+def _plan(family: str, ref: str) -> Plan:
+    return Plan(ref, "0" * 64, family, 4, "test", (2, 3), (0.7, 0.0))
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """{"qwen2": artifact whose plan points at a model folder with the tokenizer,
+        "llama": artifact with the tokenizer saved in hf/}"""
+    root = tmp_path_factory.mktemp("trt")
+    store = ArtifactStore(root / "cache")
+    tok_folder = root / "qwen2-model"
+    _tiny_tokenizer().save_pretrained(tok_folder)
+    cfg = TrtllmCheckpointConfig(**BUILD)
+    qwen = TrtllmCheckpointStage().execute(store, cfg, {"plan": _plan("qwen2", str(tok_folder)),
+                                                        "model": make_tiny("qwen2")})
+    llama = TrtllmCheckpointStage().execute(store, cfg, {"plan": _plan("llama", "llama-tiny"),
+                                                         "model": make_tiny("llama", intermediate_size=256),
+                                                         "tokenizer": _tiny_tokenizer()})
+    return {"qwen2": qwen, "llama": llama, "tokenizer": tok_folder}
+
+
+def _configs(repo):
+    return {m: parse_model_config(repo / m / "config.pbtxt") for m in MODELS}
+
+
+def test_qwen2_repository_values_match_the_build(artifacts, tmp_path):
+    art = artifacts["qwen2"]
+    report = write_repository(art.path, tmp_path / "repo")
+    repo = tmp_path / "repo"
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == MODELS
+    cfgs = _configs(repo)
+    assert {m: c.name for m, c in cfgs.items()} == {m: m for m in MODELS}
+    for f in repo.rglob("*"):
+        if f.is_file() and f.suffix in (".pbtxt", ".py", ".md", ".json"):
+            assert "${" not in f.read_text(), f
+
+    assert {c.max_batch_size for c in cfgs.values()} == {BUILD["max_batch_size"]}
+    llm = cfgs["tensorrt_llm"]
+    p = string_params(llm)
+    assert llm.backend == "tensorrtllm" and llm.model_transaction_policy.decoupled is False
+    assert p["gpt_model_path"] == str(art.path / "engine")  # where build_engine.sh writes by default
+    assert "engine" in (art.path / "build_engine.sh").read_text()
+    assert p["gpt_model_type"] == "inflight_fused_batching" and p["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert p["batch_scheduler_policy"] == "guaranteed_no_evict" and p["exclude_input_in_output"] == "true"
+    ckpt = json.loads((art.path / "checkpoint" / "config.json").read_text())
+    windows = ckpt["runtime_defaults"]["max_attention_window"]
+    assert windows == [64, 64, 1, 1]  # kept layers: max_seq_len; HARP-pruned layers 2, 3: one token
+    assert p["max_attention_window_size"] == "64,64,1,1" and p["sink_token_length"] == "0"
+    assert "max_tokens_in_paged_kv_cache" not in p  # optional, no value: left out (backend default)
+    assert list(llm.dynamic_batching.preferred_batch_size) == [6]
+    out_types = {t.name: t.data_type for t in llm.output}
+    from tritonclient.grpc import model_config_pb2 as pb
+    assert out_types["context_logits"] == pb.TYPE_FP32 and out_types["output_ids"] == pb.TYPE_INT32  # logits_dtype
+    pre = string_params(cfgs["preprocessing"])
+    assert pre == {"tokenizer_dir": "tokenizer", "add_special_tokens": "true", "max_input_len": "32",
+                   "max_seq_len": "64"}
+    assert cfgs["preprocessing"].backend == cfgs["postprocessing"].backend == "python"
+    assert cfgs["ensemble"].platform == "ensemble"
+    assert [s.model_name for s in cfgs["ensemble"].ensemble_scheduling.step] == [
+        "preprocessing", "tensorrt_llm", "postprocessing"]
+    assert (repo / "ensemble" / "1").is_dir() and (repo / "tensorrt_llm" / "1").is_dir()
+    for m in ("preprocessing", "postprocessing"):
+        assert (repo / m / "1" / "model.py").is_file()
+        assert (repo / m / "1" / "tokenizer" / "tokenizer.json").read_bytes() == \
+            (artifacts["tokenizer"] / "tokenizer.json").read_bytes()
+
+    assert set(report["template_values"]) == set(TEMPLATE_KEYS)
+    assert report["template_values"]["triton_max_batch_size"] == 6 and report["engine_built"] is False
+    readme = (repo / "README.md").read_text()
+    assert "build_engine.sh" in readme and "trtllm-python-py3" in readme and "64,64,1,1" in readme
+    assert "tritonserver --model-repository=" in readme
+
+
+def test_llama_decilm_and_overrides(artifacts, tmp_path):
+    art = artifacts["llama"]
+    cfg = TritonRepoConfig(max_batch_size=4, decoupled=True, kv_cache_free_gpu_mem_fraction=0.5,
+                           batch_scheduler_policy="max_utilization", engine_dir="/engines/harp-llama",
+                           preprocessing_instances=3, exclude_input_in_output=False)
+    report = write_repository(art.path, tmp_path / "repo", cfg)
+    cfgs = _configs(tmp_path / "repo")
+    p = string_params(cfgs["tensorrt_llm"])
+    assert "max_attention_window_size" not in p  # DeciLM linear layers: no windows to set
+    assert report["template_values"]["max_attention_window_size"] is None
+    assert p["gpt_model_path"] == "/engines/harp-llama" and p["kv_cache_free_gpu_mem_fraction"] == "0.5"
+    assert p["batch_scheduler_policy"] == "max_utilization" and p["exclude_input_in_output"] == "false"
+    assert cfgs["tensorrt_llm"].model_transaction_policy.decoupled is True
+    assert {c.max_batch_size for c in cfgs.values()} == {4}
+    assert [g.count for g in cfgs["preprocessing"].instance_group] == [3]
+    assert report["tokenizer_from"] == str(art.path / "hf")
+    spec = importlib.util.spec_from_file_location("c", tmp_path / "repo" / "client.py")
+    client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client)
+    assert client.DEFAULTS["decoupled"] is True
+    arrays = client.request_arrays("hi", 7, stream=True)
+    ens = {t.name: t for t in cfgs["ensemble"].input}
+    for name, a in arrays.items():  # every client tensor is an ensemble input of that rank (+ batch)
+        assert name in ens and a.ndim == len(ens[name].dims) + 1
+
+
+def test_validation_catches_a_broken_ensemble(artifacts, tmp_path):
+    repo = tmp_path / "repo"
+    write_repository(artifacts["qwen2"].path, repo)
+    path = repo / "ensemble" / "config.pbtxt"
+    good = path.read_text()
+    path.write_text(good.replace('key: "input_lengths"', 'key: "input_length"'))
+    with pytest.raises(PostconditionError, match="maps input 'input_length', which the model does not have"):
+        validate_repository(repo)
+    path.write_text(good.replace('value: "_TOKENS_BATCH"\n      }\n      output_map', 'value: "_TOKENS"\n      }\n      output_map'))
+    with pytest.raises(PostconditionError, match="reads '_TOKENS_BATCH' before any step produces it"):
+        validate_repository(repo)
+    pre = repo / "preprocessing" / "config.pbtxt"
+    pre_good = pre.read_text()
+    pre.write_text(pre_good.replace('name: "INPUT_ID"\n    data_type: TYPE_INT32', 'name: "INPUT_ID"\n    data_type: TYPE_INT64'))
+    path.write_text(good)
+    with pytest.raises(PostconditionError, match="'_INPUT_ID'.*does not match tensorrt_llm.input_ids"):
+        validate_repository(repo)
+    pre.write_text(pre_good)
+    assert set(validate_repository(repo)) == set(MODELS)
+
+
+def _asset(repo, model):
+    spec = importlib.util.spec_from_file_location(f"{model}_model", repo / model / "1" / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_python_backend_helpers_on_the_copied_tokenizer(artifacts, tmp_path):
+    repo = tmp_path / "repo"
+    write_repository(artifacts["qwen2"].path, repo)
+    pre, post = _asset(repo, "preprocessing"), _asset(repo, "postprocessing")
+    here = str(repo / "preprocessing" / "1")
+    assert pre.resolve_dir("tokenizer", here) == str(repo / "preprocessing" / "1" / "tokenizer")
+    assert pre.resolve_dir("/abs/tok", here) == "/abs/tok"
+    tok = pre.load_tokenizer(pre.resolve_dir("tokenizer", here))
+    ids, lengths = pre.encode(tok, ["Hi!", "abcde"], add_special_tokens=False)
+    assert ids.dtype == np.int32 and lengths.dtype == np.int32
+    assert ids.tolist() == [[72, 105, 33, 1, 1], [97, 98, 99, 100, 101]] and lengths.tolist() == [[3], [5]]
+    cfg = parse_model_config(repo / "preprocessing" / "config.pbtxt")
+    dims = {t.name: len(t.dims) + 1 for t in cfg.output}  # + batch dimension
+    words = pre.word_lists(tok, [["ab", "c"], []])
+    assert words.shape == (2, 2, 3) and words.dtype == np.int32
+    assert words[0].tolist() == [[97, 98, 99], [2, 3, -1]] and words[1].tolist() == [[0, 0, 0], [-1, -1, -1]]
+    assert ids.ndim == dims["INPUT_ID"] and lengths.ndim == dims["REQUEST_INPUT_LEN"] and words.ndim == dims["STOP_WORDS_IDS"]
+    assert pre.clamp_output_len([[100], [5]], lengths, 64).tolist() == [[61], [5]]
+    assert pre.clamp_output_len([[100]], [[64]], 64).tolist() == [[1]]
+    assert pre.clamp_output_len([[100]], [[64]], 0).tolist() == [[100]]
+    toks = np.array([[[72, 105, 33, 0, 0]], [[97, 98, 99, 100, 101]]], dtype=np.int32)
+    text = post.decode(tok, toks, np.array([[3], [2]]))
+    assert text.shape == (2, 1) and text.dtype == object  # OUTPUT: TYPE_STRING [-1] per batch item
+    assert text[0, 0].decode() == tok.decode([72, 105, 33]) != tok.decode([72, 105, 33, 0, 0])
+    assert text[1, 0].decode() == tok.decode([97, 98]) and "c" not in text[1, 0].decode()
+
+
+def test_trtllm_errors(artifacts, tmp_path, capsys):
+    art = artifacts["qwen2"]
+    moved = tmp_path / "elsewhere"
+    artifacts["tokenizer"].rename(moved)  # the plan's model folder is gone: no tokenizer anywhere
+    try:
+        with pytest.raises(PreconditionError, match="no tokenizer files found.*\n.*--tokenizer-dir"):
+            write_repository(art.path, tmp_path / "repo")
+        assert not (tmp_path / "repo").exists()
+        rc = main(["deploy", "triton", "--artifact", str(art.path), "--out", str(tmp_path / "repo"),
+                   "--tokenizer-dir", str(moved), "--json"])
+        assert rc == 0
+        last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert last["kind"] == "trtllm" and last["max_attention_window_size"] == "64,64,1,1"
+    finally:
+        moved.rename(artifacts["tokenizer"])
+    with pytest.raises(PreconditionError, match="lies inside the artifact"):
+        write_repository(art.path, art.path / "triton")
+    broken = tmp_path / "trtllm-broken"
+    broken.mkdir()
+    ArtifactStore.write_manifest(broken, {"stage": "trtllm", "key": "trtllm-broken"})
+    assert main(["deploy", "triton", "--artifact", str(broken), "--out", str(tmp_path / "r2")]) == 2
+    assert "has no checkpoint/config.json" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists()
+    # by cache key through --workdir
+    store_root = art.path.parent
+    assert main(["deploy", "triton", "--artifact", art.key, "--out", str(tmp_path / "r3"), "--workdir",
+                 str(store_root), "--json"]) == 0
+    assert (tmp_path / "r3" / "tensorrt_llm" / "config.pbtxt").is_file()
