@@ -225,8 +225,10 @@ def build_optimum(w) -> onnx.ModelProto:
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9)
 
 
-def build_gqa(w, packed=True) -> onnx.ModelProto:
-    """Llama as onnxruntime-genai builds it: GroupQueryAttention with in-op rotary."""
+def build_gqa(w, packed=True, skip_norm=False) -> onnx.ModelProto:
+    """Llama as onnxruntime-genai builds it: GroupQueryAttention with in-op rotary; with
+    ``skip_norm`` the residual add and post-attention norm are one fused
+    ``com.microsoft::SkipSimplifiedLayerNormalization`` (outputs: norm, -, -, residual sum)."""
     c = w["cfg"]
     H, KV, hd = c["H"], c["KV"], c["hd"]
     g = _G()
@@ -265,8 +267,18 @@ def build_gqa(w, packed=True) -> onnx.ModelProto:
             domain="com.microsoft", num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0,
             scale=float(1 / np.sqrt(hd))))
         o = g.n("MatMul", [out, g.c(lw["wo"], f"model.layers.{i}.attn.o_proj.weight")], f"{p}/attn/o_proj/MatMul")
-        h = g.n("Add", [h, o], f"{p}/residual_add/Add")
-        h = _mlp(g, h, lw, p)
+        if skip_norm:
+            y, _, _, h = g.n("SkipSimplifiedLayerNormalization", [o, h, g.c(lw["post_norm"], f"model.layers.{i}.post_norm.weight")],
+                             f"{p}/post_attention_layernorm/SkipLayerNorm", outs=4, domain="com.microsoft", epsilon=EPS)
+            gt = g.n("MatMul", [y, g.c(lw["wg"], f"{p}.mlp.gate_proj.weight")], f"{p}/mlp/gate_proj/MatMul")
+            act = g.n("Mul", [gt, g.n("Sigmoid", [gt], f"{p}/mlp/act/Sigmoid")], f"{p}/mlp/act/Mul")
+            up = g.n("MatMul", [y, g.c(lw["wu"], f"{p}.mlp.up_proj.weight")], f"{p}/mlp/up_proj/MatMul")
+            dn = g.n("MatMul", [g.n("Mul", [act, up], f"{p}/mlp/Mul"), g.c(lw["wd"], f"{p}.mlp.down_proj.weight")],
+                     f"{p}/mlp/down_proj/MatMul")
+            h = g.n("Add", [h, dn], f"{p}/Add_1")
+        else:
+            h = g.n("Add", [h, o], f"{p}/residual_add/Add")
+            h = _mlp(g, h, lw, p)
     hn = g.n("RMSNormalization", [h, g.c(w["norm"], "model.norm.weight")], "/model/norm/RMSNorm", epsilon=EPS, axis=-1)
     g.nodes.append(oh.make_node("MatMul", [hn, g.c(w["lm_head"], "lm_head.weight")], ["logits"], name="/lm_head/MatMul"))
     ins, outs = _io(c)
@@ -350,10 +362,11 @@ def test_optimum_style_graph(bias):
     assert rep.params_removed >= 2 * c["D"] * c["H"] * c["hd"] + c["D"] * c["KV"] * c["hd"]  # W_Q, W_O, W_K
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
-def test_group_query_attention_graph(packed):
+@pytest.mark.parametrize("packed,skip_norm", [(True, False), (False, False), (True, True)],
+                         ids=["packed", "separate", "packed-skipnorm"])
+def test_group_query_attention_graph(packed, skip_norm):
     w = make_weights(bias=packed, hd=16)  # ORT's CPU kernel wants head_size % 16 == 0
-    proto = build_gqa(w, packed=packed)
+    proto = build_gqa(w, packed=packed, skip_norm=skip_norm)
     onnx.checker.check_model(proto, full_check=True)
     ids, mask = IDS[:1].repeat(2, 0), MASK[:1].repeat(2, 0)  # GQA's prompt path wants no left padding
     ids[1] = [3, 1, 4, 1, 5, 9]

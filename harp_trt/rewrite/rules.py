@@ -692,13 +692,19 @@ def _remove_block(graph: ir.Graph, m: AttentionMatch, prefix: str) -> LayerEdit:
             out.replace_all_uses_with(m.residual)
         return edit
     # fused Skip*Norm: out0 = norm(h + block), out3 = h + block  ->  norm(h), h
-    attrs = {"epsilon": n.attributes.get_float("epsilon", 1e-5)}
-    op = "SimplifiedLayerNormalization" if n.op_type == "SkipSimplifiedLayerNormalization" else "LayerNormalization"
-    ins = [m.residual, n.inputs[2]] + ([n.inputs[3]] if op == "LayerNormalization" and len(n.inputs) > 3 else [])
-    norm = ir.node(op, ins, attributes=attrs, name=f"{prefix}/residual/{op}")
+    eps = n.attributes.get_float("epsilon", 1e-5)
+    opset = graph.opset_imports.get("", 0)
+    if n.op_type == "SkipSimplifiedLayerNormalization":
+        op, domain, ins = ("RMSNormalization", "", [m.residual, n.inputs[2]]) if opset >= 23 else \
+            ("SimplifiedLayerNormalization", "", [m.residual, n.inputs[2]])
+    else:
+        op, domain = "LayerNormalization", ""
+        ins = [m.residual, n.inputs[2]] + ([n.inputs[3]] if len(n.inputs) > 3 and n.inputs[3] is not None else [])
+    norm = ir.node(op, ins, attributes={"epsilon": eps, "axis": -1}, domain=domain,
+                   name=f"{prefix}/residual/{op}")
     norm.outputs[0].name = _unique(graph, f"{prefix}/residual/{op}_output_0")
     graph.insert_after(n, [norm])
-    n.outputs[0].replace_all_uses_with(norm.outputs[0])
+    n.outputs[0].replace_all_uses_with(norm.outputs[0], replace_graph_outputs=True)
     if len(n.outputs) > 3 and n.outputs[3] is not None:
         n.outputs[3].replace_all_uses_with(m.residual)
     edit.nodes_added.append(norm.name)
