@@ -261,6 +261,9 @@ class ExportConfig(StageConfig):
     opset: int = 23
     verify_atol: float = 1e-4
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         if self.opset < 23:
             raise ConfigError(f"ExportConfig.opset must be >= 23, got {self.opset}")

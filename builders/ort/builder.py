@@ -1,0 +1,223 @@
+"""ORT engine builder: ONNX graph (dense export or HARP rewrite) -> engine folder.
+
+An engine folder holds ``model.onnx`` (the graph after the ``GroupQueryAttention`` pass and ONNX
+Runtime's own graph optimizations, saved with ``SessionOptions.optimized_model_filepath``),
+``model.onnx.data`` above 2 GB, the tokenizer files and ``engine.json``::
+
+    {"format": "harp-engine/1", "backend": "ort", "model": "model.onnx",
+     "providers": [...], "intra_op_threads": 2, "graph_optimization_level": "all",
+     "attention": {"rule": ..., "converted_layers": [...], "skipped": {...}},
+     "kv": {"layers": [...], "num_layers": L, "kv_heads": h, "head_dim": d, "dtype": "float32",
+            "bytes_per_token": ..., "dense_bytes_per_token": ..., "per_layer": [...]},
+     "verify": {"logits_max_abs_diff": ..., "tolerance": ...}, "versions": {...}}
+
+``bytes_per_token`` counts K and V of the kept layers for one sequence; a HARP engine with P of
+L layers pruned has (L-P)/L of the dense figure. The built engine is checked against its source
+graph (prefill + one decode step, with left padding) before it is published."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from harp_trt.config import StageConfig
+from harp_trt.errors import ConfigError, GraphError, PreconditionError, VerificationError
+from harp_trt.stage import Stage
+from harp_trt.store import Artifact
+
+__all__ = ["OrtBuildConfig", "OrtBuilder", "OrtBuildStage", "ENGINE_JSON", "ENGINE_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+STAGE = "build-ort"
+ENGINE_JSON = "engine.json"
+ENGINE_FORMAT = "harp-engine/1"
+EXTERNAL_DATA_THRESHOLD = 2_000_000_000
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json", "config.json")
+LEVELS = ("disable", "basic", "extended", "all")
+
+
+@dataclass(frozen=True)
+class OrtBuildConfig(StageConfig):
+    """``attention``: ``gqa`` converts opset-23 Attention to com.microsoft GroupQueryAttention
+    (fastest on CPU), ``onnx`` keeps it. ``optimization_level``: ORT graph optimizations baked into
+    the saved model. ``intra_op_threads``: recorded for ``generate`` (0 = ORT's default).
+    ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``verify_rtol``: logits
+    tolerance vs the source graph, relative to max(1, max|logits|)."""
+
+    VERSION = 1
+    attention: str = "gqa"
+    optimization_level: str = "all"
+    intra_op_threads: int = 0
+    providers: tuple[str, ...] = ()
+    verify_rtol: float = 1e-4
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.attention not in ("gqa", "onnx"):
+            raise ConfigError(f"OrtBuildConfig.attention must be 'gqa' or 'onnx', got {self.attention!r}")
+        if self.optimization_level not in LEVELS:
+            raise ConfigError(f"OrtBuildConfig.optimization_level must be one of {', '.join(LEVELS)}, "
+                              f"got {self.optimization_level!r}")
+        if self.intra_op_threads < 0:
+            raise ConfigError(f"OrtBuildConfig.intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        if not 0 < self.verify_rtol < 1:
+            raise ConfigError(f"OrtBuildConfig.verify_rtol must lie in (0, 1), got {self.verify_rtol}")
+
+
+class OrtBuilder:
+    """``build(onnx_path, out_dir, config)`` writes an engine folder and returns engine.json's dict."""
+
+    backend = "ort"
+
+    def build(self, onnx_path: str | Path, out_dir: str | Path, config: OrtBuildConfig | None = None,
+              tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+        import onnx_ir as ir
+        import onnxruntime as ort
+
+        from harp_trt.ort_session import default_providers
+        from harp_trt.rewrite.export import read_export_meta
+
+        from .gqa import GqaReport, fuse_group_query_attention
+
+        config = config or OrtBuildConfig()
+        src = Path(onnx_path)
+        out = Path(out_dir)
+        if not src.is_file():
+            raise GraphError(STAGE, f"no ONNX model at {src}", "pass the model.onnx of an export or rewrite artifact")
+        out.mkdir(parents=True, exist_ok=True)
+        meta = read_export_meta(src)  # raises GraphError on an unreadable file
+        try:
+            model = ir.load(src)
+        except Exception as e:  # external data missing or truncated
+            raise GraphError(STAGE, f"cannot load {src} with its weights: {type(e).__name__}: {e}"[:400],
+                             "check model.onnx.data sits next to model.onnx") from None
+        report = fuse_group_query_attention(model, meta) if config.attention == "gqa" else GqaReport()
+        weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                           if v.const_value is not None)
+        external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+        staged = out / ".staged.onnx"
+        ir.save(model, staged, external_data=(staged.name + ".data") if external else None)
+        del model
+
+        providers = list(config.providers) or default_providers()
+        levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+        so = ort.SessionOptions()
+        so.graph_optimization_level = levels[config.optimization_level]
+        so.optimized_model_filepath = str(out / "model.onnx")
+        so.log_severity_level = 3
+        if external:
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "model.onnx.data")
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        try:
+            ort.InferenceSession(str(staged), so, providers=providers)
+        except Exception as e:
+            raise GraphError(STAGE, f"ONNX Runtime cannot optimize {src.name}: {str(e).splitlines()[0][:300]}",
+                             "try attention='onnx' or a lower optimization_level") from None
+        finally:
+            staged.unlink(missing_ok=True)
+            (out / (staged.name + ".data")).unlink(missing_ok=True)
+
+        check = self._verify(src, out / "model.onnx", config.verify_rtol)
+        copied = self._copy_tokenizer(Path(tokenizer_dir) if tokenizer_dir else src.parent, out)
+        spec = {
+            "format": ENGINE_FORMAT, "backend": self.backend, "model": "model.onnx",
+            "external_data": (out / "model.onnx.data").exists(), "providers": providers,
+            "intra_op_threads": config.intra_op_threads, "graph_optimization_level": config.optimization_level,
+            "attention": report.to_dict(), "kv": self._kv_layout(out / "model.onnx", meta),
+            "verify": check, "source": {"onnx": str(src), "export_meta": meta.get("format")},
+            "tokenizer_files": copied, "versions": {"onnxruntime": ort.__version__},
+        }
+        (out / ENGINE_JSON).write_text(json.dumps(spec, indent=2))
+        log.info("engine %s: attention on GQA for %d layers, KV %d B/token (dense %d)", out,
+                 len(report.matched), spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"])
+        return spec
+
+    @staticmethod
+    def _kv_layout(path: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
+        from harp_trt.ort_session import OrtCausalLM
+
+        lm = OrtCausalLM(path, providers=["CPUExecutionProvider"], graph_optimization_level="disable")
+        itemsize = np.dtype(lm.kv_dtype).itemsize
+        per_layer = 2 * lm.kv_heads * lm.head_dim * itemsize
+        return {"layers": lm.kv_layers, "num_layers": lm.num_layers, "kv_heads": lm.kv_heads,
+                "head_dim": lm.head_dim, "dtype": np.dtype(lm.kv_dtype).name,
+                "bytes_per_token": lm.kv_bytes_per_token(), "dense_bytes_per_token": lm.num_layers * per_layer,
+                "per_layer": [{"layer": i, "kv": i in lm.kv_layers, "bytes_per_token": per_layer if i in lm.kv_layers else 0}
+                              for i in range(lm.num_layers)]}
+
+    @staticmethod
+    def _verify(src: Path, built: Path, rtol: float) -> dict[str, float]:
+        """Source graph vs engine: left-padded batch-2 prefill then one decode step."""
+        from harp_trt.ort_session import OrtCausalLM
+
+        a = OrtCausalLM(src, providers=["CPUExecutionProvider"], graph_optimization_level="disable")
+        b = OrtCausalLM(built, providers=["CPUExecutionProvider"], graph_optimization_level="disable")
+        vocab = int(a.vocab_size or 2)
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, vocab, (2, 6))
+        mask = np.ones((2, 6), np.int64)
+        mask[1, :2] = 0
+        pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+        la, pa = a.forward(ids, mask, pos)
+        lb, pb = b.forward(ids, mask, pos)
+        valid = mask.astype(bool)
+        diff = float(np.abs(la - lb)[valid].max())
+        step_ids = la[:, -1].argmax(-1)[:, None]
+        mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        la2, _ = a.forward(step_ids, mask2, pos[:, -1:] + 1, pa)
+        lb2, _ = b.forward(step_ids, mask2, pos[:, -1:] + 1, pb)
+        diff = max(diff, float(np.abs(la2 - lb2).max()))
+        tol = rtol * max(1.0, float(np.abs(la[valid]).max()))
+        if not diff <= tol:
+            raise VerificationError(STAGE, f"engine logits differ from the source graph by {diff:.3g} "
+                                    f"(tolerance {tol:.3g})", "rebuild with attention='onnx' and report this")
+        return {"logits_max_abs_diff": diff, "tolerance": tol}
+
+    @staticmethod
+    def _copy_tokenizer(folder: Path, out: Path) -> list[str]:
+        copied = []
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, out / name)
+                copied.append(name)
+        if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+            log.warning("no tokenizer files in %s: `harp-trt generate` will need --tokenizer", folder)
+        return copied
+
+
+class OrtBuildStage(Stage[OrtBuildConfig]):
+    """inputs: ``{"onnx": Artifact}`` (an export or rewrite artifact holding ``model.onnx`` and the
+    tokenizer files); optional ``{"tokenizer": Artifact | path}`` when those files live elsewhere."""
+
+    name = STAGE
+    version = 1
+    outputs = (ENGINE_JSON, "model.onnx")
+
+    def check_preconditions(self, config: OrtBuildConfig, inputs: Mapping[str, Any]) -> None:
+        art = inputs.get("onnx")
+        if not isinstance(art, Artifact):
+            raise PreconditionError(self.name, "needs inputs={'onnx': Artifact} (an export or rewrite artifact)")
+        f = art.path / art.manifest.get("onnx", "model.onnx")
+        if not f.is_file():
+            raise PreconditionError(self.name, f"artifact {art.key} has no {f.name}", "re-run its stage")
+
+    def run(self, config: OrtBuildConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
+        art: Artifact = inputs["onnx"]
+        tok = inputs.get("tokenizer")
+        tok_dir = tok.path if isinstance(tok, Artifact) else tok
+        spec = OrtBuilder().build(art.path / art.manifest.get("onnx", "model.onnx"), Path(out_dir), config,
+                                  tokenizer_dir=tok_dir)
+        return {"engine": spec, "model": art.manifest.get("model"), "plan": art.manifest.get("plan")}

@@ -1,0 +1,283 @@
+"""Graph pass: opset-23 ``Attention`` (as exported by ``harp_trt.rewrite.export``) ->
+``com.microsoft::GroupQueryAttention``, the attention kernel ORT runs fastest on CPU.
+
+Matched per layer (``FuseGroupQueryAttention.pattern``)::
+
+    q = RotaryEmbedding(Transpose(Reshape(q2d)), cos, sin)
+    present_k = Concat(past_k, RotaryEmbedding(Transpose(Reshape(k2d)), cos, sin))   # graph output
+    present_v = Concat(past_v, Transpose(Reshape(v2d)))                                # graph output
+    k, v = repeat_kv(present_k), repeat_kv(present_v)   # Unsqueeze-Expand-Reshape, or nothing
+    y2d = Reshape(Transpose(Attention(q, k, v, bool_mask)))
+
+rewritten to::
+
+    y2d, present_k, present_v = GroupQueryAttention(RotaryEmbedding(q2d), RotaryEmbedding(k2d), v2d,
+                                                    past_k, past_v, seqlens_k, total_len,
+                                                    attention_bias=padding_bias)
+
+GQA applies the causal mask itself; the left-padding part of ``attention_mask`` becomes an additive
+bias [B, 1, S, P+S] (0 or float32 min, finite so fully padded rows give no NaN), built once and shared
+by every layer. ``seqlens_k`` is P+S-1 for every row (left padding keeps rows right-aligned). The
+graph's I/O is unchanged: GQA's past/present layout is [B, kv_heads, P, head_dim] (BNSH) like the
+export's, and the present outputs keep their names. Layers whose mask is not plain causal+padding
+(a sliding window shorter than the model's context) and Attention nodes that do not match are left
+as they are, with the reason reported."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["FuseGroupQueryAttention", "GqaMatch", "GqaReport", "fuse_group_query_attention"]
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass
+class GqaMatch:
+    attention: ir.Node
+    q2d: ir.Value
+    k2d: ir.Value
+    v2d: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+    past_k: ir.Value
+    past_v: ir.Value
+    present_k: ir.Value
+    present_v: ir.Value
+    out2d: ir.Value
+    rotary_attrs: dict[str, Any]
+    layer: int
+
+
+@dataclass
+class GqaReport:
+    matched: list[int] = field(default_factory=list)          # layer indices converted
+    skipped: dict[str, str] = field(default_factory=dict)     # Attention node name -> reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": "FuseGroupQueryAttention", "converted_layers": self.matched,
+                "skipped": self.skipped}
+
+
+def _attr(node: ir.Node, name: str, default=None):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    if value is None:
+        return None
+    node = value.producer()
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
+def _is_bnsh_transpose(node: ir.Node | None) -> bool:
+    return node is not None and list(_attr(node, "perm", [])) == [0, 2, 1, 3]
+
+
+class FuseGroupQueryAttention:
+    """One rule: ``pattern`` finds candidates, ``check`` returns why one does not match (or None),
+    ``rewrite`` replaces a match. ``num_heads``/``kv_heads``/``head_dim`` come from the export
+    metadata; ``window_layers`` are layers with a real sliding window (never converted)."""
+
+    def __init__(self, num_heads: int, kv_heads: int, head_dim: int, window_layers: set[int] = frozenset()):
+        self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
+        self.window_layers = set(window_layers)
+        self._shared: dict[str, ir.Value] | None = None
+
+    # -- pattern / check ----------------------------------------------------------------------
+    @staticmethod
+    def pattern(graph: ir.Graph) -> list[ir.Node]:
+        return [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+
+    def _kv_chain(self, value: ir.Value, rotary: bool):
+        """Follow repeat_kv back to the present Concat; returns (concat node, rotary node, x2d) or a reason."""
+        node = value.producer()
+        if node is not None and node.op_type == "Reshape":  # repeat_kv: Unsqueeze -> Expand -> Reshape
+            exp = _producer(node.inputs[0], "Expand")
+            uns = _producer(exp.inputs[0], "Unsqueeze") if exp else None
+            if uns is None:
+                return f"{value.name}: Reshape not fed by Unsqueeze-Expand (repeat_kv)"
+            node = uns.inputs[0].producer()
+        if node is None or node.op_type != "Concat":
+            return f"{value.name}: not the KV-cache Concat"
+        past, new = node.inputs
+        if not (past is not None and past.is_graph_input() and node.outputs[0].is_graph_output()):
+            return f"{node.name}: Concat is not past_key_values -> present"
+        rot = None
+        if rotary:
+            rot = _producer(new, "RotaryEmbedding")
+            if rot is None or len(rot.inputs) != 3:
+                return f"{node.name}: new keys do not come from RotaryEmbedding(x, cos, sin)"
+            new = rot.inputs[0]
+        tr = _producer(new, "Transpose")
+        rs = _producer(tr.inputs[0], "Reshape") if _is_bnsh_transpose(tr) else None
+        if rs is None:
+            return f"{node.name}: new K/V are not Transpose(Reshape(x)) to BNSH"
+        return node, rot, rs.inputs[0]
+
+    def check(self, node: ir.Node) -> str | GqaMatch:
+        """The match, or the reason ``node`` cannot be converted."""
+        if len(node.inputs) != 4 or any(v is None for v in node.inputs):
+            return "Attention must have exactly (Q, K, V, mask) inputs (past handled outside)"
+        if _attr(node, "is_causal", 0) != 0 or _attr(node, "qk_matmul_output_mode", 0) != 0:
+            return "expects is_causal=0 with an explicit mask and no qk output"
+        if len(node.outputs) != 1:
+            return "Attention has present/qk outputs"
+        mask = node.inputs[3]
+        if mask.dtype not in (ir.DataType.BOOL, None):
+            return f"mask dtype {mask.dtype} is not bool"
+        q_rot = _producer(node.inputs[0], "RotaryEmbedding")
+        if q_rot is None or len(q_rot.inputs) != 3:
+            return "Q is not RotaryEmbedding(x, cos, sin)"
+        q_tr = _producer(q_rot.inputs[0], "Transpose")
+        q_rs = _producer(q_tr.inputs[0], "Reshape") if _is_bnsh_transpose(q_tr) else None
+        if q_rs is None:
+            return "Q is not Transpose(Reshape(x)) to BNSH"
+        k = self._kv_chain(node.inputs[1], rotary=True)
+        if isinstance(k, str):
+            return k
+        v = self._kv_chain(node.inputs[2], rotary=False)
+        if isinstance(v, str):
+            return v
+        (k_cat, k_rot, k2d), (v_cat, _, v2d) = k, v
+        if list(k_rot.inputs[1:]) != list(q_rot.inputs[1:]) and not self._same_cos_sin(q_rot, k_rot):
+            return "Q and K use different rotary tables"
+        uses = list(node.outputs[0].uses())
+        out_tr = uses[0].node if len(uses) == 1 else None
+        if not (out_tr is not None and out_tr.op_type == "Transpose" and _is_bnsh_transpose(out_tr)):
+            return "output is not Transpose(0,2,1,3) -> Reshape"
+        tr_uses = list(out_tr.outputs[0].uses())
+        out_rs = tr_uses[0].node if len(tr_uses) == 1 else None
+        if out_rs is None or out_rs.op_type != "Reshape":
+            return "output Transpose is not followed by a Reshape to [B, S, H*D]"
+        layer = _layer_of(k_cat.outputs[0].name)
+        if layer is None:
+            return f"cannot read the layer index from {k_cat.outputs[0].name!r}"
+        if layer in self.window_layers:
+            return f"layer {layer} has a sliding window; left as Attention"
+        rot_attrs = {a: _attr(q_rot, a) for a in ("interleaved", "rotary_embedding_dim") if a in q_rot.attributes}
+        return GqaMatch(node, q_rs.inputs[0], k2d, v2d, q_rot.inputs[1], q_rot.inputs[2],
+                        k_cat.inputs[0], v_cat.inputs[0], k_cat.outputs[0], v_cat.outputs[0],
+                        out_rs.outputs[0], rot_attrs, layer)
+
+    @staticmethod
+    def _same_cos_sin(a: ir.Node, b: ir.Node) -> bool:
+        """The exporter emits one Cos/Sin pair per RotaryEmbedding; same source means same table."""
+        def src(v):
+            p = v.producer()
+            return (p.op_type, tuple(id(x) for x in p.inputs)) if p is not None else id(v)
+        return all(src(x) == src(y) for x, y in zip(a.inputs[1:], b.inputs[1:]))
+
+    # -- rewrite ------------------------------------------------------------------------------
+    def _shared_inputs(self, graph: ir.Graph) -> dict[str, ir.Value]:
+        """seqlens_k, total_sequence_length and the padding bias, built once at the graph's top."""
+        if self._shared is not None:
+            return self._shared
+        by_name = {v.name: v for v in graph.inputs}
+        mask, ids = by_name["attention_mask"], by_name["input_ids"]
+        nodes: list[ir.Node] = []
+
+        def add(op, inputs, **attrs):
+            n = ir.node(op, inputs, attrs or None, name=f"gqa_shared/{op}_{len(nodes)}")
+            nodes.append(n)
+            return n.outputs[0]
+
+        def const(name, array):
+            t = ir.tensor(np.asarray(array), name=name)
+            v = ir.Value(name=name, const_value=t, shape=ir.Shape(t.shape), type=ir.TensorType(t.dtype))
+            graph.register_initializer(v)
+            return v
+
+        mshape = add("Shape", [mask])                                   # [B, T]
+        batch = add("Gather", [mshape, const("gqa_i0", np.array([0], np.int64))])
+        total = add("Gather", [mshape, const("gqa_i1", np.array([1], np.int64))])
+        seq = add("Shape", [ids], start=1, end=2)
+        total32 = add("Cast", [total], to=ir.DataType.INT32)
+        total_scalar = add("Squeeze", [total32, const("gqa_ax0", np.array([0], np.int64))])
+        seqlens = add("Expand", [add("Sub", [total32, const("gqa_one32", np.array([1], np.int32))]), batch])
+        is_pad = add("Equal", [mask, const("gqa_zero64", np.array(0, np.int64))])
+        bias2d = add("Where", [is_pad, const("gqa_neg", np.array(np.finfo(np.float32).min, np.float32)),
+                               const("gqa_zero32f", np.array(0.0, np.float32))])
+        bias4d = add("Unsqueeze", [bias2d, const("gqa_ax12", np.array([1, 2], np.int64))])
+        shape4 = add("Concat", [batch, const("gqa_i1b", np.array([1], np.int64)), seq, total], axis=0)
+        bias = add("Expand", [bias4d, shape4])
+        first = next(iter(graph))
+        graph.insert_before(first, nodes)
+        self._shared = {"seqlens_k": seqlens, "total": total_scalar, "bias": bias}
+        return self._shared
+
+    def rewrite(self, graph: ir.Graph, m: GqaMatch, scale: float | None, softcap: float) -> None:
+        shared = self._shared_inputs(graph)
+        prefix = f"gqa/layer{m.layer}"
+        rq = ir.node("RotaryEmbedding", [m.q2d, m.cos, m.sin], {"num_heads": self.num_heads, **m.rotary_attrs},
+                     name=f"{prefix}/rotary_q")
+        rk = ir.node("RotaryEmbedding", [m.k2d, m.cos, m.sin], {"num_heads": self.kv_heads, **m.rotary_attrs},
+                     name=f"{prefix}/rotary_k")
+        attrs: dict[str, Any] = {"num_heads": self.num_heads, "kv_num_heads": self.kv_heads}
+        if scale is not None:
+            attrs["scale"] = float(scale)
+        if softcap:
+            attrs["softcap"] = float(softcap)
+        gqa = ir.node("GroupQueryAttention",
+                      [rq.outputs[0], rk.outputs[0], m.v2d, m.past_k, m.past_v, shared["seqlens_k"],
+                       shared["total"], None, None, None, shared["bias"]],
+                      attrs, domain=MS_DOMAIN, num_outputs=3, name=f"{prefix}/GroupQueryAttention")
+        graph.insert_before(m.attention, [rq, rk, gqa])
+        y, pk, pv = gqa.outputs
+        m.out2d.replace_all_uses_with(y)
+        for old, new in ((m.present_k, pk), (m.present_v, pv)):
+            name = old.name
+            old.name = f"{name}.replaced"
+            new.shape, new.type = old.shape, old.type
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            new.name = name
+        y.shape, y.type = m.out2d.shape, m.out2d.type
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "present" and parts[1].isdigit() else None
+
+
+def fuse_group_query_attention(model: ir.Model, meta: dict[str, Any]) -> GqaReport:
+    """Convert every matching ``Attention`` of ``model`` in place; ``meta`` is the export metadata
+    (``harp_trt.rewrite.export.read_export_meta``). Dead nodes are removed afterwards."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    report = GqaReport()
+    graph = model.graph
+    needed = ("num_heads", "kv_heads", "head_dim", "num_layers")
+    if not all(k in meta for k in needed):
+        report.skipped["*"] = "graph has no harp_trt.export metadata (not from export_dense); left unchanged"
+        return report
+    window_layers: set[int] = set()
+    sw, ctx = meta.get("sliding_window"), meta.get("max_position_embeddings") or 0
+    if sw and sw < ctx:
+        types = meta.get("layer_types") or []
+        window_layers = {i for i in range(meta["num_layers"])
+                         if not types or types[i] == "sliding_attention"}
+    rule = FuseGroupQueryAttention(meta["num_heads"], meta["kv_heads"], meta["head_dim"], window_layers)
+    candidates = rule.pattern(graph)
+    if not candidates:
+        report.skipped["*"] = "no opset-23 Attention nodes (eager attention export?)"
+    for node in candidates:
+        m = rule.check(node)
+        if isinstance(m, str):
+            report.skipped[node.name or "Attention"] = m
+            continue
+        rule.rewrite(graph, m, _attr(node, "scale"), _attr(node, "softcap", 0.0) or 0.0)
+        report.matched.append(m.layer)
+    if report.matched:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+        RemoveUnusedNodesPass()(model)
+    log.info("GroupQueryAttention: converted layers %s; skipped %d", report.matched, len(report.skipped))
+    for name, why in report.skipped.items():
+        log.info("  not converted %s: %s", name, why)
+    return report

@@ -1,0 +1,306 @@
+"""``OrtCausalLM``: run an exported (dense, HARP-rewritten or ORT-built) causal LM graph in ONNX
+Runtime with a KV cache, from numpy.
+
+The graph follows ``harp_trt.rewrite.export``'s I/O contract. The KV layers are discovered from
+the session's inputs (``past_key_values.{i}.key``), so a HARP graph whose pruned layers lost their
+KV I/O just works and the cache is allocated for kept layers only. Generation supports batches
+with left padding (``attention_mask`` 0 on the left), greedy or sampled (temperature, top-k,
+top-p, seeded), stop tokens and a per-step streamer callback. CUDA is used when onnxruntime-gpu
+is installed, otherwise the CPU provider."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .errors import ConfigError, GraphError
+
+__all__ = ["OrtCausalLM", "default_providers", "sample_next"]
+
+log = logging.getLogger(__name__)
+
+STAGE = "ort"
+_PAST = re.compile(r"^past_key_values\.(\d+)\.key$")
+_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}
+
+Past = dict[int, tuple[np.ndarray, np.ndarray]]
+
+
+def default_providers() -> list[str]:
+    """CUDA (then CPU as fallback) when onnxruntime-gpu is installed, else CPU."""
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    return (["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in avail
+            else ["CPUExecutionProvider"])
+
+
+class OrtCausalLM:
+    """An ONNX causal LM with KV cache. ``onnx_path``: a ``model.onnx`` or an engine folder holding
+    ``engine.json``. ``intra_op_threads``: ORT's intra-op pool size (None: ORT's default)."""
+
+    def __init__(self, onnx_path: str | Path, providers: Sequence[str] | None = None,
+                 intra_op_threads: int | None = None, graph_optimization_level: str = "all"):
+        import onnxruntime as ort
+
+        path = Path(onnx_path)
+        if path.is_dir():
+            path = path / _model_file_of(path)
+        if not path.is_file():
+            raise GraphError(STAGE, f"no ONNX model at {path}",
+                             "pass a model.onnx or an engine folder (harp-trt build / rewrite output)")
+        levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+        if graph_optimization_level not in levels:
+            raise ConfigError(f"unknown graph_optimization_level {graph_optimization_level!r}; "
+                              f"valid: {', '.join(levels)}")
+        if intra_op_threads is not None and intra_op_threads < 0:
+            raise ConfigError(f"intra_op_threads must be >= 0, got {intra_op_threads}")
+        so = ort.SessionOptions()
+        so.graph_optimization_level = levels[graph_optimization_level]
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.inter_op_num_threads = 1
+        if intra_op_threads:
+            so.intra_op_num_threads = int(intra_op_threads)
+        so.log_severity_level = 3
+        self.path = path
+        self.providers = list(providers) if providers else default_providers()
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=self.providers)
+        except Exception as e:  # ORT raises InvalidProtobuf, Fail, NoSuchFile... as distinct types
+            msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise GraphError(STAGE, f"ONNX Runtime cannot load {path}: {msg}",
+                             "the file (or its .data) may be truncated; rebuild it") from None
+        self.intra_op_threads = intra_op_threads
+        ins = {i.name: i for i in self.session.get_inputs()}
+        outs = [o.name for o in self.session.get_outputs()]
+        missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in ins]
+        if missing or "logits" not in outs:
+            raise GraphError(STAGE, f"{path.name} does not follow the causal-LM I/O contract "
+                             f"(missing {', '.join(missing + ([] if 'logits' in outs else ['logits']))})",
+                             "export it with harp_trt.rewrite.export.export_dense")
+        self.kv_layers: list[int] = sorted(int(m.group(1)) for n in ins if (m := _PAST.match(n)))
+        for i in self.kv_layers:
+            for name in (f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value"):
+                if name not in ins and name not in outs:
+                    raise GraphError(STAGE, f"{path.name} has past_key_values.{i}.key but no {name}")
+        meta = _export_meta(self.session)
+        self.num_layers: int = int(meta.get("num_layers") or (max(self.kv_layers) + 1 if self.kv_layers else 0))
+        self.kv_heads, self.head_dim, self.kv_dtype = self._kv_layout(ins, meta)
+        self.vocab_size = _static(self.session.get_outputs()[0].shape, 2) or meta.get("vocab_size")
+        self._input_names = list(ins)
+        self._output_names = outs
+        self._rowwise = False  # set when the kernel (GQA on CPU) refuses batch>1 chunks with a past
+        log.info("loaded %s: KV for %d of %d layers, providers %s", path, len(self.kv_layers),
+                 self.num_layers, self.session.get_providers())
+
+    @classmethod
+    def from_engine(cls, folder: str | Path, providers: Sequence[str] | None = None,
+                    intra_op_threads: int | None = None) -> "OrtCausalLM":
+        """Open an engine folder built by ``builders.ort``, with its recorded thread count."""
+        folder = Path(folder)
+        spec = _read_engine_json(folder)
+        threads = intra_op_threads if intra_op_threads is not None else (spec.get("intra_op_threads") or None)
+        return cls(folder / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _kv_layout(self, ins, meta) -> tuple[int, int, type]:
+        if not self.kv_layers:
+            return int(meta.get("kv_heads") or 0), int(meta.get("head_dim") or 0), np.float32
+        arg = ins[f"past_key_values.{self.kv_layers[0]}.key"]
+        heads = _static(arg.shape, 1) or meta.get("kv_heads")
+        hd = _static(arg.shape, 3) or meta.get("head_dim")
+        if not heads or not hd:
+            raise GraphError(STAGE, "cannot tell kv_heads/head_dim: past_key_values dims 1 and 3 are "
+                             "symbolic and the graph has no harp_trt.export metadata")
+        return int(heads), int(hd), _NP_DTYPES.get(arg.type, np.float32)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token of one sequence occupies (kept layers only, K and V)."""
+        return len(self.kv_layers) * 2 * self.kv_heads * self.head_dim * np.dtype(self.kv_dtype).itemsize
+
+    def empty_past(self, batch: int) -> Past:
+        z = np.zeros((batch, self.kv_heads, 0, self.head_dim), self.kv_dtype)
+        return {i: (z, z) for i in self.kv_layers}
+
+    # -- one step -------------------------------------------------------------------------------
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                past: Past | None = None) -> tuple[np.ndarray, Past]:
+        """One graph call. Shapes: ids/positions [B, S], mask [B, P+S], past {layer: (k, v)} with
+        [B, kv_heads, P, head_dim] (None: empty). Returns (logits [B, S, V], present)."""
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        attention_mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
+        b, s = input_ids.shape
+        past = self.empty_past(b) if past is None else past
+        p = next(iter(past.values()))[0].shape[2] if past else attention_mask.shape[1] - s
+        if attention_mask.shape != (b, p + s) or position_ids.shape != (b, s):
+            raise ConfigError(f"shape mismatch: input_ids {input_ids.shape}, attention_mask "
+                              f"{attention_mask.shape} (want {(b, p + s)}), position_ids {position_ids.shape}")
+        if set(past) != set(self.kv_layers):
+            raise ConfigError(f"past has layers {sorted(past)}, the graph wants {self.kv_layers}")
+        if self._rowwise and b > 1 and s > 1 and p > 0:
+            return self._forward_rows(input_ids, attention_mask, position_ids, past)
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        for i, (k, v) in past.items():
+            feed[f"past_key_values.{i}.key"] = k
+            feed[f"past_key_values.{i}.value"] = v
+        try:
+            outs = self.session.run(self._output_names, feed)
+        except Exception as e:
+            if b > 1 and s > 1 and p > 0 and "batch_size must be 1" in str(e):
+                # ORT's CPU GroupQueryAttention takes multi-token chunks after a past only for batch 1
+                self._rowwise = True
+                return self._forward_rows(input_ids, attention_mask, position_ids, past)
+            raise
+        res = dict(zip(self._output_names, outs))
+        present = {i: (res[f"present.{i}.key"], res[f"present.{i}.value"]) for i in self.kv_layers}
+        return res["logits"], present
+
+    def _forward_rows(self, ids, mask, pos, past):
+        parts = [self.forward(ids[r:r + 1], mask[r:r + 1], pos[r:r + 1],
+                              {i: (k[r:r + 1], v[r:r + 1]) for i, (k, v) in past.items()})
+                 for r in range(ids.shape[0])]
+        logits = np.concatenate([p[0] for p in parts])
+        present = {i: (np.concatenate([p[1][i][0] for p in parts]), np.concatenate([p[1][i][1] for p in parts]))
+                   for i in self.kv_layers}
+        return logits, present
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
+                 max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: Iterable[int] | None = None, pad_token_id: int = 0,
+                 streamer: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """Prefill then decode ``max_new_tokens`` tokens; returns [B, S + n] (prompt + new tokens,
+        n <= max_new_tokens). Left padding is read from ``attention_mask``. Rows that emitted a stop
+        token continue with ``pad_token_id`` until every row has stopped. ``streamer(tokens[B])``
+        is called once per step."""
+        ids = np.atleast_2d(np.asarray(input_ids, dtype=np.int64))
+        mask = (np.ones_like(ids) if attention_mask is None
+                else np.atleast_2d(np.asarray(attention_mask, dtype=np.int64)))
+        if mask.shape != ids.shape:
+            raise ConfigError(f"attention_mask {mask.shape} must match input_ids {ids.shape}")
+        if ids.shape[1] == 0:
+            raise ConfigError("empty prompt: generate needs at least one token")
+        if max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if do_sample and not temperature > 0:
+            raise ConfigError(f"temperature must be > 0 when sampling, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"top_p must lie in (0, 1], got {top_p}")
+        if (mask.sum(1) == 0).any():
+            raise ConfigError("a row of attention_mask is all zeros (empty prompt in the batch)")
+        rng = np.random.default_rng(seed)
+        stops = np.array(sorted(set(stop_token_ids or ())), dtype=np.int64)
+        b = ids.shape[0]
+        pos = np.cumsum(mask, axis=1) - 1
+        pos[mask == 0] = 1  # HF's convention for padded positions (they are masked anyway)
+        out = [ids]
+        if max_new_tokens == 0:
+            return ids
+        logits, past = self.forward(ids, mask, pos, None)
+        next_pos = pos[:, -1:] + 1
+        done = np.zeros(b, dtype=bool)
+        for step in range(max_new_tokens):
+            tok = sample_next(logits[:, -1, :], do_sample, temperature, top_k, top_p, rng)
+            tok = np.where(done, pad_token_id, tok)
+            out.append(tok[:, None])
+            if streamer is not None:
+                streamer(tok)
+            if stops.size:
+                done |= np.isin(tok, stops)
+            if done.all() or step == max_new_tokens - 1:
+                break
+            mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+            logits, past = self.forward(tok[:, None], mask, next_pos, past)
+            next_pos = next_pos + 1
+        return np.concatenate(out, axis=1)
+
+    def timed_generate(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
+                       **kwargs) -> tuple[np.ndarray, dict[str, float]]:
+        """``generate`` plus figures: prefill seconds, decode seconds, new tokens, tokens/s."""
+        marks: list[float] = []
+        user = kwargs.pop("streamer", None)
+
+        def tick(tok):
+            marks.append(time.perf_counter())
+            if user is not None:
+                user(tok)
+
+        t0 = time.perf_counter()
+        seq = self.generate(input_ids, attention_mask, streamer=tick, **kwargs)
+        t1 = time.perf_counter()
+        n = seq.shape[1] - np.atleast_2d(input_ids).shape[1]
+        prefill = (marks[0] - t0) if marks else t1 - t0
+        decode = (t1 - marks[0]) if marks else 0.0
+        return seq, {"prefill_s": prefill, "decode_s": decode, "seconds": t1 - t0, "new_tokens": int(n),
+                     "tokens_per_s": (n / (t1 - t0)) if t1 > t0 else 0.0}
+
+
+def sample_next(logits: np.ndarray, do_sample: bool, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Next token per row from [B, V] logits: argmax, or a sample after temperature, top-k and
+    top-p (nucleus: the smallest set of tokens whose probability reaches ``top_p``)."""
+    if not do_sample:
+        return logits.argmax(-1).astype(np.int64)
+    rng = rng or np.random.default_rng()
+    x = logits.astype(np.float64) / temperature
+    if top_k and 0 < top_k < x.shape[-1]:
+        kth = np.partition(x, -top_k, axis=-1)[:, -top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(-1, keepdims=True)
+    probs = np.exp(x)
+    probs /= probs.sum(-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-probs, axis=-1)
+        sorted_p = np.take_along_axis(probs, order, -1)
+        before = np.cumsum(sorted_p, -1) - sorted_p      # mass of the tokens ranked above
+        keep_sorted = before < top_p                      # always keeps the top token
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, -1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(-1, keepdims=True)
+    cum = probs.cumsum(-1)
+    u = rng.random((probs.shape[0], 1))
+    return np.minimum((cum < u * cum[:, -1:]).sum(-1), probs.shape[-1] - 1).astype(np.int64)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _static(shape, dim: int) -> int | None:
+    try:
+        v = shape[dim]
+    except (IndexError, TypeError):
+        return None
+    return int(v) if isinstance(v, int) else None
+
+
+def _export_meta(session) -> dict:
+    try:
+        raw = session.get_modelmeta().custom_metadata_map.get("harp_trt.export")
+        return json.loads(raw) if raw else {}
+    except (ValueError, AttributeError):
+        return {}
+
+
+def _read_engine_json(folder: Path) -> dict:
+    f = folder / "engine.json"
+    if not f.is_file():
+        raise GraphError(STAGE, f"{folder} has no engine.json", "build one with `harp-trt build` (builders.ort)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise GraphError(STAGE, f"{f} is not valid JSON: {e}", "rebuild the engine") from None
+
+
+def _model_file_of(folder: Path) -> str:
+    if (folder / "engine.json").is_file():
+        return _read_engine_json(folder).get("model", "model.onnx")
+    return "model.onnx"

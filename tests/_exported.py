@@ -1,0 +1,40 @@
+"""Tiny models exported once per test session (an export takes ~10 s on 2 cores), shared by
+test_export.py and test_ort_engine.py. Not a test module."""
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+from conftest import make_tiny
+
+_ROOT = Path(tempfile.mkdtemp(prefix="harp-ort-tests-"))
+HARP_ALPHAS = {1: 0.5, 3: 1.0}
+
+
+def tiny(family: str, harp: bool = False):
+    """A fresh tiny model (seed 0), HARP-patched on layers {1, 3} when ``harp``."""
+    from harp_trt.harp import apply_harp
+
+    model = make_tiny(family)
+    if harp:
+        apply_harp(model, dict(HARP_ALPHAS))
+    return model
+
+
+@functools.cache
+def exported(family: str, harp: bool = False) -> Path:
+    """``model.onnx`` of ``tiny(family, harp)``."""
+    from harp_trt.rewrite.export import export_dense
+
+    return export_dense(tiny(family, harp), _ROOT / f"{family}{'-harp' if harp else ''}")
+
+
+@functools.cache
+def engine(family: str, harp: bool = False, attention: str = "gqa") -> Path:
+    """An ORT engine folder built from ``exported(family, harp)``."""
+    from builders.ort.builder import OrtBuildConfig, OrtBuilder
+
+    out = _ROOT / f"engine-{family}{'-harp' if harp else ''}-{attention}"
+    OrtBuilder().build(exported(family, harp), out, OrtBuildConfig(attention=attention, intra_op_threads=2))
+    return out
