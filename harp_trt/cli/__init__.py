@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "cache": "harp_trt.cli.cache",
     "bench": "harp_trt.cli.bench",
     "deploy": "harp_trt.cli.deploy",
+    "generate": "harp_trt.cli.generate",
 }
 
 
