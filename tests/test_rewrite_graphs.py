@@ -36,6 +36,7 @@ def make_weights(L=3, D=32, H=4, KV=2, hd=8, V=50, I=48, bias=False, seed=0):
               "wo": r(H * hd, D), "post_norm": 1 + r(D), "wg": r(D, I), "wu": r(D, I), "wd": r(I, D)}
         if bias:
             lw.update(bq=r(H * hd), bk=r(KV * hd), bv=r(KV * hd))
+        lw["pa_norm"] = 1 + r(D)  # used only by graphs built with a post-attention norm (Gemma2-like)
         w["layers"].append(lw)
     return w
 
@@ -50,8 +51,9 @@ def rms(x, g):
     return x / np.sqrt(np.mean(x.astype(np.float64) ** 2, -1, keepdims=True) + EPS).astype(np.float32) * g
 
 
-def np_forward(w, ids, mask, pos, past, alphas):
-    """Logits and present KV (pruned layers keep none). ``past``: {layer: (k, v)} [B,KV,P,hd]."""
+def np_forward(w, ids, mask, pos, past, alphas, post_attn=False):
+    """Logits and present KV (pruned layers keep none). ``past``: {layer: (k, v)} [B,KV,P,hd].
+    ``post_attn``: Gemma2-style norm of the attention output before the residual add."""
     c = w["cfg"]
     H, KV, hd = c["H"], c["KV"], c["hd"]
     cos_t, sin_t = rope_tables(hd)
@@ -69,7 +71,8 @@ def np_forward(w, ids, mask, pos, past, alphas):
         v = x @ lw["wv"] + (lw["bv"] if c["bias"] else 0)
         if i in alphas:  # HARP Eq. 4-5: h <- h + alpha * o_proj(repeat_kv(v_proj(x)))
             v_rep = np.repeat(v.reshape(B, S, KV, hd), H // KV, axis=2).reshape(B, S, H * hd)
-            h = h + alphas[i] * (v_rep @ lw["wo"])
+            o = v_rep @ lw["wo"]
+            h = h + alphas[i] * (rms(o, lw["pa_norm"]) if post_attn else o)
         else:
             q = x @ lw["wq"] + (lw["bq"] if c["bias"] else 0)
             k = x @ lw["wk"] + (lw["bk"] if c["bias"] else 0)
@@ -84,8 +87,8 @@ def np_forward(w, ids, mask, pos, past, alphas):
             s = np.where(allowed[:, None], s, -1e9)
             p = np.exp(s - s.max(-1, keepdims=True))
             p = p / p.sum(-1, keepdims=True)
-            o = (p @ vr).transpose(0, 2, 1, 3).reshape(B, S, H * hd)
-            h = h + o @ lw["wo"]
+            o = (p @ vr).transpose(0, 2, 1, 3).reshape(B, S, H * hd) @ lw["wo"]
+            h = h + (rms(o, lw["pa_norm"]) if post_attn else o)
         y = rms(h, lw["post_norm"])
         g = y @ lw["wg"]
         h = h + ((g / (1 + np.exp(-g))) * (y @ lw["wu"])) @ lw["wd"]
@@ -109,12 +112,12 @@ class _G:
         return out[0] if outs == 1 else out
 
 
-def _rms_decomposed(g, x, gamma, p):
+def _rms_decomposed(g, x, gamma, p, gain=None):
     sq = g.n("Pow", [x, g.c(np.float32(2))], f"{p}/Pow")
     ms = g.n("ReduceMean", [sq, g.c(np.array([-1], np.int64))], f"{p}/ReduceMean", keepdims=1)
     sd = g.n("Sqrt", [g.n("Add", [ms, g.c(np.float32(EPS))], f"{p}/Add")], f"{p}/Sqrt")
     inv = g.n("Div", [g.c(np.float32(1)), sd], f"{p}/Div")
-    return g.n("Mul", [g.n("Mul", [x, inv], f"{p}/Mul"), g.c(gamma, f"{p}.weight")], f"{p}/Mul_1")
+    return g.n("Mul", [g.n("Mul", [x, inv], f"{p}/Mul"), gain or g.c(gamma, f"{p}.weight")], f"{p}/Mul_1")
 
 
 def _mlp(g, h, lw, p):
@@ -139,8 +142,10 @@ def _io(c, extra_inputs=()):
     return ins, outs
 
 
-def build_optimum(w) -> onnx.ModelProto:
-    """Llama/Qwen2 as optimum exports it (opset 18, no fused ops)."""
+def build_optimum(w, post_attn=None) -> onnx.ModelProto:
+    """Llama/Qwen2 as optimum exports it (opset 18, no fused ops). ``post_attn``: add a
+    decomposed post-attention RMSNorm before the residual add, whose gain is stored as the
+    effective gain (``"gain"``) or as ``w`` with ``1 + w`` computed in the graph (``"offset"``)."""
     c = w["cfg"]
     H, KV, hd, D = c["H"], c["KV"], c["hd"], c["D"]
     g = _G()
@@ -216,6 +221,12 @@ def build_optimum(w) -> onnx.ModelProto:
         o = g.n("Reshape", [g.n("Transpose", [o], f"{p}/self_attn/Transpose_o", perm=[0, 2, 1, 3]),
                             g.c(np.array([0, 0, H * hd], np.int64))], f"{p}/self_attn/Reshape_o")
         o = g.n("MatMul", [o, g.c(lw["wo"], f"model.layers.{i}.self_attn.o_proj.weight")], f"{p}/self_attn/o_proj/MatMul")
+        if post_attn == "gain":
+            o = _rms_decomposed(g, o, lw["pa_norm"], f"{p}/post_attention_norm")
+        elif post_attn == "offset":
+            o = _rms_decomposed(g, o, None, f"{p}/post_attention_norm",
+                                gain=g.n("Add", [g.c(lw["pa_norm"] - 1, f"{p}/post_attention_norm.weight"),
+                                                 g.c(np.float32(1))], f"{p}/post_attention_norm/Add_1"))
         h = g.n("Add", [h, o], f"{p}/Add")
         h = _mlp(g, h, lw, p)
     hn = _rms_decomposed(g, h, w["norm"], "/model/norm")
@@ -287,7 +298,7 @@ def build_gqa(w, packed=True, skip_norm=False) -> onnx.ModelProto:
 
 
 # ---- running ----------------------------------------------------------------------------------
-def run_steps(sess_or_none, w, ids, mask, alphas, steps=3, use_pos=True):
+def run_steps(sess_or_none, w, ids, mask, alphas, steps=3, use_pos=True, post_attn=False):
     """Prefill then ``steps`` decode steps (teacher-forced with the numpy argmax); returns the
     max |diff| between ORT and numpy over all valid logits, and how many KV inputs ORT needed."""
     c = w["cfg"]
@@ -306,7 +317,7 @@ def run_steps(sess_or_none, w, ids, mask, alphas, steps=3, use_pos=True):
             feeds["position_ids"] = pos
         outs = sess.run(None, feeds)
         onames = [o.name for o in sess.get_outputs()]
-        ref, pres = np_forward(w, cur, m, pos, past_np, alphas)
+        ref, pres = np_forward(w, cur, m, pos, past_np, alphas, post_attn=post_attn)
         valid = m[:, -S:] > 0
         worst = max(worst, float(np.abs(outs[0] - ref)[valid].max()))
         for n, v in zip(onames[1:], outs[1:]):
@@ -360,6 +371,25 @@ def test_optimum_style_graph(bias):
     c = w["cfg"]
     assert rep.params_added == c["KV"] * c["hd"] * c["D"]
     assert rep.params_removed >= 2 * c["D"] * c["H"] * c["hd"] + c["D"] * c["KV"] * c["hd"]  # W_Q, W_O, W_K
+
+
+@pytest.mark.parametrize("stored,mode", [("gain", "alpha-in-norm-gain"), ("offset", "alpha-mul")])
+def test_post_attention_norm_graph(stored, mode):
+    """Gemma2-like: h <- h + alpha * norm(o_proj(...)); alpha folds into a constant gain, or is
+    applied by a Mul after the norm when the graph computes the gain (1 + w) at run time."""
+    w = make_weights()
+    proto = build_optimum(w, post_attn=stored)
+    base, _ = run_steps(_session(proto), w, IDS, MASK, {}, post_attn=True)
+    assert base < 1e-4
+    alphas = {0: 0.45, 2: 0.0}
+    model, result = _rewrite(proto, alphas, 3)
+    diff, n_kv = run_steps(_session(model), w, IDS, MASK, alphas, post_attn=True)
+    assert diff < 1e-4, diff
+    assert n_kv == 2
+    assert [r.mode for r in result.layers] == [mode, "removed"]
+    assert result.layers[0].match["post_norm"] == "/model/layers.0/post_attention_norm/Mul_1"
+    # alpha = 0 removes the whole post-norm branch of layer 2
+    assert not any(n.name.startswith("/model/layers.2/post_attention_norm/") for n in model.graph)
 
 
 @pytest.mark.parametrize("packed,skip_norm", [(True, False), (False, False), (True, True)],

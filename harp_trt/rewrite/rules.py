@@ -582,7 +582,7 @@ def _trace_residual(o_out: ir.Value) -> tuple[ir.Node, ir.Value, ir.Node | None,
                 if n in chain:
                     continue
                 ins = [i for i in n.inputs if i is not None]
-                outside = [i for i in ins if id(i) not in inside and not is_const(i)]
+                outside = [i for i in ins if id(i) not in inside and not _const_like(i)]
                 if not outside:
                     if n.op_type not in NORM_PIECES:
                         raise _Fail(f"o_proj output reaches {_desc(n)}, neither a residual add nor "
@@ -604,6 +604,16 @@ def _trace_residual(o_out: ir.Value) -> tuple[ir.Node, ir.Value, ir.Node | None,
                 # a norm node also reading a value the chain has not reached yet: revisit then
         frontier = nxt
     raise _Fail("no residual add found after o_proj (looked 16 nodes ahead)")
+
+
+def _const_like(v: ir.Value, depth: int = 4) -> bool:
+    """A constant, or computed from constants only (e.g. a gain ``1 + w`` built at run time)."""
+    if is_const(v):
+        return True
+    node = v.producer()
+    if node is None or depth == 0 or v.is_graph_input():
+        return False
+    return all(i is None or _const_like(i, depth - 1) for i in node.inputs)
 
 
 def _check_closed(chain: list[ir.Node], last: ir.Node) -> None:
