@@ -147,7 +147,7 @@ def build_optimum(w, post_attn=None) -> onnx.ModelProto:
     decomposed post-attention RMSNorm before the residual add, whose gain is stored as the
     effective gain (``"gain"``) or as ``w`` with ``1 + w`` computed in the graph (``"offset"``)."""
     c = w["cfg"]
-    H, KV, hd, D = c["H"], c["KV"], c["hd"], c["D"]
+    H, KV, hd = c["H"], c["KV"], c["hd"]
     g = _G()
     cos_t, sin_t = rope_tables(hd)
     h = g.n("Gather", [g.c(w["embed"], "model.embed_tokens.weight"), "input_ids"], "/model/embed_tokens/Gather")

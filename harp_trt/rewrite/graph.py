@@ -7,7 +7,6 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import onnx_ir as ir
@@ -180,8 +179,3 @@ def save_graph(model: ir.Model, path: Path, external_threshold_bytes: int = TWO_
     else:
         ir.save(model, str(path))
     return big
-
-
-def values_named(graph: ir.Graph, names: Iterable[str]) -> list[ir.Value]:
-    wanted = set(names)
-    return [v for v in list(graph.inputs) + list(graph.outputs) if v.name in wanted]

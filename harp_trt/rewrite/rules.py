@@ -29,7 +29,7 @@ from .fold import fold_o_proj, scale_norm_gain
 from .graph import ancestors, const_array, consumers, is_const, name_hint_matches, only_consumer
 
 __all__ = ["AttentionMatch", "MatchResult", "AttentionRule", "OnnxAttentionRule",
-           "SoftmaxAttentionRule", "GroupQueryAttentionRule", "DEFAULT_RULES", "LayerEdit"]
+           "SoftmaxAttentionRule", "GroupQueryAttentionRule", "DEFAULT_RULES", "LayerEdit", "describe"]
 
 log = logging.getLogger(__name__)
 
@@ -719,10 +719,6 @@ def _remove_block(graph: ir.Graph, m: AttentionMatch, prefix: str) -> LayerEdit:
         n.outputs[3].replace_all_uses_with(m.residual)
     edit.nodes_added.append(norm.name)
     return edit
-
-
-def rule_names() -> list[str]:
-    return [r.name for r in DEFAULT_RULES]
 
 
 def describe(m: AttentionMatch) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ..plan import Plan
 from ..stage import Stage
 from ..store import Artifact
 from .graph import STAGE, load_graph, save_graph
-from .passes import HarpRewritePass, count_attention_layers
+from .passes import HarpRewritePass
 from .verify import VerifyConfig, verify_rewrite
 
 __all__ = ["RewriteConfig", "RewriteStage", "rewrite_onnx", "file_digest", "REPORT", "TOKENIZER_FILES"]
@@ -259,7 +259,3 @@ class RewriteStage(Stage[RewriteConfig]):
         left = sorted(n for n in names for l in plan.layers if n.startswith(f"past_key_values.{l}."))
         if left:
             raise PostconditionError(STAGE, f"rewritten graph still has KV inputs {left}")
-
-
-def count_layers(path: Path) -> int:
-    return count_attention_layers(load_graph(path).graph)
