@@ -269,3 +269,30 @@ def test_cli_model_and_onnx_paths(exports, tmp_path, capsys):
     Plan.from_dict(Plan.load(plan_path).to_dict() | {"model_digest": "f" * 64}).save(bad)
     assert main(["rewrite", "--model", str(resolved.folder), "--plan", str(bad), "--workdir", str(store.root)]) == 2
     assert "plan is for ffffffffffffffff" in capsys.readouterr().err
+
+
+def test_every_layer_pruned(exports, tmp_path):
+    """With no KV cache left, the export's Shape(past_key_values.*) reads of batch size and past
+    length are re-derived from input_ids / attention_mask; the graph needs no past inputs."""
+    import onnxruntime as ort
+
+    from harp_trt.harp import apply_harp
+
+    store, export, resolved = exports("llama")
+    alphas = (0.5, 0.0, 0.25, 1.0)
+    plan = _plan(resolved, "llama", range(NUM_LAYERS), alphas)
+    out = tmp_path / "model.onnx"
+    report = rewrite_onnx(export.path / "model.onnx", plan, out)
+    assert report["kv_inputs"] == 0
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask", "position_ids"]
+    assert [o.name for o in sess.get_outputs()] == ["logits"]
+    ids = np.array([[5, 6, 7, 8, 9], [0, 0, 1, 2, 3]], np.int64)
+    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], np.int64)
+    pos = (mask.cumsum(-1) - 1).clip(min=0)
+    got = sess.run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": pos})[0]
+    model = apply_harp(make_tiny("llama", seed=FAMILY_NAMES.index("llama")), dict(enumerate(alphas)))
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                    position_ids=torch.from_numpy(pos), use_cache=False).logits.numpy()
+    assert np.abs(got - ref)[mask > 0].max() < 1e-5
