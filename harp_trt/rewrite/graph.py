@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from ..errors import GraphError
 
-__all__ = ["const_array", "is_const", "producer", "consumers", "only_consumer", "ancestors",
+__all__ = ["const_array", "const_ndim", "is_const", "producer", "consumers", "only_consumer", "ancestors",
            "name_hint_matches", "remove_dead", "DeadCode", "load_graph", "save_graph",
            "total_initializer_bytes", "STAGE"]
 
@@ -34,6 +34,16 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
         if attr is not None:
             return attr.as_tensor().numpy()
     return None
+
+
+def const_ndim(value: ir.Value | None) -> int | None:
+    """Rank of a constant value without reading its data (large weights stay on disk)."""
+    if value is None:
+        return None
+    if value.const_value is not None and value.const_value.shape is not None:
+        return len(value.const_value.shape)
+    arr = const_array(value)
+    return None if arr is None else arr.ndim
 
 
 def is_const(value: ir.Value | None) -> bool:

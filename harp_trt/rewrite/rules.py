@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .fold import fold_o_proj, scale_norm_gain
-from .graph import ancestors, const_array, consumers, is_const, name_hint_matches, only_consumer
+from .graph import ancestors, const_array, const_ndim, consumers, is_const, name_hint_matches, only_consumer
 
 __all__ = ["AttentionMatch", "MatchResult", "AttentionRule", "OnnxAttentionRule",
            "SoftmaxAttentionRule", "GroupQueryAttentionRule", "DEFAULT_RULES", "LayerEdit", "describe"]
@@ -107,10 +107,7 @@ def _const_weight(node: ir.Node) -> ir.Value | None:
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
         return None
     w = node.inputs[1]
-    if not is_const(w):
-        return None
-    arr = const_array(w)
-    return w if arr is not None and arr.ndim == 2 else None
+    return w if is_const(w) and const_ndim(w) == 2 else None
 
 
 def _is_bias_add(node: ir.Node, data: ir.Value) -> ir.Value | None:
@@ -118,8 +115,7 @@ def _is_bias_add(node: ir.Node, data: ir.Value) -> ir.Value | None:
     if node.op_type != "Add" or len(node.inputs) != 2:
         return None
     other = node.inputs[1] if node.inputs[0] is data else node.inputs[0]
-    arr = const_array(other) if is_const(other) else None
-    return other if arr is not None and arr.ndim == 1 else None
+    return other if is_const(other) and const_ndim(other) == 1 else None
 
 
 class AttentionRule:
@@ -189,14 +185,14 @@ class AttentionRule:
                 raise _Fail(f"{_desc(core)} has no value input")
             x, w_v, b_v, v_path = _trace_projection(v_in, "V")
             v_cols = None
-        w_v_arr = const_array(w_v)
-        kv_dim = (v_cols[1] - v_cols[0]) if v_cols else w_v_arr.shape[1]
+        w_v_shape = tuple(w_v.const_value.shape) if w_v.const_value is not None else const_array(w_v).shape
+        kv_dim = (v_cols[1] - v_cols[0]) if v_cols else w_v_shape[1]
         # o_proj: forward from the core's output through data movement to a constant MatMul
         o_mm, o_path = _trace_o_proj(core)
         w_o = _const_weight(o_mm)
-        q_dim, hidden = const_array(w_o).shape
-        if w_v_arr.shape[0] != hidden:
-            raise _Fail(f"V weight {w_v.name} has {w_v_arr.shape[0]} rows but o_proj {w_o.name} "
+        q_dim, hidden = tuple(w_o.const_value.shape) if w_o.const_value is not None else const_array(w_o).shape
+        if w_v_shape[0] != hidden:
+            raise _Fail(f"V weight {w_v.name} has {w_v_shape[0]} rows but o_proj {w_o.name} "
                         f"writes {hidden} features")
         o_node, o_out, b_o = o_mm, o_mm.outputs[0], None
         cons = only_consumer(o_out)
@@ -437,7 +433,7 @@ class GroupQueryAttentionRule(AttentionRule):
         heads, kv = self.core_heads(core)
         if not heads or not kv:
             raise _Fail(f"{_desc(core)} lacks num_heads/kv_num_heads attributes")
-        cols = const_array(w).shape[1]
+        cols = tuple(w.const_value.shape)[1] if w.const_value is not None else const_array(w).shape[1]
         if cols % (heads + 2 * kv):
             raise _Fail(f"packed QKV weight {w.name} has {cols} columns, not a multiple of "
                         f"{heads} + 2 x {kv} heads")
@@ -521,7 +517,7 @@ def _trace_projection(value: ir.Value, what: str) -> tuple[ir.Value, ir.Value, i
             data = [i for i in node.inputs if i is not None and not is_const(i)]
             cst = [i for i in node.inputs if i is not None and is_const(i)]
             prod = data[0].producer() if len(data) == 1 else None
-            if bias is None and len(cst) == 1 and const_array(cst[0]).ndim == 1 and prod is not None \
+            if bias is None and len(cst) == 1 and const_ndim(cst[0]) == 1 and prod is not None \
                     and _const_weight(prod) is not None:
                 bias, v = cst[0], data[0]
                 continue
