@@ -88,12 +88,14 @@ def check_safetensors(path: Path) -> None:
 
 
 def weight_digest(folder: Path) -> str:
-    """sha256 over (name, sha256) of every ``*.safetensors`` file. Memoised per file by
-    (size, mtime) in ``.harp_digest.json`` beside the weights when the folder is writable."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    """The model's identity: sha256 over (name, sha256) of every ``*.safetensors`` file and of
+    ``config.json`` (equal weights under another architecture are another model). Memoised per
+    file by (size, mtime) in ``.harp_digest.json`` beside the weights when the folder is writable."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
         raise CorruptWeightsError(f"no *.safetensors files in {folder}",
                                   "harp-trt loads safetensors only (never pickles); convert the checkpoint first")
+    files = weights + [folder / "config.json"]
     memo_path = folder / ".harp_digest.json"
     try:
         memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
@@ -106,7 +108,8 @@ def weight_digest(folder: Path) -> str:
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
         entry = memo.get(f.name)
         if not entry or entry.get("stamp") != stamp:
-            check_safetensors(f)
+            if f.suffix == ".safetensors":
+                check_safetensors(f)
             entry = {"stamp": stamp, "sha256": _file_sha256(f)}
             memo[f.name] = entry
             changed = True
