@@ -1,0 +1,59 @@
+"""harp-trt build: the whole pipeline on a tiny model, cache reuse, --force, backends, errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import save_tiny
+from test_calibrate_cli import run_json, write_corpus
+
+
+@pytest.fixture(scope="module")
+def tiny_build(tmp_path_factory):
+    d = tmp_path_factory.mktemp("build")
+    folder = save_tiny("qwen2", d / "tiny-qwen2", seed=7, max_position_embeddings=1024)
+    corpus = write_corpus(d / "corpus.txt")
+    base = ["build", "--model", str(folder), "--layers", "2", "--tokens", "256", "--seq-len", "64",
+            "--corpus", str(corpus), "--alpha-grid", "0,0.5,1", "--workdir", str(d / "cache"), "--json"]
+    return base
+
+
+def test_build_ort_then_all_cached_then_force(tiny_build, capsys):
+    code, res, _ = run_json(capsys, *tiny_build, "--bench", "--bench-seq-lens", "16,32",
+                            "--bench-repeats", "1")
+    assert code == 0, res
+    assert list(res["stages"]) == ["calibrate", "export", "rewrite", "build", "build:dense", "bench"]
+    assert not res["all_cached"] and res["layers"] == [2, 3]
+    engine = Path(res["engine"])
+    assert (engine / "engine.json").is_file() and (engine / "model.onnx").is_file()
+    assert (engine / "tokenizer.json").is_file()
+    assert res["kv_bytes_per_token"]["harp"] * 2 == res["kv_bytes_per_token"]["dense"]  # 2 of 4 layers kept
+    assert res["bench"], "bench summary missing"
+    # nothing changed: every stage is a cache hit and no model is loaded
+    code, again, _ = run_json(capsys, *tiny_build, "--bench", "--bench-seq-lens", "16,32", "--bench-repeats", "1")
+    assert code == 0 and again["all_cached"] and again["seconds"] < 5
+    assert again["stages"]["rewrite"]["artifact"] == res["stages"]["rewrite"]["artifact"]
+    # --force rewrite: calibrate and export stay cached, rewrite and later stages rerun
+    code, forced, _ = run_json(capsys, *tiny_build, "--force", "rewrite")
+    st = forced["stages"]
+    assert st["calibrate"]["cached"] and st["export"]["cached"]
+    assert not st["rewrite"]["cached"] and not st["build"]["cached"]
+
+
+def test_build_trtllm_stops_after_checkpoint(tiny_build, capsys):
+    code, res, _ = run_json(capsys, *tiny_build, "--backend", "trtllm")
+    assert code == 0
+    art = Path(res["stages"]["build"]["artifact"])
+    assert (art / "checkpoint" / "config.json").is_file() and (art / "build_engine.sh").is_file()
+    assert any("build_engine.sh" in n for n in res["notes"])
+    assert "export" not in res["stages"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--backend", "trtlm"], "did you mean 'trtllm'"),
+    (["--force", "rewrit"], "--force takes a stage name"),
+])
+def test_build_bad_flags(tiny_build, capsys, extra, needle):
+    code, res, err = run_json(capsys, *tiny_build, *extra)
+    assert code == 2 and res is None and needle in err
