@@ -22,55 +22,15 @@ Decode on CPUs and GPUs is bound by memory traffic rather than FLOPs, so a secon
 for it: bytes read per token = weights + the KV cache at that context."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from harp_trt.dims import ModelDims
 
 __all__ = ["ModelDims", "SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
            "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
 
 # max-subtract, exp, sum and divide per score element
 SOFTMAX_FLOPS_PER_SCORE = 4
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The shapes the count needs, read from a Hugging Face config (``from_config``)."""
-
-    num_layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    windows: tuple[int | None, ...] = field(default=())  # per layer: None = full attention
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "ModelDims":
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        n = cfg.num_hidden_layers
-        window = getattr(cfg, "sliding_window", None)
-        types = list(getattr(cfg, "layer_types", None) or [])
-        if window and types:
-            windows = tuple(window if t == "sliding_attention" else None for t in types)
-        elif window and getattr(cfg, "model_type", "") in ("mistral",):
-            windows = (window,) * n
-        else:
-            windows = (None,) * n
-        return cls(n, cfg.hidden_size, heads, kv, hd, cfg.intermediate_size, cfg.vocab_size, windows)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def window(self, layer: int) -> int | None:
-        return self.windows[layer] if layer < len(self.windows) else None
 
 
 def _keys_sum(seq: int, window: int | None) -> int:

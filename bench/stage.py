@@ -29,6 +29,7 @@ from harp_trt.config import StageConfig, digest_of
 from harp_trt.errors import ConfigError, GateError, HarpError, PostconditionError, PreconditionError
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
+from harp_trt.versions import library_versions
 from harp_trt.store import Artifact, ArtifactStore
 
 from .tasks import DEFAULT_TASKS
@@ -146,16 +147,9 @@ def machine_fingerprint(threads: int) -> dict[str, Any]:
             "system": platform.system()}
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
 
-    out = {"python": platform.python_version(), "harp-trt": harp_trt.__version__}
-    for pkg in ("torch", "transformers", "onnxruntime", "lm_eval", "datasets"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+def _versions() -> dict[str, str]:
+    return library_versions(("torch", "transformers", "onnxruntime", "lm_eval", "datasets"))
 
 
 def _model_limits(source: Any) -> tuple[int, str]:

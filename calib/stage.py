@@ -7,7 +7,6 @@ code version — not the model's path."""
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +17,12 @@ from harp_trt.config import StageConfig
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
+from harp_trt.versions import library_versions
 
 from .search import DEFAULT_GRID, Progress, search_alphas
 from .strategies import STRATEGIES, ScoreContext, get_strategy
 
-__all__ = ["CalibrateConfig", "CalibrateStage", "CalibrateInputs", "library_versions"]
+__all__ = ["CalibrateConfig", "CalibrateStage", "CalibrateInputs"]
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +74,6 @@ class CalibrateInputs:
     on_phase: Callable[[str], None] | None = None
     extra: dict = field(default_factory=dict)
 
-
-def library_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "harp-trt": harp_trt.__version__}
-    for pkg in ("torch", "transformers", "onnx", "onnxruntime", "safetensors"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 class CalibrateStage(Stage[CalibrateConfig]):

@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Plan", "PLAN_FORMAT"]
+__all__ = ["Plan", "PLAN_FORMAT", "open_plan"]
 
 PLAN_FORMAT = "harp-plan/1"
 
@@ -77,3 +77,11 @@ class Plan:
             raise ConfigError(f"no plan at {p}", "pass a calibrate artifact folder or its plan.json") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"plan {p} is not valid JSON: {e}") from None
+
+
+def open_plan(ref: str | Path, store) -> Plan:
+    """A plan from a plan.json path, a calibrate artifact folder, or an artifact key in ``store``."""
+    p = Path(ref)
+    if p.exists():
+        return Plan.load(p)
+    return Plan.load(store.open(str(ref)).path)

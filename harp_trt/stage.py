@@ -11,7 +11,7 @@ import time
 from typing import Any, ClassVar, Generic, Mapping, TypeVar
 
 from .config import StageConfig
-from .errors import PostconditionError, StageError
+from .errors import PostconditionError
 from .store import MANIFEST, Artifact, ArtifactStore
 
 __all__ = ["Stage"]
@@ -54,10 +54,7 @@ class Stage(Generic[C]):
             self.check_preconditions(config, inputs)
             t0 = time.perf_counter()
             with store.writing(key) as tmp:
-                try:
-                    body = self.run(config, inputs, tmp)
-                except StageError:
-                    raise
+                body = self.run(config, inputs, tmp)
                 self.check_postconditions(config, inputs, tmp)
                 store.write_manifest(tmp, {
                     "stage": self.name, "stage_version": self.version, "key": key,

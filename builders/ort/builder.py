@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from harp_trt.models import TOKENIZER_FILES
 from harp_trt.config import StageConfig
 from harp_trt.errors import ConfigError, GraphError, PreconditionError, VerificationError
 from harp_trt.stage import Stage
@@ -38,9 +39,6 @@ STAGE = "build-ort"
 ENGINE_JSON = "engine.json"
 ENGINE_FORMAT = "harp-engine/1"
 EXTERNAL_DATA_THRESHOLD = 2_000_000_000
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                   "generation_config.json", "config.json")
 LEVELS = ("disable", "basic", "extended", "all")
 
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from harp_trt.models import TOKENIZER_FILES
 from harp_trt.config import StageConfig
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
 from harp_trt.stage import Stage
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 ONNX_STAGES = ("export", "rewrite", "build-ort")
 TRTLLM_STAGES = ("trtllm",)
 REPO_MANIFEST = "harp_triton.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json", "config.json")
 # NGC images (pick the release whose backends match your build; see README.md in the repository)
 NGC_ONNX_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
 NGC_TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"

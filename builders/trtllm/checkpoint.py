@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
+from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
 from harp_trt.harp import HarpAttention, ScaledNorm, harp_alphas
@@ -60,23 +61,6 @@ def pad_to_multiple(n: int, k: int) -> int:
     return int(math.ceil(n / k) * k)
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    layers: int
-
-    @classmethod
-    def of(cls, config) -> "ModelDims":
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.hidden_size, heads, kv, hd, config.intermediate_size, config.vocab_size,
-                   config.num_hidden_layers)
 
 
 def _tp_problems(dims: ModelDims, target: TrtllmTarget, tp: int) -> list[str]:

@@ -145,16 +145,6 @@ def run_triton(args) -> dict:
     return result
 
 
-def _load_plan(ref: str, store):
-    from pathlib import Path
-
-    from ..plan import Plan
-
-    p = Path(ref)
-    if p.is_file() or (p / "plan.json").is_file():
-        return Plan.load(p)
-    return Plan.load(store.open(ref).path)
-
 
 def run_trtllm(args) -> dict:
     from builders.trtllm.stage import TrtllmCheckpointConfig, TrtllmCheckpointStage
@@ -162,6 +152,7 @@ def run_trtllm(args) -> dict:
     from ..errors import PreconditionError
     from ..models import load_model, load_tokenizer, resolve_model
     from ..store import ArtifactStore
+    from ..plan import open_plan
 
     t0 = time.perf_counter()
     config = TrtllmCheckpointConfig.from_dict({
@@ -170,7 +161,7 @@ def run_trtllm(args) -> dict:
         "max_num_tokens": args.max_num_tokens, "hf_format": not args.no_hf, "verify": not args.no_verify,
         "build": args.build})
     store = ArtifactStore(args.workdir)
-    plan = _load_plan(args.plan, store)
+    plan = open_plan(args.plan, store)
     resolved = resolve_model(args.model or plan.model_ref, store.root)
     if resolved.digest != plan.model_digest:
         raise PreconditionError("trtllm", f"model {resolved.ref} (weights {resolved.digest[:12]}) is not the model "

@@ -24,12 +24,12 @@ def run(args) -> dict:
     from ..errors import ConfigError
     from ..harp import apply_harp, set_alpha
     from ..models import load_model, load_tokenizer, resolve_model
-    from ..plan import Plan
+    from ..plan import open_plan
     from ..ppl import perplexity
     from ..store import ArtifactStore
 
     store = ArtifactStore(args.workdir)
-    plan = _load_plan(args.plan, store)
+    plan = open_plan(args.plan, store)
     resolved = resolve_model(args.model or plan.model_ref, store.root)
     if resolved.digest != plan.model_digest:
         raise ConfigError(f"model {resolved.ref!r} (digest {resolved.digest[:12]}) is not the plan's model "
@@ -47,13 +47,3 @@ def run(args) -> dict:
             "layers": list(plan.layers), "alphas": list(plan.alphas),
             "dense": dense, "alpha1": alpha1, "searched": searched}
 
-
-def _load_plan(ref: str, store) -> "Plan":
-    from pathlib import Path
-
-    from ..plan import Plan
-
-    p = Path(ref)
-    if p.exists():
-        return Plan.load(p)
-    return Plan.load(store.open(ref).path)

@@ -49,6 +49,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..models import TOKENIZER_FILES
 from ..config import StageConfig
 from ..errors import ConfigError, GraphError, PreconditionError, VerificationError
 from ..stage import Stage
@@ -62,9 +63,6 @@ log = logging.getLogger(__name__)
 EXPORT_META_KEY = "harp_trt.export"
 EXTERNAL_DATA_THRESHOLD = 2_000_000_000  # bytes; protobuf cannot hold a model over 2 GiB
 # copied next to model.onnx so later stages (build, generate) need nothing from the model folder
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                   "generation_config.json", "config.json")
 
 
 # ---- names -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import onnx
 
+from ..models import TOKENIZER_FILES
 from ..config import StageConfig, digest_of
 from ..errors import ConfigError, GraphError, PostconditionError, PreconditionError
 from ..plan import Plan
@@ -37,9 +38,6 @@ __all__ = ["RewriteConfig", "RewriteStage", "rewrite_onnx", "file_digest", "REPO
 log = logging.getLogger(__name__)
 REPORT = "rewrite_report.json"
 EXPORT_META_KEY = "harp_trt.export"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                   "generation_config.json", "config.json")
 
 
 @dataclass(frozen=True)
