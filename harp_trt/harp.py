@@ -186,7 +186,9 @@ def _install_cache_hook(model: nn.Module, family: FamilySpec) -> None:
 
             cache = DynamicCache(config=model.config)
             kwargs["cache"] = cache
-        if cache is not None:
+        # with every layer pruned nothing reads the cache (no attention, no RoPE anywhere); keeping
+        # its empty slots lets transformers' sequence-length queries still work
+        if cache is not None and len(pruned) < len(family.layers(model)):
             _strip_cache(cache, pruned)
         return args, kwargs
 

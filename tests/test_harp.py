@@ -74,7 +74,8 @@ def test_q_and_k_are_deleted(family):
     assert any("layers.0.self_attn.q_proj" in n for n in names)
 
 
-@pytest.mark.parametrize("layers", [{2: 0.7, 3: 0.4}, {0: 0.5, 2: 1.0}, {0: 1.0, 1: 0.2, 3: 0.0}])
+@pytest.mark.parametrize("layers", [{2: 0.7, 3: 0.4}, {0: 0.5, 2: 1.0}, {0: 1.0, 1: 0.2, 3: 0.0},
+                                    {0: 0.3, 1: 1.0, 2: 0.5, 3: 0.9}])
 def test_generate_with_cache_matches_recompute(family, layers):
     """Greedy generate() through the KV cache equals full recomputation without a cache, and
     pruned layers hold no cache entries (also when layer 0 is pruned)."""
@@ -89,6 +90,9 @@ def test_generate_with_cache_matches_recompute(family, layers):
             x = torch.cat([x, model(x, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(out.sequences, x)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    if len(layers) == 4:  # every layer pruned: nothing is cached at all
+        assert all(getattr(l, "keys", None) is None or l.keys.numel() == 0 for l in cache.layers)
+        return
     for i, layer in enumerate(cache.layers):
         assert (type(layer).__name__ == "DummyLayer") == (i in layers), i
         if i not in layers:
