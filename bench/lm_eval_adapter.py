@@ -9,7 +9,9 @@ Sequences longer than the model's context keep their last ``max_length`` tokens,
 Hugging Face model."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -153,9 +155,11 @@ def evaluate_tasks(lms: dict[str, "EngineLM"], tasks: list[str], include_path: l
     tm = TaskManager(include_path=include_path, include_defaults=False)
     rows = []
     for variant, lm in lms.items():
-        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, log_samples=False,
-                              bootstrap_iters=100, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed)
+        # lm-eval prints progress ("bootstrapping for stddev") to stdout, which belongs to --json
+        with contextlib.redirect_stdout(sys.stderr):
+            res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, log_samples=False,
+                                  bootstrap_iters=100, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed)
         for task, metrics in res["results"].items():
             n = (res.get("n-samples") or {}).get(task, {}).get("effective")
             for key, value in metrics.items():
