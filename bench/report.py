@@ -71,6 +71,8 @@ def plot_accuracy(tasks: pl.DataFrame, ppl: dict[str, float], path: Path, title:
     import numpy as np
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    # accuracies share one [0, 1] axis; perplexity-like metrics (LAMBADA) are in the table only
+    tasks = tasks.filter(~tasks["metric"].str.contains("perplexity")) if tasks.height else tasks
     if tasks.height:
         labels = [f"{t}\n{m}" for t, m in zip(tasks["task"], tasks["metric"])]
         x = np.arange(len(labels))
@@ -79,6 +81,7 @@ def plot_accuracy(tasks: pl.DataFrame, ppl: dict[str, float], path: Path, title:
             a.bar(x + off, tasks[v].to_list(), 0.4, yerr=err, capsize=3, label="HARP" if v == "harp" else v)
         a.set_xticks(x, labels, fontsize=8)
         a.set_ylabel("accuracy")
+        a.set_ylim(0, 1)
         a.legend()
     else:
         a.text(0.5, 0.5, "no lm-eval tasks run", ha="center", va="center", transform=a.transAxes)
