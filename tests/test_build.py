@@ -57,3 +57,11 @@ def test_build_trtllm_stops_after_checkpoint(tiny_build, capsys):
 def test_build_bad_flags(tiny_build, capsys, extra, needle):
     code, res, err = run_json(capsys, *tiny_build, *extra)
     assert code == 2 and res is None and needle in err
+
+
+def test_build_triton_wraps_the_ort_engine(tiny_build, capsys):
+    code, res, _ = run_json(capsys, *tiny_build, "--backend", "triton")
+    assert code == 0
+    assert list(res["stages"]) == ["calibrate", "export", "rewrite", "build", "build:triton"]
+    repo = Path(res["stages"]["build:triton"]["artifact"])
+    assert (repo / "client.py").is_file() and list(repo.glob("*/config.pbtxt"))
