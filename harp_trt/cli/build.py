@@ -51,7 +51,7 @@ def run(args) -> dict:
                                                "seconds": round(r.seconds, 3)} for r in res.records},
            "all_cached": all(r.artifact.cached for r in res.records),
            "seconds": round(time.perf_counter() - t0, 3), "notes": res.notes,
-           "_tables": {"stages": [r.row() for r in res.records]}}
+           "_tables": {"stages": [r.row() for r in res.records]}, "_hide": ["stages"]}
     engine = res.artifact("build")
     if engine is not None:
         out["engine"] = str(engine.path)

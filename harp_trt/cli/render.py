@@ -23,6 +23,7 @@ def _fmt(v: Any) -> str:
 
 def render(result: dict[str, Any]) -> None:
     tables = result.pop("_tables", None) or {}
+    hidden = set(result.pop("_hide", None) or ())  # keys a table above already shows
     for title, rows in tables.items():
         if not rows:
             continue
@@ -34,7 +35,7 @@ def render(result: dict[str, Any]) -> None:
         console.print(t)
     t = Table(show_header=False, box=None)
     for k, v in result.items():
-        if k.startswith("_"):
+        if k.startswith("_") or k in hidden:
             continue
         t.add_row(f"[bold]{k}[/bold]", _fmt(v))
     console.print(t)
