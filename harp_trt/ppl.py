@@ -3,7 +3,7 @@ window predicts tokens 1..S-1 from its own prefix; no cross-window context)."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

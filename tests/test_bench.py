@@ -4,13 +4,10 @@ weights from another model)."""
 from __future__ import annotations
 
 import json
-import math
 import random
-from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 
 from tests.conftest import save_tiny
 

@@ -24,17 +24,17 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
-from harp_trt.harp import HarpAttention, ScaledNorm, harp_alphas
+from harp_trt.harp import ScaledNorm, harp_alphas
 from harp_trt.plan import Plan
 
-from .targets import ROUTE_LINEAR, ROUTE_WINDOW1, TrtllmTarget, target_for
+from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
 __all__ = ["DTYPES", "ModelDims", "write_checkpoint", "pp_layers", "valid_tp_sizes", "check_layout",
            "rank_of", "STAGE_NAME"]

@@ -49,9 +49,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..models import TOKENIZER_FILES
 from ..config import StageConfig
+from ..dims import ModelDims
 from ..errors import ConfigError, GraphError, PreconditionError, VerificationError
+from ..models import TOKENIZER_FILES
 from ..stage import Stage
 
 __all__ = ["export_dense", "verify_export", "kv_layers_of", "ExportConfig", "ExportStage",
@@ -83,12 +84,6 @@ def kv_layers_of(model: nn.Module) -> list[int]:
     layers = family_of(model.config).layers(model)
     return [i for i, l in enumerate(layers) if not isinstance(l.self_attn, HarpAttention)]
 
-
-def _dims(config) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv, hd
 
 
 def exporter_versions() -> dict[str, str]:
@@ -133,7 +128,8 @@ class _FlatKV(nn.Module):
 
 
 def _example(model: nn.Module, kv_layers: list[int], batch: int, seq: int, past: int, seed: int = 0):
-    heads, kv, hd = _dims(model.config)
+    d = ModelDims.of(model.config)
+    kv, hd = d.kv_heads, d.head_dim
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
     mask = torch.ones(batch, past + seq, dtype=torch.long)
@@ -145,7 +141,8 @@ def _example(model: nn.Module, kv_layers: list[int], batch: int, seq: int, past:
 
 def _meta(model: nn.Module, kv_layers: list[int]) -> dict[str, Any]:
     cfg = model.config
-    heads, kv, hd = _dims(cfg)
+    d = ModelDims.of(cfg)
+    heads, kv, hd = d.heads, d.kv_heads, d.head_dim
     return {
         "format": "harp-export/1", "model_type": cfg.model_type, "num_layers": cfg.num_hidden_layers,
         "num_heads": heads, "kv_heads": kv, "head_dim": hd, "hidden_size": cfg.hidden_size,
