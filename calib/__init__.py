@@ -7,15 +7,16 @@ from typing import Callable
 __all__ = ["run_calibrate"]
 
 
-def run_calibrate(model_ref: str, config, store, naive: bool = False, force: bool = False,
+def run_calibrate(model_ref, config, store, naive: bool = False, force: bool = False,
                   progress=None, on_phase: Callable[[str], None] | None = None):
-    """Resolve the model and corpus, then return the (cached or new) calibrate ``Artifact``."""
+    """Resolve the model (a reference, or an already ``ResolvedModel``) and the corpus, then
+    return the (cached or new) calibrate ``Artifact``."""
     from harp_trt.data import load_corpus
     from harp_trt.models import resolve_model
 
     from .stage import CalibrateInputs, CalibrateStage
 
-    resolved = resolve_model(model_ref, store.root)
+    resolved = model_ref if hasattr(model_ref, "digest") else resolve_model(model_ref, store.root)
     corpus = load_corpus(config.corpus, store.root)
     inputs = {"calibrate": CalibrateInputs(resolved, corpus, naive=naive, progress=progress, on_phase=on_phase)}
     return CalibrateStage().execute(store, config, inputs, force=force)

