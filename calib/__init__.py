@@ -8,7 +8,7 @@ __all__ = ["run_calibrate"]
 
 
 def run_calibrate(model_ref, config, store, naive: bool = False, force: bool = False,
-                  progress=None, on_phase: Callable[[str], None] | None = None):
+                  progress=None, on_phase: Callable[[str], None] | None = None, placement=None):
     """Resolve the model (a reference, or an already ``ResolvedModel``) and the corpus, then
     return the (cached or new) calibrate ``Artifact``."""
     from harp_trt.data import load_corpus
@@ -18,5 +18,6 @@ def run_calibrate(model_ref, config, store, naive: bool = False, force: bool = F
 
     resolved = model_ref if hasattr(model_ref, "digest") else resolve_model(model_ref, store.root)
     corpus = load_corpus(config.corpus, store.root)
-    inputs = {"calibrate": CalibrateInputs(resolved, corpus, naive=naive, progress=progress, on_phase=on_phase)}
+    inputs = {"calibrate": CalibrateInputs(resolved, corpus, naive=naive, progress=progress, on_phase=on_phase,
+                                           placement=placement)}
     return CalibrateStage().execute(store, config, inputs, force=force)

@@ -10,7 +10,10 @@ The cached search gives the same answer faster:
 - while layer l is searched, the state entering l is fixed (layers below are at alpha = 1 and
   layers above are not involved), so it is computed once per layer, and so is l's own V.O term;
   each candidate only re-scales that term and re-runs the MLP half of l, layers l+1..L-1 and the head.
-``naive=True`` recomputes the full model per candidate (the reference for tests and the benchmark)."""
+``naive=True`` recomputes the full model per candidate (the reference for tests and the benchmark).
+
+Both paths work on a ``LayerStack``, so they run unchanged on a model that is resident, spread
+over devices, or read one layer at a time from disk."""
 from __future__ import annotations
 
 import logging
@@ -23,7 +26,7 @@ import torch
 
 from harp_trt.families import FamilySpec
 from harp_trt.harp import apply_harp, set_alpha, vo_output
-from harp_trt.ppl import perplexity, window_nll
+from harp_trt.layerwise import LayerStack
 
 __all__ = ["SearchResult", "search_alphas", "DEFAULT_GRID"]
 
@@ -44,98 +47,83 @@ class SearchResult:
     seconds: float = 0.0
 
 
-class _StopForward(Exception):
-    pass
+def _budget_bytes(stack: LayerStack) -> int:
+    """How many bytes of candidate hidden states one pass may hold: a quarter of the free memory
+    on the device, at most 4 GiB."""
+    from harp_trt.device import available_memory
+
+    return int(min(4 << 30, 0.25 * available_memory(str(stack.device))))
 
 
 @torch.inference_mode()
-def _capture(model, family: FamilySpec, windows: torch.Tensor, lo: int):
-    """Per-layer call kwargs (mask, rotary embeddings...) and the input of layer ``lo`` per window.
-    One window per forward, so the kwargs are identical for every window."""
-    layers = family.layers(model)
-    kwargs_of: dict[int, dict] = {}
-    h_lo: list[torch.Tensor] = []
-
-    def make(i):
-        def hook(mod, args, kwargs):
-            if i not in kwargs_of:
-                kwargs_of[i] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            if i == lo:
-                h_lo.append((args[0] if args else kwargs["hidden_states"]).clone())
-                if len(kwargs_of) == len(layers):
-                    raise _StopForward
-            return None
-        return hook
-
-    hooks = [layer.register_forward_pre_hook(make(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        for w in range(windows.shape[0]):
-            try:
-                model(input_ids=windows[w: w + 1], use_cache=False)
-            except _StopForward:
-                pass
-    finally:
-        for h in hooks:
-            h.remove()
-    return kwargs_of, h_lo
-
-
-def _run_layers(layers, kwargs_of, h: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    for j in range(start, stop):
-        out = layers[j](h, **kwargs_of[j])
-        h = out[0] if isinstance(out, tuple) else out
-    return h
-
-
-@torch.inference_mode()
-def search_alphas(model: torch.nn.Module, family: FamilySpec, windows: torch.Tensor,
+def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windows: torch.Tensor,
                   layers_to_prune: Sequence[int], grid: Sequence[float] = DEFAULT_GRID,
-                  naive: bool = False, progress: Progress | None = None) -> SearchResult:
-    """Run Algorithm 1 on ``model`` (patched in place: on return it is the searched HARP model)."""
+                  naive: bool = False, progress: Progress | None = None,
+                  state_budget_bytes: int | None = None) -> SearchResult:
+    """Run Algorithm 1 on ``model`` (a loaded HF model or a ``LayerStack``; patched in place: on
+    return it is the searched HARP model).
+
+    The cached path runs layer-outer: every grid candidate of layer l goes through each layer
+    above l while that layer is resident, so a sequential stack reads each layer once per searched
+    layer, and the numbers are those of the in-memory model exactly (same operations on the same
+    inputs). Candidates are split into groups when their hidden states would exceed
+    ``state_budget_bytes``."""
     t0 = time.perf_counter()
+    stack = model if isinstance(model, LayerStack) else LayerStack.wrap(model, family)
     selected = sorted(set(int(l) for l in layers_to_prune))
-    apply_harp(model, {l: 1.0 for l in selected}, family)
-    ppl1 = perplexity(model, windows)
+    apply_harp(stack.model, {l: 1.0 for l in selected}, family)
     trace: list[dict] = []
     alphas = {l: 1.0 for l in selected}
-    layers = family.layers(model)
-    n_layers = len(layers)
+    grid = [float(a) for a in grid]
 
-    if not naive:
+    if naive:
+        ppl1 = stack.perplexity(windows)
+    else:
         lo = selected[0]
-        kwargs_of, h_lo = _capture(model, family, windows, lo)
+        cap = stack.capture(windows)
+        h_lo = stack.run(cap.h0, cap, 0, lo)
+        ppl1 = math.exp(_div(*stack.nll(stack.run(h_lo, cap, lo), windows)))
+        per_candidate = sum(h.numel() * h.element_size() for h in h_lo)
+        budget = state_budget_bytes if state_budget_bytes is not None else _budget_bytes(stack)
+        group = max(1, min(len(grid), budget // max(1, per_candidate)))
 
     best_ppl = ppl1
     for step, l in enumerate(reversed(selected)):
+        tl = time.perf_counter()
         if naive:
-            def ppl_of(a: float) -> float:
-                set_alpha(model, l, a, family)
-                return perplexity(model, windows)
+            ppls = []
+            for a in grid:
+                set_alpha(stack.model, l, a, family)
+                ppls.append(stack.perplexity(windows))
         else:
-            h_l = [_run_layers(layers, kwargs_of, h, lo, l) for h in h_lo]  # lower layers at alpha=1
-            vo = [vo_output(family, layers[l], h) for h in h_l]
-
-            def ppl_of(a: float) -> float:
-                total, count = 0.0, 0
-                for w in range(len(h_l)):
-                    h = family.mlp_residual(layers[l], h_l[w] + a * vo[w])
-                    h = _run_layers(layers, kwargs_of, h, l + 1, n_layers)
-                    s, n = window_nll(family.logits(model, h), windows[w: w + 1])
-                    total, count = total + s, count + n
-                return math.exp(total / count)
-
+            h_l = stack.run(h_lo, cap, lo, l)  # layers below l: alpha = 1 where selected
+            ppls = []
+            for g0 in range(0, len(grid), group):
+                cands = grid[g0: g0 + group]
+                with stack.layer(l) as layer:
+                    vo = [vo_output(family, layer, h) for h in h_l]
+                    states = [family.mlp_residual(layer, h + a * v) for a in cands for h, v in zip(h_l, vo)]
+                    del vo
+                states = stack.run(states, cap, l + 1)
+                n_w = len(h_l)
+                for c in range(len(cands)):
+                    ppls.append(math.exp(_div(*stack.nll(states[c * n_w:(c + 1) * n_w], windows))))
+                del states
+        seconds = (time.perf_counter() - tl) / len(grid)
         best_a, best = None, math.inf
-        for ci, a in enumerate(grid):
-            tc = time.perf_counter()
-            p = ppl_of(float(a))
+        for ci, (a, p) in enumerate(zip(grid, ppls)):
             if p < best:  # strictly lower: ties keep the earlier grid value
-                best_a, best = float(a), p
-            trace.append({"step": step, "layer": l, "alpha": float(a), "ppl": p,
-                          "best_alpha": best_a, "best_ppl": best, "seconds": time.perf_counter() - tc})
+                best_a, best = a, p
+            trace.append({"step": step, "layer": l, "alpha": a, "ppl": p,
+                          "best_alpha": best_a, "best_ppl": best, "seconds": seconds})
             if progress:
-                progress(l, ci, len(grid), float(a), p)
+                progress(l, ci, len(grid), a, p)
         alphas[l] = best_a
-        set_alpha(model, l, best_a, family)
+        set_alpha(stack.model, l, best_a, family)
         best_ppl = best
         log.info("layer %d: alpha=%.2f ppl=%.4f", l, best_a, best)
     return SearchResult(alphas, ppl1, best_ppl, trace, time.perf_counter() - t0)
+
+
+def _div(total: float, count: int) -> float:
+    return total / count

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -39,7 +39,8 @@ class CalibrateConfig(StageConfig):
     seq_len: int = 512
     corpus: str = "wiki"
     score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
-    dtype: str = "float32"
+    dtype: str = "float32"   # the CLI's default: bfloat16 on CUDA, float32 on the CPU
+    device: str = "cpu"      # device kind (cpu | cuda): results differ between kinds
 
     def validate(self) -> None:
         STRATEGIES.get(self.strategy)  # raises with "did you mean"
@@ -56,6 +57,8 @@ class CalibrateConfig(StageConfig):
             raise ConfigError(f"--seq-len must be >= 2, got {self.seq_len}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"CalibrateConfig.device is a device kind (cpu or cuda), got {self.device!r}")
 
     def key_material(self) -> dict[str, Any]:
         d = super().key_material()
@@ -65,14 +68,16 @@ class CalibrateConfig(StageConfig):
 
 @dataclass
 class CalibrateInputs:
-    """What the stage reads: a resolved model and a corpus (loaded lazily by the stage)."""
+    """What the stage reads: a resolved model and a corpus (loaded lazily by the stage), and where
+    to run. ``placement`` (device index, device map, sequential) does not change the numbers and
+    is not part of the key; its device kind and dtype are, through the config."""
 
     resolved: Any               # harp_trt.models.ResolvedModel
     corpus: Any                 # harp_trt.data.Corpus
     naive: bool = False         # reference search; same answer, not part of the key
     progress: Progress | None = None
     on_phase: Callable[[str], None] | None = None
-    extra: dict = field(default_factory=dict)
+    placement: Any = None       # harp_trt.device.Placement; default: config.device / config.dtype
 
 
 
@@ -89,6 +94,10 @@ class CalibrateStage(Stage[CalibrateConfig]):
     def check_preconditions(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> None:
         from transformers import AutoConfig
 
+        placement = inputs["calibrate"].placement
+        if placement is not None and (placement.kind, placement.dtype) != (config.device, config.dtype):
+            raise PreconditionError(self.name, f"placement {placement.device}/{placement.dtype} disagrees with the "
+                                    f"config's {config.device}/{config.dtype} (they enter the artifact key)")
         cfg = AutoConfig.from_pretrained(inputs["calibrate"].resolved.folder, trust_remote_code=False)
         n = cfg.num_hidden_layers
         if config.layers >= n:
@@ -99,14 +108,18 @@ class CalibrateStage(Stage[CalibrateConfig]):
         import polars as pl
 
         from harp_trt.data import token_windows
-        from harp_trt.models import load_model, load_tokenizer
-        from harp_trt.ppl import perplexity
+        from harp_trt.device import resolve_placement
+        from harp_trt.layerwise import LayerStack
+        from harp_trt.models import load_tokenizer
 
         inp: CalibrateInputs = inputs["calibrate"]
         phase = inp.on_phase or (lambda s: log.info(s))
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        model, family = load_model(inp.resolved, dtype=config.dtype)
+        placement = inp.placement or resolve_placement(config.device, config.dtype)
+        stack = LayerStack.open(inp.resolved.folder, placement)
+        model, family = stack.model, stack.family
+        phase(f"model on {placement.describe(stack.sequential)}")
         tok = load_tokenizer(inp.resolved.folder)
         calib = token_windows(tok, inp.corpus, "calib", config.seq_len, config.tokens)
         held = token_windows(tok, inp.corpus, "heldout", config.seq_len, config.tokens)
@@ -115,7 +128,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
         phase(f"scoring layers ({config.strategy})")
         t = time.perf_counter()
         strategy = get_strategy(config.strategy)
-        ctx = ScoreContext(family=family, config=model.config, folder=inp.resolved.folder, model=model,
+        ctx = ScoreContext(family=family, config=model.config, folder=inp.resolved.folder, stack=stack,
                            windows=calib[: config.score_windows])
         scores = strategy.score(ctx)
         selected = strategy.select(scores, config.layers)
@@ -123,23 +136,23 @@ class CalibrateStage(Stage[CalibrateConfig]):
 
         phase("dense perplexity")
         t = time.perf_counter()
-        ppl_dense = perplexity(model, calib)
-        ppl_held_dense = perplexity(model, held)
+        ppl_dense = stack.perplexity(calib)
+        ppl_held_dense = stack.perplexity(held)
         timings["dense_ppl"] = time.perf_counter() - t
 
         phase(f"alpha search over layers {selected}")
-        res = search_alphas(model, family, calib, selected, config.alpha_grid, naive=inp.naive,
+        res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
                             progress=inp.progress)
         timings["search"] = res.seconds
 
         phase("held-out perplexity")
         t = time.perf_counter()
-        ppl_held_searched = perplexity(model, held)
+        ppl_held_searched = stack.perplexity(held)
         from harp_trt.harp import set_alpha
 
         for l in selected:
             set_alpha(model, l, 1.0, family)
-        ppl_held_alpha1 = perplexity(model, held)
+        ppl_held_alpha1 = stack.perplexity(held)
         timings["heldout_ppl"] = time.perf_counter() - t
 
         ppl = {"dense": ppl_dense, "alpha1": res.ppl_alpha1, "searched": res.ppl_searched,
@@ -152,6 +165,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
                     extra={"tokens": int(calib.numel()), "heldout_tokens": int(held.numel()),
                            "seq_len": config.seq_len, "corpus": inp.corpus.name,
                            "corpus_digest": inp.corpus.digest, "naive_search": inp.naive,
+                           "placement": _placement_record(placement, stack),
                            "timings": {k: round(v, 3) for k, v in timings.items()},
                            "versions": library_versions()})
         plan.save(out_dir / "plan.json")
@@ -162,4 +176,10 @@ class CalibrateStage(Stage[CalibrateConfig]):
 
         plot_search(plan, res.trace, out_dir / "alpha_search.png")
         return {"model": inp.resolved.to_dict(), "plan": "plan.json", "layers": selected,
-                "alphas": list(plan.alphas), "ppl": ppl}
+                "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
+
+
+def _placement_record(placement, stack) -> dict[str, Any]:
+    path = "sequential" if stack.sequential else ("device-map" if placement.device_map else "in-memory")
+    return {"device": placement.device, "dtype": placement.dtype, "device_map": placement.device_map,
+            "path": path, "layer_loads": stack.loads}

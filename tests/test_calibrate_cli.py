@@ -165,7 +165,7 @@ def test_unwritable_cache(tiny, capsys, tmp_path):
 def test_interrupted_search_leaves_nothing(tiny, monkeypatch):
     """A run killed mid-search (KeyboardInterrupt from inside the search) leaves no artifact and
     no temp folder; the next run starts clean and succeeds."""
-    import calib.search as search
+    import harp_trt.layerwise as search  # where the search's NLL is computed
 
     folder, corpus, cache = tiny
     real = search.window_nll

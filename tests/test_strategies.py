@@ -9,10 +9,11 @@ from calib.strategies.gate_norm import gate_norm_scores
 from conftest import make_tiny, save_tiny
 from harp_trt.errors import ConfigError, UnknownNameError
 from harp_trt.families import family_of
+from harp_trt.layerwise import LayerStack
 
 
 def _ctx(model, **kw):
-    return ScoreContext(family=family_of(model.config), config=model.config, model=model,
+    return ScoreContext(family=family_of(model.config), config=model.config, stack=LayerStack.wrap(model),
                         windows=torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)), **kw)
 
 
@@ -50,14 +51,14 @@ def test_gate_norm_matches_brute_force(family):
             m = wq[h * d:(h + 1) * d].T @ wk[k * d:(k + 1) * d]  # D x D bilinear form
             vals.append(torch.linalg.matrix_norm(m, "fro") / d ** 0.5)
         expected.append(float(torch.stack(vals).mean()))
-    got = gate_norm_scores(ScoreContext(family=fam, config=cfg, model=model))
+    got = gate_norm_scores(ScoreContext(family=fam, config=cfg, stack=LayerStack.wrap(model)))
     assert got == pytest.approx(expected, rel=1e-5)
 
 
 def test_gate_norm_streams_from_safetensors(tmp_path):
     folder = save_tiny("qwen2", tmp_path / "m")
     model = make_tiny("qwen2")
-    from_model = gate_norm_scores(ScoreContext(family=family_of(model.config), config=model.config, model=model))
+    from_model = gate_norm_scores(ScoreContext(family=family_of(model.config), config=model.config, stack=LayerStack.wrap(model)))
     from_disk = gate_norm_scores(ScoreContext(family=family_of(model.config), config=model.config, folder=folder))
     assert from_disk == pytest.approx(from_model, rel=1e-6)
 
@@ -69,7 +70,7 @@ def test_sink_scores_are_attention_mass_on_position_zero():
     out = model(input_ids=ctx.windows[:1], output_attentions=True)
     assert 0.0 < scores[0] < 1.0
     # one window: the score of layer 1 over the first window alone
-    one = get_strategy("sink").score(ScoreContext(family=ctx.family, config=model.config, model=model,
+    one = get_strategy("sink").score(ScoreContext(family=ctx.family, config=model.config, stack=LayerStack.wrap(model),
                                                   windows=ctx.windows[:1]))
     assert one[1] == pytest.approx(float(out.attentions[1][0, :, 1:, 0].mean()), rel=1e-5)
     assert model.config._attn_implementation == "eager"
@@ -83,3 +84,19 @@ def test_selection_errors():
         get_strategy("top").select([0.0, 1.0], 0)
     with pytest.raises(UnknownNameError, match="did you mean 'gate-norm'"):
         STRATEGIES.get("gatenorm")
+
+
+@pytest.mark.parametrize("name", ["sink", "bi", "attn-sim"])
+def test_data_scores_equal_on_a_sequential_stack(tmp_path, family, name):
+    """Layer-by-layer scoring from disk (one layer resident) gives the resident model's scores."""
+    from harp_trt.device import resolve_placement
+
+    folder = save_tiny(family, tmp_path / "m", num_hidden_layers=5)
+    windows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for seq in (False, True):
+        stack = LayerStack.open(folder, resolve_placement("cpu", "float32", sequential=seq))
+        got[seq] = get_strategy(name).score(ScoreContext(family=stack.family, config=stack.model.config,
+                                                         stack=stack, windows=windows))
+        assert stack.sequential is seq and stack.loads == (5 if seq else 0)
+    assert got[True] == pytest.approx(got[False], rel=1e-6)

@@ -18,12 +18,12 @@ __all__ = ["ScoreContext", "Strategy"]
 
 @dataclass
 class ScoreContext:
-    """What a strategy may use. ``model`` and ``windows`` are None for data-free scoring."""
+    """What a strategy may use. ``stack`` and ``windows`` are None for data-free scoring."""
 
     family: FamilySpec
     config: Any                          # HF config
     folder: Path | None = None           # safetensors folder, for streaming weight reads
-    model: torch.nn.Module | None = None
+    stack: Any = None                    # harp_trt.layerwise.LayerStack (resident or sequential)
     windows: torch.Tensor | None = None  # calibration token windows [n, S]
 
 

@@ -12,7 +12,6 @@ Weights are streamed one tensor at a time from the safetensors files: no forward
 Prune the P *least* coupled layers."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,33 +20,25 @@ from .base import ScoreContext, Strategy
 
 
 class _TensorSource:
-    """Reads single tensors by name from a safetensors folder (sharded or not) or a model."""
+    """Single tensors by checkpoint name, from the safetensors folder (read one at a time) or,
+    without one, from a loaded model's parameters."""
 
     def __init__(self, ctx: ScoreContext):
         self.model_state = None
-        self.index: dict[str, Path] = {}
+        self.reader = None
         if ctx.folder is not None and any(Path(ctx.folder).glob("*.safetensors")):
-            from safetensors import safe_open
+            from harp_trt.weights import WeightReader
 
-            self._safe_open = safe_open
-            idx = Path(ctx.folder) / "model.safetensors.index.json"
-            if idx.is_file():
-                wm = json.loads(idx.read_text())["weight_map"]
-                self.index = {k: Path(ctx.folder) / v for k, v in wm.items()}
-            else:
-                for f in Path(ctx.folder).glob("*.safetensors"):
-                    with safe_open(str(f), "pt") as h:
-                        self.index.update({k: f for k in h.keys()})
-        elif ctx.model is not None:
-            self.model_state = dict(ctx.model.named_parameters())
+            self.reader = WeightReader(ctx.folder)
+        elif ctx.stack is not None:
+            self.model_state = dict(ctx.stack.model.named_parameters())
         else:
             raise ValueError("gate-norm needs a weights folder or a model")
 
     def get(self, name: str) -> torch.Tensor:
         if self.model_state is not None:
             return self.model_state[name].detach().float()
-        with self._safe_open(str(self.index[name]), "pt") as h:
-            return h.get_tensor(name).float()
+        return self.reader.get(name, torch.float32)
 
 
 def gate_norm_scores(ctx: ScoreContext) -> list[float]:
@@ -59,10 +50,10 @@ def gate_norm_scores(ctx: ScoreContext) -> list[float]:
     src = _TensorSource(ctx)
     scores = []
     for layer in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{layer}."
-        gain = src.get(pre + "input_layernorm.weight") + ctx.family.norm_weight_offset
-        wq = src.get(pre + "self_attn.q_proj.weight") * gain      # [heads*d, D]
-        wk = src.get(pre + "self_attn.k_proj.weight") * gain      # [kv*d, D]
+        fam = ctx.family
+        gain = src.get(fam.weight_name("input_ln", layer)) + fam.norm_weight_offset
+        wq = src.get(fam.weight_name("q", layer)) * gain      # [heads*d, D]
+        wk = src.get(fam.weight_name("k", layer)) * gain      # [kv*d, D]
         gq = torch.einsum("hid,hjd->hij", wq.view(heads, d, -1), wq.view(heads, d, -1))  # A A^T
         gk = torch.einsum("kid,kjd->kij", wk.view(kv, d, -1), wk.view(kv, d, -1))        # B B^T
         gk = gk.repeat_interleave(rep, dim=0)                        # KV head of each query head

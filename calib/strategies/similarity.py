@@ -3,7 +3,7 @@
 - ``bi``: ShortGPT Block Influence (arXiv 2403.03853), ``1 - cos(h_in, h_out)`` of the whole layer.
 - ``attn-sim``: ``1 - cos(h_in, h_in + attn_out)``, the attention block alone (after the post-
   attention norm for Gemma2, i.e. exactly what is added to the residual stream).
-Both average over tokens and windows and prune the P *lowest*."""
+Both average over tokens and windows and prune the P *lowest*.""" 
 from __future__ import annotations
 
 import torch
@@ -18,42 +18,21 @@ def _one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def similarity_scores(ctx: ScoreContext, attn_only: bool, max_windows: int = 8) -> list[float]:
-    """Layer inputs/outputs are taken with hooks on each decoder layer (and its ``self_attn``)."""
-    model, family = ctx.model, ctx.family
-    layers = family.layers(model)
-    sums = [0.0] * len(layers)
-    h_in: dict[int, torch.Tensor] = {}
-    hooks = []
-
-    def make(i, layer):
-        def pre(mod, args, kwargs):
-            h_in[i] = args[0] if args else kwargs["hidden_states"]
-
-        def post_layer(mod, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            sums[i] += _one_minus_cos(h_in[i], out)
-
-        def post_attn(mod, args, output):
-            attn = output[0] if isinstance(output, tuple) else output
-            added = family.attn_residual(layer, torch.zeros_like(h_in[i]), attn)
-            sums[i] += _one_minus_cos(h_in[i], h_in[i] + added)
-
-        hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        if attn_only:
-            hooks.append(layer.self_attn.register_forward_hook(post_attn))
-        else:
-            hooks.append(layer.register_forward_hook(post_layer))
-
-    for i, layer in enumerate(layers):
-        make(i, layer)
-    try:
-        windows = ctx.windows[:max_windows]
-        for w in range(windows.shape[0]):
-            model(input_ids=windows[w: w + 1], use_cache=False)
-        return [s / windows.shape[0] for s in sums]
-    finally:
-        for h in hooks:
-            h.remove()
+    """Layer by layer over the windows: each layer's input and output (or its attention block's
+    contribution, recomputed from the same input) while the layer is resident."""
+    stack, family = ctx.stack, ctx.family
+    windows = ctx.windows[:max_windows]
+    cap = stack.capture(windows)
+    scores = []
+    for i, layer, h_in, h_out in stack.walk(cap.h0, cap):
+        total = 0.0
+        for x, y in zip(h_in, h_out):
+            if attn_only:
+                attn = layer.self_attn(layer.input_layernorm(x), **cap.kwargs[i])[0]
+                y = x + family.attn_residual(layer, torch.zeros_like(x), attn)
+            total += _one_minus_cos(x, y)
+        scores.append(total / len(h_in))
+    return scores
 
 
 class BlockInfluenceStrategy(Strategy):

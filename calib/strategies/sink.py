@@ -12,17 +12,22 @@ from .base import ScoreContext, Strategy
 
 @torch.inference_mode()
 def sink_scores(ctx: ScoreContext, max_windows: int = 8) -> list[float]:
-    model = ctx.model
+    """Layer by layer over the windows (works on a resident or a sequential ``LayerStack``)."""
+    stack = ctx.stack
+    model = stack.model
     prev = model.config._attn_implementation
-    model.set_attn_implementation("eager")  # only eager returns attention weights
+    model.set_attn_implementation("eager")  # only eager returns attention weights (and needs a mask)
     try:
-        total = None
         windows = ctx.windows[:max_windows]
-        for i in range(windows.shape[0]):
-            out = model(input_ids=windows[i: i + 1], output_attentions=True, use_cache=False)
-            s = torch.stack([a[0, :, 1:, 0].float().mean() for a in out.attentions])  # heads+queries
-            total = s if total is None else total + s
-        return [float(x) for x in total / windows.shape[0]]
+        cap = stack.capture(windows)
+        scores = []
+        for i, layer, h_in, _ in stack.walk(cap.h0, cap):
+            total = 0.0
+            for h in h_in:
+                _, weights = layer.self_attn(layer.input_layernorm(h), **cap.kwargs[i])
+                total += float(weights[0, :, 1:, 0].float().mean())  # heads x queries 1..S-1, key 0
+            scores.append(total / len(h_in))
+        return scores
     finally:
         model.set_attn_implementation(prev)
 

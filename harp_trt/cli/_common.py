@@ -8,6 +8,7 @@ from typing import Iterator
 from ..errors import ConfigError
 
 __all__ = ["add_model_argument", "add_calibrate_arguments", "calibrate_config_from_args",
+           "add_placement_arguments", "placement_from_args",
            "parse_grid", "progress_bar", "default_layers"]
 
 
@@ -39,8 +40,26 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
                    help="calibration tokens per split (default %(default)s)")
     p.add_argument("--seq-len", type=int, default=C.default("seq_len"), help="window length (default %(default)s)")
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (default %(default)s)")
-    p.add_argument("--dtype", default=C.default("dtype"), help="float32 | bfloat16 | float16")
+    add_placement_arguments(p)
     p.add_argument("--naive", action="store_true", help="recompute the full model per candidate (reference search)")
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """--device / --dtype / --device-map / --sequential (harp_trt.device)."""
+    g = p.add_argument_group("where PyTorch runs")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto: CUDA when torch sees a GPU)")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--device-map", default=None,
+                   help="spread a resident model over all visible GPUs (and CPU) with accelerate: auto | balanced | sequential")
+    g.add_argument("--sequential", action="store_true", default=None,
+                   help="load one decoder layer at a time from the safetensors files (chosen automatically "
+                        "when the weights exceed the free memory)")
+
+
+def placement_from_args(args):
+    from ..device import resolve_placement
+
+    return resolve_placement(args.device, args.dtype, args.device_map, args.sequential)
 
 
 def default_layers(model_ref: str) -> int:
@@ -51,13 +70,17 @@ def default_layers(model_ref: str) -> int:
 
 
 def calibrate_config_from_args(args):
+    """(CalibrateConfig, Placement): the device kind and dtype go into the config (and the key)."""
     from calib.stage import CalibrateConfig
 
+    placement = placement_from_args(args)
     layers = args.layers if args.layers is not None else default_layers(args.model)
-    return CalibrateConfig.from_dict({
+    config = CalibrateConfig.from_dict({
         "layers": layers, "strategy": args.strategy, "alpha_grid": parse_grid(args.alpha_grid),
-        "tokens": args.tokens, "seq_len": args.seq_len, "corpus": args.corpus, "dtype": args.dtype,
+        "tokens": args.tokens, "seq_len": args.seq_len, "corpus": args.corpus, "dtype": placement.dtype,
+        "device": placement.kind,
     })
+    return config, placement
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ def run(args) -> dict:
 
     t0 = time.perf_counter()
     store = ArtifactStore(args.workdir)
-    calib_config = calibrate_config_from_args(args)
+    calib_config, placement = calibrate_config_from_args(args)
     bench_config = _bench_config(args) if args.bench else None
     trtllm_config = None
     if args.backend == "trtllm":
@@ -44,7 +44,7 @@ def run(args) -> dict:
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
                         bench_config=bench_config, trtllm_config=trtllm_config, on_phase=on_phase,
-                        progress=on_candidate)
+                        progress=on_candidate, placement=placement)
     plan = res.plan
     out = {"model": args.model, "backend": args.backend, "layers": list(plan.layers), "alphas": list(plan.alphas),
            "ppl": plan.ppl, "stages": {r.stage: {"artifact": str(r.artifact.path), "cached": r.artifact.cached,

@@ -21,11 +21,11 @@ def run(args) -> dict:
     from harp_trt.store import ArtifactStore
 
     t0 = time.perf_counter()
-    config = calibrate_config_from_args(args)
+    config, placement = calibrate_config_from_args(args)
     store = ArtifactStore(args.workdir)
     with progress_bar(not args.json) as (on_candidate, on_phase):
         art = run_calibrate(args.model, config, store, naive=args.naive, force=args.force,
-                            progress=on_candidate, on_phase=on_phase)
+                            progress=on_candidate, on_phase=on_phase, placement=placement)
     return calibrate_summary(art, time.perf_counter() - t0)
 
 
@@ -35,4 +35,5 @@ def calibrate_summary(art, seconds: float) -> dict:
     plan = Plan.load(art.path)
     return {"artifact": str(art.path), "plan": str(art.path / "plan.json"), "model": plan.model_ref,
             "strategy": plan.strategy, "layers": list(plan.layers), "alphas": list(plan.alphas),
-            "ppl": plan.ppl, "seconds": round(seconds, 3), "cached": art.cached}
+            "ppl": plan.ppl, "placement": plan.extra.get("placement"), "seconds": round(seconds, 3),
+            "cached": art.cached}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import add_placement_arguments, placement_from_args
+
 NAME = "eval"
 HELP = "perplexity of dense / alpha=1 / searched alphas of a plan on any text"
 
@@ -17,15 +19,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=C.default("tokens"))
     p.add_argument("--seq-len", type=int, default=C.default("seq_len"))
     p.add_argument("--model", default=None, help="override the plan's model reference (same weights)")
+    add_placement_arguments(p)
 
 
 def run(args) -> dict:
     from ..data import load_corpus, token_windows
     from ..errors import ConfigError
     from ..harp import apply_harp, set_alpha
-    from ..models import load_model, load_tokenizer, resolve_model
+    from ..layerwise import LayerStack
+    from ..models import load_tokenizer, resolve_model
     from ..plan import open_plan
-    from ..ppl import perplexity
     from ..store import ArtifactStore
 
     store = ArtifactStore(args.workdir)
@@ -34,16 +37,20 @@ def run(args) -> dict:
     if resolved.digest != plan.model_digest:
         raise ConfigError(f"model {resolved.ref!r} (digest {resolved.digest[:12]}) is not the plan's model "
                           f"(digest {plan.model_digest[:12]})", "pass --model with the plan's weights")
-    model, family = load_model(resolved)
+    placement = placement_from_args(args)
     corpus = load_corpus(args.corpus, store.root)
     windows = token_windows(load_tokenizer(resolved.folder), corpus, args.split, args.seq_len, args.tokens)
-    dense = perplexity(model, windows)
+    stack = LayerStack.open(resolved.folder, placement)
+    model, family = stack.model, stack.family
+    dense = stack.perplexity(windows)
     apply_harp(model, {l: 1.0 for l in plan.layers}, family)
-    alpha1 = perplexity(model, windows)
+    alpha1 = stack.perplexity(windows)
     for l, a in plan.alpha_map.items():
         set_alpha(model, l, a, family)
-    searched = perplexity(model, windows)
+    searched = stack.perplexity(windows)
     return {"plan": str(args.plan), "corpus": corpus.name, "split": args.split, "tokens": int(windows.numel()),
             "layers": list(plan.layers), "alphas": list(plan.alphas),
-            "dense": dense, "alpha1": alpha1, "searched": searched}
+            "dense": dense, "alpha1": alpha1, "searched": searched,
+            "device": placement.device, "dtype": placement.dtype,
+            "path": "sequential" if stack.sequential else "in-memory"}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_model_argument, default_layers
+from ._common import add_model_argument, add_placement_arguments, default_layers, placement_from_args
 
 NAME = "score"
 HELP = "score every layer with a strategy (top, gate-norm, sink, bi, attn-sim)"
@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=C.default("seq_len"))
     p.add_argument("--corpus", default=C.default("corpus"))
     p.add_argument("--save", default=None, help="write the table to a .csv or .parquet file")
+    add_placement_arguments(p)
 
 
 def run(args) -> dict:
@@ -29,11 +30,13 @@ def run(args) -> dict:
     from calib.strategies import ScoreContext, get_strategy
     from ..errors import ConfigError
     from ..families import family_of
-    from ..models import load_model, load_tokenizer, resolve_model
+    from ..layerwise import LayerStack
+    from ..models import load_tokenizer, resolve_model
     from ..store import ArtifactStore
 
     store = ArtifactStore(args.workdir)
     strategy = get_strategy(args.strategy)
+    placement = placement_from_args(args)
     resolved = resolve_model(args.model, store.root)
     cfg = AutoConfig.from_pretrained(resolved.folder, trust_remote_code=False)
     family = family_of(cfg)
@@ -42,7 +45,7 @@ def run(args) -> dict:
     if strategy.needs_data:  # data-free strategies stream weights and never load the model
         from ..data import load_corpus, token_windows
 
-        ctx.model, _ = load_model(resolved)
+        ctx.stack = LayerStack.open(resolved.folder, placement)
         corpus = load_corpus(args.corpus, store.root)
         ctx.windows = token_windows(load_tokenizer(resolved.folder), corpus, "calib", args.seq_len, args.tokens)
     scores = strategy.score(ctx)

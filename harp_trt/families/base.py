@@ -23,7 +23,27 @@ class FamilySpec:
     # that norm: h <- h + alpha * post_attention_layernorm(o_proj(...)) (see README, "Gemma2").
     alpha_after_post_attn_norm: ClassVar[bool] = False
     norm_weight_offset: ClassVar[float] = 0.0   # RMSNorm gain is (offset + w): Gemma uses 1 + w
-    sliding_window_layers: ClassVar[bool] = False
+    attn_implementation: ClassVar[str] = "sdpa"  # Gemma2 needs eager (sdpa cannot soft-cap)
+    extra_layer_norms: ClassVar[tuple[str, ...]] = ()  # norms beyond input/post-attention (Gemma2)
+
+    # ---- checkpoint names (Hugging Face safetensors) ---------------------------------------
+    layers_module_path: ClassVar[str] = "model.layers"
+    layer_prefix: ClassVar[str] = "model.layers.{i}."
+    lm_head_name: ClassVar[str] = "lm_head.weight"
+    # role -> tensor name; "{i}." names are relative to ``layer_prefix``
+    weight_names: ClassVar[dict[str, str]] = {
+        "embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight",
+        "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+        "o": "self_attn.o_proj.weight", "qb": "self_attn.q_proj.bias", "kb": "self_attn.k_proj.bias",
+        "vb": "self_attn.v_proj.bias", "input_ln": "input_layernorm.weight",
+        "post_attn_ln": "post_attention_layernorm.weight", "gate": "mlp.gate_proj.weight",
+        "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    }
+
+    def weight_name(self, role: str, layer: int | None = None) -> str:
+        """Checkpoint name of a tensor role (``"q"``, ``"embed"``...) in layer ``layer``."""
+        name = self.weight_names[role]
+        return name if layer is None else self.layer_prefix.format(i=layer) + name
 
     # ---- module access --------------------------------------------------------------------
     @staticmethod

@@ -18,7 +18,11 @@ class Gemma2Family(FamilySpec):
     hf_config_class = "Gemma2Config"
     alpha_after_post_attn_norm = True
     norm_weight_offset = 1.0
-    sliding_window_layers = True
+    attn_implementation = "eager"
+    extra_layer_norms = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    weight_names = {**FamilySpec.weight_names,
+                    "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
+                    "post_feedforward_layernorm": "post_feedforward_layernorm.weight"}
 
     def attn_residual(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         return h + layer.post_attention_layernorm(attn_out)

@@ -1,0 +1,260 @@
+"""A causal LM seen as ``embed -> layer 0 .. layer L-1 -> head``, run one layer at a time over every
+calibration window (layer-outer order), with its decoder layers either resident or loaded on
+demand from the safetensors files.
+
+Everything PyTorch-side that needs forward passes (layer scoring, perplexity, Algorithm 1, the
+reference for checkpoint verification) goes through ``LayerStack``, so the three placements give
+the same numbers:
+
+* in memory: the Hugging Face model on one device (``--device``);
+* device map: the model spread over GPUs (and CPU) by accelerate (``--device-map auto``);
+* sequential: a model skeleton on the meta device whose embedding, final norm and head are loaded
+  once, and whose decoder layers are read from disk, run on every window and freed again (the
+  layer-sequential pipeline of llm-compressor). Peak memory: one layer plus activations.
+
+The per-layer call arguments (attention masks, rotary embeddings, ...) are captured from the
+model's own forward pass by stand-ins that replace the decoder layers for one window, so no
+family's mask logic is rewritten here."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .device import Placement, choose_sequential, torch_dtype
+from .families import FamilySpec, family_of
+from .ppl import window_nll
+
+__all__ = ["LayerStack", "Captured"]
+
+log = logging.getLogger(__name__)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Catcher(nn.Module):
+    """Stands in for decoder layer ``i`` during capture: records its call, passes h through."""
+
+    def __init__(self, i: int, last: int, original: nn.Module, sink: "Captured", record_kwargs: bool):
+        super().__init__()
+        self.i, self.last, self.sink, self.record = i, last, sink, record_kwargs
+        for attr in ("attention_type", "layer_type", "is_sliding"):  # read by some decoders
+            if hasattr(original, attr):
+                setattr(self, attr, getattr(original, attr))
+        self.self_attn = original.self_attn  # read by HARP's cache hook (pruned or not)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.record:
+            self.sink.kwargs[self.i] = dict(kwargs)
+        if self.i == 0:
+            self.sink.h0.append(hidden_states)
+        if self.i == self.last:
+            raise _Stop
+        return hidden_states
+
+
+@dataclass
+class Captured:
+    """Inputs of layer 0 per window, and each layer's call kwargs (identical for every window:
+    one window per forward, equal lengths, no padding)."""
+
+    h0: list[torch.Tensor]
+    kwargs: dict[int, dict[str, Any]]
+
+
+def _hf_param_name(module: nn.Module, local: str) -> str:
+    """The checkpoint name of a parameter of a (possibly HARP-patched) module: wrappers that mark
+    a child as transparent (``ScaledNorm.norm``) do not appear in Hugging Face names."""
+    parts, out, m = local.split("."), [], module
+    for p in parts:
+        skip = getattr(m, "transparent_child", None) == p
+        m = getattr(m, p)
+        if not skip:
+            out.append(p)
+    return ".".join(out)
+
+
+class LayerStack:
+    """See the module docstring. Build with :meth:`open` (from a model folder) or :meth:`wrap`
+    (around an already loaded model)."""
+
+    def __init__(self, model: nn.Module, family: FamilySpec, device: torch.device, dtype: torch.dtype,
+                 sequential: bool = False, reader=None, placement: Placement | None = None):
+        self.model = model
+        self.family = family
+        self.device = device
+        self.dtype = dtype
+        self.sequential = sequential
+        self.reader = reader
+        self.placement = placement
+        self.loads = 0  # layers read from disk (sequential mode)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def wrap(cls, model: nn.Module, family: FamilySpec | None = None) -> "LayerStack":
+        p = next(model.parameters())
+        return cls(model, family or family_of(model.config), p.device, p.dtype)
+
+    @classmethod
+    def open(cls, folder: str | Path, placement: Placement) -> "LayerStack":
+        """Load the model in ``folder`` as the placement says (resident or sequential)."""
+        from transformers import AutoConfig
+
+        from .errors import ModelError
+        from .weights import WeightReader
+
+        folder = Path(folder)
+        try:
+            cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        except (ValueError, OSError) as e:
+            raise ModelError(f"cannot read config of {folder}: {e}") from None
+        family = family_of(cfg)
+        reader = WeightReader(folder)
+        dtype = torch_dtype(placement.dtype)
+        sequential = choose_sequential(placement, reader.nbytes(dtype))
+        if not sequential:
+            from .models import load_model_folder
+
+            model = load_model_folder(folder, placement.dtype, device_map=placement.device_map)
+            if placement.device_map is None:
+                model.to(placement.torch_device())
+            stack = cls(model, family, placement.torch_device(), dtype, placement=placement)
+            log.info("model resident (%s)", placement.describe(False))
+            return stack
+        stack = cls(_skeleton(cfg, family, dtype), family, placement.torch_device(), dtype, sequential=True,
+                    reader=reader, placement=placement)
+        stack._load_outside_layers()
+        log.info("model sequential (%s): %.2f GB of weights, one layer resident",
+                 placement.describe(True), reader.nbytes(dtype) / 1e9)
+        return stack
+
+    def _load_outside_layers(self) -> None:
+        """Embedding, final norm, head (and buffers) on the device; decoder layers stay on meta."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        prefix = self.family.layers_module_path + "."
+        for name, _ in list(self.model.named_parameters()):
+            if name.startswith(prefix):
+                continue
+            hf = _hf_param_name(self.model, name)
+            if hf not in self.reader and name == self.family.lm_head_name:
+                continue  # tied to the embedding: re-tied below
+            set_module_tensor_to_device(self.model, name, self.device, value=self.reader.get(hf, self.dtype))
+        for name, buf in list(self.model.named_buffers()):
+            if not name.startswith(prefix) and buf.device != self.device:
+                set_module_tensor_to_device(self.model, name, self.device)
+        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if out is not None and out.weight.device.type == "meta":
+            out.weight = inp.weight
+
+    # ---- layers -------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.family.layers(self.model))
+
+    @contextlib.contextmanager
+    def layer(self, i: int) -> Iterator[nn.Module]:
+        """Decoder layer ``i``, resident for the duration of the block."""
+        layer = self.family.layers(self.model)[i]
+        if not self.sequential:
+            yield layer
+            return
+        from accelerate.utils import set_module_tensor_to_device
+
+        base = self.family.layer_prefix.format(i=i)
+        for name, _ in list(layer.named_parameters()):
+            set_module_tensor_to_device(layer, name, self.device,
+                                        value=self.reader.get(base + _hf_param_name(layer, name), self.dtype))
+        for name, buf in list(layer.named_buffers()):
+            if buf.device != self.device:
+                set_module_tensor_to_device(layer, name, self.device)
+        self.loads += 1
+        try:
+            yield layer
+        finally:
+            layer.to("meta")
+
+    def input_device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    # ---- forward pieces ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, windows: torch.Tensor) -> Captured:
+        """Run the model's own prelude (embedding, masks, rotary) on every window."""
+        layers = self.family.layers(self.model)
+        n = len(layers)
+        got = Captured([], {})
+        originals = list(layers)
+        dev = self.input_device()
+        try:
+            for w in range(windows.shape[0]):
+                for i in range(n):
+                    layers[i] = _Catcher(i, n - 1, originals[i], got, record_kwargs=(w == 0))
+                try:
+                    self.model(input_ids=windows[w: w + 1].to(dev), use_cache=False)
+                except _Stop:
+                    pass
+        finally:
+            for i, m in enumerate(originals):
+                layers[i] = m
+        return got
+
+    @staticmethod
+    def call(layer: nn.Module, h: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        out = layer(h, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    @torch.inference_mode()
+    def walk(self, h: list[torch.Tensor], cap: Captured, start: int = 0,
+             stop: int | None = None) -> Iterator[tuple[int, nn.Module, list[torch.Tensor], list[torch.Tensor]]]:
+        """Run layers ``start..stop-1`` in order over every state in ``h``; after each layer yield
+        ``(index, layer, inputs, outputs)`` while the layer is still resident."""
+        stop = self.num_layers if stop is None else stop
+        for i in range(start, stop):
+            with self.layer(i) as layer:
+                out = [self.call(layer, x, cap.kwargs[i]) for x in h]
+                yield i, layer, h, out
+            h = out
+
+    def run(self, h: list[torch.Tensor], cap: Captured, start: int = 0, stop: int | None = None) -> list[torch.Tensor]:
+        out = h
+        for _, _, _, out in self.walk(h, cap, start, stop):
+            pass
+        return out
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.family.logits(self.model, h)
+
+    @torch.inference_mode()
+    def nll(self, h: list[torch.Tensor], windows: torch.Tensor) -> tuple[float, int]:
+        """Summed NLL and token count of the final hidden states ``h`` (one per window)."""
+        total, count = 0.0, 0
+        for w, x in enumerate(h):
+            logits = self.logits(x)
+            s, n = window_nll(logits, windows[w: w + 1].to(logits.device))
+            total, count = total + s, count + n
+        return total, count
+
+    def perplexity(self, windows: torch.Tensor) -> float:
+        cap = self.capture(windows)
+        total, count = self.nll(self.run(cap.h0, cap), windows)
+        return math.exp(total / count)
+
+
+def _skeleton(cfg, family: FamilySpec, dtype: torch.dtype) -> nn.Module:
+    """The model with every parameter on the meta device (buffers stay real: rotary tables)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=family.attn_implementation)
+    return model.eval()
