@@ -31,7 +31,7 @@ class ModelDims:
         types = list(getattr(cfg, "layer_types", None) or [])
         if window and types:
             windows = tuple(window if t == "sliding_attention" else None for t in types)
-        elif window and getattr(cfg, "model_type", "") in ("mistral",):
+        elif window and _uniform_window(cfg):
             windows = (window,) * n
         else:
             windows = (None,) * n
@@ -45,13 +45,16 @@ class ModelDims:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
-    @property
-    def layers(self) -> int:
-        return self.num_layers
-
-    @classmethod
-    def of(cls, cfg: Any) -> "ModelDims":
-        return cls.from_config(cfg)
-
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if layer < len(self.windows) else None
+
+
+def _uniform_window(cfg: Any) -> bool:
+    """Families whose ``sliding_window`` applies to every layer when set (Mistral), from the table."""
+    from .families import FAMILIES
+
+    for name in FAMILIES:
+        spec = FAMILIES.get(name)
+        if getattr(cfg, "model_type", None) in spec.model_types:
+            return spec.uniform_sliding_window
+    return False

@@ -86,7 +86,7 @@ def apply_harp(model: nn.Module, alphas: Mapping[int, float], family: FamilySpec
     Layers already pruned only get their alpha updated. Works for any set of layers."""
     family = family or family_of(model.config)
     layers = family.layers(model)
-    d = ModelDims.of(model.config)
+    d = ModelDims.from_config(model.config)
     heads, kv, hd = d.heads, d.kv_heads, d.head_dim
     for idx, alpha in sorted(alphas.items()):
         if not 0 <= idx < len(layers):

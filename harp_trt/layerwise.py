@@ -87,7 +87,8 @@ class LayerStack:
     (around an already loaded model)."""
 
     def __init__(self, model: nn.Module, family: FamilySpec, device: torch.device, dtype: torch.dtype,
-                 sequential: bool = False, reader=None, placement: Placement | None = None):
+                 sequential: bool = False, reader=None, placement: Placement | None = None,
+                 stream_embeddings: bool = False, round_to: torch.dtype | None = None):
         self.model = model
         self.family = family
         self.device = device
@@ -95,6 +96,8 @@ class LayerStack:
         self.sequential = sequential
         self.reader = reader
         self.placement = placement
+        self.stream_embeddings = stream_embeddings
+        self.round_to = round_to
         self.loads = 0  # layers read from disk (sequential mode)
 
     # ---- construction -------------------------------------------------------------------------
@@ -104,8 +107,14 @@ class LayerStack:
         return cls(model, family or family_of(model.config), p.device, p.dtype)
 
     @classmethod
-    def open(cls, folder: str | Path, placement: Placement) -> "LayerStack":
-        """Load the model in ``folder`` as the placement says (resident or sequential)."""
+    def open(cls, folder: str | Path, placement: Placement, stream_embeddings: bool = False,
+             round_to: torch.dtype | None = None) -> "LayerStack":
+        """Load the model in ``folder`` as the placement says (resident or sequential).
+
+        Sequential only: ``stream_embeddings`` keeps the embedding table and LM head on disk too
+        (rows are read for the tokens at hand, the head in row chunks): a reference that holds one
+        layer and nothing else. ``round_to`` rounds every weight to that dtype before computing in
+        ``placement.dtype`` (a reference for a checkpoint written in ``round_to``)."""
         from transformers import AutoConfig
 
         from .errors import ModelError
@@ -120,6 +129,8 @@ class LayerStack:
         reader = WeightReader(folder)
         dtype = torch_dtype(placement.dtype)
         sequential = choose_sequential(placement, reader.nbytes(dtype))
+        if (stream_embeddings or round_to is not None) and not sequential:
+            raise ValueError("stream_embeddings / round_to need the sequential placement")
         if not sequential:
             from .models import load_model_folder
 
@@ -130,7 +141,7 @@ class LayerStack:
             log.info("model resident (%s)", placement.describe(False))
             return stack
         stack = cls(_skeleton(cfg, family, dtype), family, placement.torch_device(), dtype, sequential=True,
-                    reader=reader, placement=placement)
+                    reader=reader, placement=placement, stream_embeddings=stream_embeddings, round_to=round_to)
         stack._load_outside_layers()
         log.info("model sequential (%s): %.2f GB of weights, one layer resident",
                  placement.describe(True), reader.nbytes(dtype) / 1e9)
@@ -141,19 +152,24 @@ class LayerStack:
         from accelerate.utils import set_module_tensor_to_device
 
         prefix = self.family.layers_module_path + "."
+        streamed = {self.family.weight_name("embed"), self.family.lm_head_name} if self.stream_embeddings else set()
         for name, _ in list(self.model.named_parameters()):
-            if name.startswith(prefix):
+            if name.startswith(prefix) or name in streamed:
                 continue
             hf = _hf_param_name(self.model, name)
             if hf not in self.reader and name == self.family.lm_head_name:
                 continue  # tied to the embedding: re-tied below
-            set_module_tensor_to_device(self.model, name, self.device, value=self.reader.get(hf, self.dtype))
+            set_module_tensor_to_device(self.model, name, self.device, value=self._read(hf))
         for name, buf in list(self.model.named_buffers()):
             if not name.startswith(prefix) and buf.device != self.device:
                 set_module_tensor_to_device(self.model, name, self.device)
         out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        if out is not None and out.weight.device.type == "meta":
+        if out is not None and out.weight.device.type == "meta" and not self.stream_embeddings:
             out.weight = inp.weight
+
+    def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        t = self.reader.get(name, self.round_to or self.dtype, rows=rows)
+        return t.to(self.device, self.dtype)
 
     # ---- layers -------------------------------------------------------------------------------
     @property
@@ -171,8 +187,7 @@ class LayerStack:
 
         base = self.family.layer_prefix.format(i=i)
         for name, _ in list(layer.named_parameters()):
-            set_module_tensor_to_device(layer, name, self.device,
-                                        value=self.reader.get(base + _hf_param_name(layer, name), self.dtype))
+            set_module_tensor_to_device(layer, name, self.device, value=self._read(base + _hf_param_name(layer, name)))
         for name, buf in list(layer.named_buffers()):
             if buf.device != self.device:
                 set_module_tensor_to_device(layer, name, self.device)
@@ -183,7 +198,25 @@ class LayerStack:
             layer.to("meta")
 
     def input_device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        w = self.model.get_input_embeddings().weight
+        return self.device if w.device.type == "meta" else w.device
+
+    @contextlib.contextmanager
+    def _embedding_rows(self, ids: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Streamed embeddings: the table holds just the rows of ``ids``; yields remapped ids."""
+        if not self.stream_embeddings:
+            yield ids
+            return
+        emb = self.model.get_input_embeddings()
+        uniq, local = torch.unique(ids, return_inverse=True)
+        name = self.family.weight_name("embed")
+        rows = torch.cat([self._read(name, (int(r), int(r) + 1)) for r in uniq])
+        meta, pad = emb.weight, emb.padding_idx
+        emb.weight, emb.padding_idx = nn.Parameter(rows, requires_grad=False), None  # pad index: training only
+        try:
+            yield local
+        finally:
+            emb.weight, emb.padding_idx = meta, pad
 
     # ---- forward pieces ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -198,10 +231,11 @@ class LayerStack:
             for w in range(windows.shape[0]):
                 for i in range(n):
                     layers[i] = _Catcher(i, n - 1, originals[i], got, record_kwargs=(w == 0))
-                try:
-                    self.model(input_ids=windows[w: w + 1].to(dev), use_cache=False)
-                except _Stop:
-                    pass
+                with self._embedding_rows(windows[w: w + 1]) as ids:
+                    try:
+                        self.model(input_ids=ids.to(dev), use_cache=False)
+                    except _Stop:
+                        pass
         finally:
             for i, m in enumerate(originals):
                 layers[i] = m
@@ -232,7 +266,14 @@ class LayerStack:
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.family.logits(self.model, h)
+        if not self.stream_embeddings:
+            return self.family.logits(self.model, h)
+        x = self.family.final_norm(self.model, h)
+        name = self.family.lm_head_name if self.family.lm_head_name in self.reader else self.family.weight_name("embed")
+        vocab, hidden = self.reader.spec(name).shape
+        step = max(1, (64 << 20) // (4 * hidden))  # head rows per read: ~64 MB in fp32
+        parts = [x @ self._read(name, (r, min(r + step, vocab))).T for r in range(0, vocab, step)]
+        return self.family.softcap(self.model, torch.cat(parts, -1))
 
     @torch.inference_mode()
     def nll(self, h: list[torch.Tensor], windows: torch.Tensor) -> tuple[float, int]:

@@ -130,16 +130,8 @@ def _trtllm_importable() -> bool:
 
 
 def _trtllm(store: ArtifactStore, plan: Plan, resolved, config, force: bool) -> Artifact:
-    """The checkpoint stage needs the loaded model only on a cache miss: look the key up first."""
+    """The checkpoint stage reads weights from the resolved model's files only on a cache miss."""
     from builders.trtllm.stage import TrtllmCheckpointConfig, TrtllmCheckpointStage
 
-    stage = TrtllmCheckpointStage()
-    config = config or TrtllmCheckpointConfig()
-    light = {"plan": plan, "model_digest": resolved.digest}
-    if not force and (hit := store.get(store.make_key(stage.name, stage.key_material(config, light)))):
-        return hit
-    from .models import load_model, load_tokenizer
-
-    model, _ = load_model(resolved)
-    inputs = {**light, "model": model, "tokenizer": load_tokenizer(resolved.folder)}
-    return stage.execute(store, config, inputs, force=force)
+    return TrtllmCheckpointStage().execute(store, config or TrtllmCheckpointConfig(),
+                                           {"plan": plan, "model": resolved}, force=force)

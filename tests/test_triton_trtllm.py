@@ -19,7 +19,7 @@ from harp_trt.errors import PostconditionError, PreconditionError
 from harp_trt.plan import Plan
 from harp_trt.store import ArtifactStore
 
-from conftest import _tiny_tokenizer, make_tiny
+from conftest import save_tiny
 
 MODELS = ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm"]
 BUILD = dict(dtype="float32", max_batch_size=6, max_input_len=32, max_seq_len=64)
@@ -33,16 +33,17 @@ def _plan(family: str, ref: str) -> Plan:
 def artifacts(tmp_path_factory):
     """{"qwen2": artifact whose plan points at a model folder with the tokenizer,
         "llama": artifact with the tokenizer saved in hf/}"""
+    from harp_trt.models import ResolvedModel
+
     root = tmp_path_factory.mktemp("trt")
     store = ArtifactStore(root / "cache")
-    tok_folder = root / "qwen2-model"
-    _tiny_tokenizer().save_pretrained(tok_folder)
+    tok_folder = save_tiny("qwen2", root / "qwen2-model")
+    llama_folder = save_tiny("llama", root / "llama-tiny", intermediate_size=256)
     cfg = TrtllmCheckpointConfig(**BUILD)
     qwen = TrtllmCheckpointStage().execute(store, cfg, {"plan": _plan("qwen2", str(tok_folder)),
-                                                        "model": make_tiny("qwen2")})
+                                                        "model": ResolvedModel(str(tok_folder), tok_folder, "", "folder")})
     llama = TrtllmCheckpointStage().execute(store, cfg, {"plan": _plan("llama", "llama-tiny"),
-                                                         "model": make_tiny("llama", intermediate_size=256),
-                                                         "tokenizer": _tiny_tokenizer()})
+                                                         "model": ResolvedModel("llama-tiny", llama_folder, "", "folder")})
     return {"qwen2": qwen, "llama": llama, "tokenizer": tok_folder}
 
 

@@ -1,8 +1,11 @@
 """Write a HARP-pruned model as a TensorRT-LLM checkpoint: ``config.json`` plus one
 ``rank{N}.safetensors`` per rank (``N = tp_rank + pp_rank * tp_size``), without importing
-``tensorrt_llm``.
+``tensorrt_llm`` and without loading the model: tensors are read one at a time from the Hugging
+Face safetensors files, folded, cast and sharded, and written into their rank files layer by layer
+(``harp_trt.weights``). A dry run over shape-only (meta) tensors plans every file first.
 
-Layout facts follow TensorRT-LLM's own converters (``models/{nemotron_nas,qwen,gemma}/convert.py``):
+Layout facts follow TensorRT-LLM 1.2's own converters (``models/{nemotron_nas,qwen,gemma}/convert.py``;
+every requirement with its source is a row of ``docs/trtllm-contract.md``):
 
 * tensor names: ``transformer.vocab_embedding.weight``, ``transformer.layers.{i}.input_layernorm``,
   ``.attention.qkv`` (q, k, v rows concatenated *per rank*), ``.attention.dense``, ``.post_layernorm``,
@@ -24,20 +27,20 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
-from harp_trt.harp import ScaledNorm, harp_alphas
 from harp_trt.plan import Plan
+from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
 
-from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
+from .targets import ROUTE_LINEAR, ROUTE_WINDOW1, TrtllmTarget, target_for
 
 __all__ = ["DTYPES", "ModelDims", "write_checkpoint", "pp_layers", "valid_tp_sizes", "check_layout",
-           "rank_of", "STAGE_NAME"]
+           "rank_of", "STAGE_NAME", "fold_vo", "LayerKinds", "layer_kinds", "hf_config"]
 
 log = logging.getLogger(__name__)
 STAGE_NAME = "trtllm"
@@ -59,8 +62,6 @@ def rank_of(tp_rank: int, pp_rank: int, tp_size: int) -> int:
 
 def pad_to_multiple(n: int, k: int) -> int:
     return int(math.ceil(n / k) * k)
-
-
 
 
 def _tp_problems(dims: ModelDims, target: TrtllmTarget, tp: int) -> list[str]:
@@ -98,16 +99,53 @@ def check_layout(dims: ModelDims, target: TrtllmTarget, dtype: str, tp_size: int
             f"tp_size={tp_size} does not divide the model's {'; '.join(problems)}; "
             f"valid tp_size values for this model: {', '.join(map(str, valid))}",
             "tensor parallelism splits attention heads (and KV heads, MLP columns) evenly over GPUs")
-    if pp_size > dims.layers:
+    if pp_size > dims.num_layers:
         raise ConfigError(
-            f"pp_size={pp_size} exceeds the model's {dims.layers} decoder layers; "
-            f"valid pp_size values: 1..{dims.layers}",
+            f"pp_size={pp_size} exceeds the model's {dims.num_layers} decoder layers; "
+            f"valid pp_size values: 1..{dims.num_layers}",
             "each pipeline stage needs at least one layer")
 
 
-# ---- reading the HF (possibly HARP-patched) model ---------------------------------------------
-def _norm_weight(norm) -> torch.Tensor:
-    return (norm.norm if isinstance(norm, ScaledNorm) else norm).weight.detach()
+def check_pipeline(kinds: "LayerKinds", target: TrtllmTarget, pp_size: int) -> None:
+    """Pipeline layouts the 1.2 runtime cannot run (``docs/trtllm-contract.md``, rows pp-*).
+
+    * every stage needs an attention layer: ``BaseKVCacheManager::calculateMaxNumBlocks``
+      (``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``) stops with "Asymmetrical pipeline
+      parallelism detected" when ranks see different sets of window sizes, and a stage without
+      attention sees none;
+    * per-layer windows with pp > 1: the KV cache manager (``groupLayersByWindowSize``) reads the
+      window list by *local* layer index, the attention plugin (``TransformerBuffers``) by *global*
+      index; unless every stage's slice equals the list's prefix, layers get the wrong window."""
+    if pp_size == 1:
+        return
+    n = len(kinds.kinds)
+    for p in range(pp_size):
+        local = pp_layers(n, pp_size, p)
+        if not any(kinds.kinds[g] in ("attention", "window1") for g in local):
+            raise ConfigError(
+                f"pp_size={pp_size}: pipeline stage {p} (layers {local[0]}-{local[-1]}) has no attention layer left "
+                "after pruning; TensorRT-LLM 1.2 refuses it (\"Asymmetrical pipeline parallelism detected\")",
+                f"use a pp_size whose stages each keep an attention layer, or pp_size=1")
+    windows = kinds.window_list()
+    if windows is not None and len(set(windows)) > 1:
+        for p in range(1, pp_size):
+            local = pp_layers(n, pp_size, p)
+            first_attn = sum(1 for g in range(local[0]) if kinds.kinds[g] != "linear" and kinds.kinds[g] != "no_op")
+            mine = [windows[(first_attn + j) % len(windows)] for j in range(len(local))]
+            theirs = [windows[j % len(windows)] for j in range(len(local))]
+            if mine != theirs:
+                raise ConfigError(
+                    f"pp_size={pp_size} with per-layer attention windows ({target.route} route): TensorRT-LLM 1.2's KV "
+                    f"cache manager would give stage {p}'s layers the windows of the first stage's layers",
+                    "build this checkpoint with pp_size=1 (tensor parallelism is unaffected)")
+
+
+# ---- reading the HF checkpoint ------------------------------------------------------------------
+def hf_config(folder: str | Path):
+    """The Hugging Face config of a model folder (never runs remote code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 
 def _rope_fields(config) -> tuple[float, dict | None]:
@@ -122,57 +160,23 @@ def _rope_fields(config) -> tuple[float, dict | None]:
     return theta, {"type": rope_type, **params}
 
 
-def check_plan_matches(model, plan: Plan, family: FamilySpec) -> None:
-    n = len(family.layers(model))
-    if plan.family != family.name:
-        raise PreconditionError(STAGE_NAME, f"plan is for family {plan.family!r} but the model is {family.name!r}",
-                                "pass the model the plan was calibrated on")
-    if plan.num_layers != n:
-        raise PreconditionError(STAGE_NAME, f"plan has {plan.num_layers} layers but the model has {n}",
-                                "pass the model the plan was calibrated on")
-    applied = harp_alphas(model, family)
-    if applied:
-        want = plan.alpha_map
-        stray = sorted(set(applied) - set(want))
-        if stray:
-            raise PreconditionError(STAGE_NAME, f"model layers {stray} are HARP-pruned but not in the plan "
-                                    f"(plan prunes {sorted(want)})", "pass the unpruned model or the plan it was pruned with")
-        bad = [i for i in applied if i in want and not math.isclose(applied[i], want[i], abs_tol=1e-7)
-               and applied[i] != 0.0]
-        if bad:
-            raise PreconditionError(STAGE_NAME, f"model alphas {[applied[i] for i in bad]} on layers {bad} differ from "
-                                    f"the plan's {[want[i] for i in bad]}", "pass the unpruned model")
+class _Source:
+    """HF tensors by role (``"q"``, ``"embed"``...): read from disk, or shape-only for the dry run."""
 
+    def __init__(self, reader: WeightReader, family: FamilySpec, meta: bool):
+        self.reader, self.family, self.meta = reader, family, meta
 
-def _layer_tensors(family: FamilySpec, layer, dims: ModelDims) -> dict[str, torch.Tensor | None]:
-    """One HF decoder layer's weights (views, not copies: an 8B model is not duplicated in memory);
-    q/k are None on a HARP-patched layer and v/o are None on an alpha=0 one."""
-    attn = layer.self_attn
+    def has(self, role: str, layer: int | None = None) -> bool:
+        return role in self.family.weight_names and self.family.weight_name(role, layer) in self.reader
 
-    def w(mod, attr="weight"):
-        if mod is None:
-            return None
-        t = getattr(mod, attr, None)
-        return None if t is None else t.detach()
+    def get(self, role: str, layer: int | None = None) -> torch.Tensor:
+        name = self.family.weight_name(role, layer)
+        if role == "lm_head" and name not in self.reader:  # tied embeddings
+            name = self.family.weight_name("embed")
+        return self.reader.meta(name) if self.meta else self.reader.get(name)
 
-    out = {
-        "q": w(getattr(attn, "q_proj", None)), "k": w(getattr(attn, "k_proj", None)),
-        "v": w(getattr(attn, "v_proj", None)), "o": w(getattr(attn, "o_proj", None)),
-        "qb": w(getattr(attn, "q_proj", None), "bias"), "kb": w(getattr(attn, "k_proj", None), "bias"),
-        "vb": w(getattr(attn, "v_proj", None), "bias"),
-        "input_ln": _norm_weight(layer.input_layernorm),
-        "post_attn_ln": _norm_weight(layer.post_attention_layernorm),
-        "gate": w(layer.mlp.gate_proj), "up": w(layer.mlp.up_proj), "down": w(layer.mlp.down_proj),
-    }
-    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-        if hasattr(layer, name):
-            out[name] = _norm_weight(getattr(layer, name))
-    if out["v"] is None:  # alpha = 0 on an already patched model: the block contributes nothing
-        out["v"] = torch.zeros(dims.kv_heads * dims.head_dim, dims.hidden)
-        out["o"] = torch.zeros(dims.hidden, dims.heads * dims.head_dim)
-        if family.qkv_bias:
-            out["vb"] = torch.zeros(dims.kv_heads * dims.head_dim)
-    return out
+    def zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, device="meta" if self.meta else "cpu")
 
 
 def fold_vo(v: torch.Tensor, o: torch.Tensor, dims: ModelDims, alpha: float) -> torch.Tensor:
@@ -209,7 +213,7 @@ def _dup_kv(t: torch.Tensor, kv: int, tp: int, head_dim: int) -> torch.Tensor:
     return t.reshape(kv * reps * head_dim, *shape[1:])
 
 
-def _shard(lt: _Logical, tp: int, tp_rank: int, dims: ModelDims, kv_heads: int) -> torch.Tensor:
+def _shard(lt: _Logical, tp: int, tp_rank: int, dims: ModelDims) -> torch.Tensor:
     if lt.rule == "rep" or tp == 1 and lt.rule not in ("qkv", "qkv_bias"):
         return lt.tensor
     if lt.rule == "col" or lt.rule == "vocab_split":
@@ -219,106 +223,133 @@ def _shard(lt: _Logical, tp: int, tp_rank: int, dims: ModelDims, kv_heads: int) 
     if lt.rule == "vocab_pad":
         t = lt.tensor
         padded = pad_to_multiple(t.shape[0], tp)
-        if padded != t.shape[0]:
-            t = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
-        return t.chunk(tp, 0)[tp_rank]
+        rows = padded // tp
+        part = t[tp_rank * rows: (tp_rank + 1) * rows]
+        if part.shape[0] < rows:  # the last rank's zero padding
+            part = torch.cat([part, part.new_zeros(rows - part.shape[0], *t.shape[1:])])
+        return part
     if lt.rule in ("qkv", "qkv_bias"):
         q, k, v = lt.tensor
-        if tp > kv_heads:
-            k, v = _dup_kv(k, kv_heads, tp, dims.head_dim), _dup_kv(v, kv_heads, tp, dims.head_dim)
+        if tp > dims.kv_heads:
+            k, v = _dup_kv(k, dims.kv_heads, tp, dims.head_dim), _dup_kv(v, dims.kv_heads, tp, dims.head_dim)
         return torch.cat([q.chunk(tp, 0)[tp_rank], k.chunk(tp, 0)[tp_rank], v.chunk(tp, 0)[tp_rank]])
     raise ValueError(f"unknown sharding rule {lt.rule!r}")
 
 
-def _window_of(config, family: FamilySpec, layer: int) -> int | None:
-    """The layer's native attention window (None: full causal attention)."""
-    types = getattr(config, "layer_types", None)
-    sw = getattr(config, "sliding_window", None)
-    if types is not None:
-        return sw if types[layer] == "sliding_attention" and sw else None
-    return sw or None  # Mistral: one window for every layer when set
-
-
 @dataclass
-class CheckpointPlan:
+class LayerKinds:
     """What the writer decided per layer; also the manifest's per-layer table."""
     kinds: list[str]           # attention | linear | no_op | window1
     windows: list[int | None]  # per-layer attention window as written (None: full)
     native: list[int | None]   # the unpruned model's window per layer (for the cost baseline)
     alphas: dict[int, float]
+    route: str
+    max_seq_len: int
+
+    def window_list(self) -> list[int] | None:
+        """``max_attention_window`` for the runtime: one entry per *attention* layer (TensorRT-LLM
+        indexes the list by attention-layer ordinal, cyclically), None when one window fits all."""
+        attn = [min(w or self.max_seq_len, self.max_seq_len) for k, w in zip(self.kinds, self.windows)
+                if k in ("attention", "window1")]
+        if not attn or all(w == self.max_seq_len for w in attn):
+            return None
+        if len(set(attn)) == 1:
+            return [attn[0]]
+        return attn
 
 
-def _layer_kinds(plan: Plan, target: TrtllmTarget, config, family, dims) -> CheckpointPlan:
+def layer_kinds(plan: Plan, target: TrtllmTarget, dims: ModelDims, max_seq_len: int) -> LayerKinds:
     amap = plan.alpha_map
     kinds, windows = [], []
-    native = [_window_of(config, family, i) for i in range(dims.layers)]
-    for i in range(dims.layers):
+    for i in range(dims.num_layers):
         if i not in amap:
             kinds.append("attention")
-            windows.append(_window_of(config, family, i))
+            windows.append(dims.window(i))
         elif target.route == ROUTE_LINEAR:
             kinds.append("linear" if amap[i] != 0.0 else "no_op")
             windows.append(None)
         else:
             kinds.append("window1")
             windows.append(1)
-    return CheckpointPlan(kinds, windows, native, amap)
+    return LayerKinds(kinds, windows, list(dims.windows), amap, target.route, max_seq_len)
 
 
-def _logical_weights(model, family: FamilySpec, target: TrtllmTarget, cp: CheckpointPlan,
-                     dims: ModelDims) -> dict[str, _Logical]:
-    dec = family.decoder(model)
+def _global_tensors(src: _Source, target: TrtllmTarget) -> dict[str, _Logical]:
     off = target.norm_offset
+    split = "vocab_split" if target.parallel_embedding else None
+    return {"transformer.vocab_embedding.weight": _Logical(split or "rep", src.get("embed")),
+            "transformer.ln_f.weight": _Logical("rep", _gain(off, src.get("final_norm"))),
+            "lm_head.weight": _Logical(split or "vocab_pad", src.get("lm_head"))}
+
+
+def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, i: int) -> dict[str, _Logical]:
+    """The logical tensors of decoder layer ``i`` (global names), read from ``src`` on demand."""
+    off = target.norm_offset
+    p = f"transformer.layers.{i}."
+    kind, alpha = lk.kinds[i], lk.alphas.get(i, 1.0)
     W: dict[str, _Logical] = {}
-    W["transformer.vocab_embedding.weight"] = _Logical(
-        "vocab_split" if target.parallel_embedding else "rep", dec.embed_tokens.weight.detach())
-    W["transformer.ln_f.weight"] = _Logical("rep", _gain(off, _norm_weight(dec.norm)))
-    W["lm_head.weight"] = _Logical("vocab_split" if target.parallel_embedding else "vocab_pad",
-                                   model.lm_head.weight.detach())
     mlp = "ffn" if target.architecture == "DeciLMForCausalLM" else "mlp"
-    for i, layer in enumerate(family.layers(model)):
-        p = f"transformer.layers.{i}."
-        t = _layer_tensors(family, layer, dims)
-        kind, alpha = cp.kinds[i], cp.alphas.get(i, 1.0)
-        if kind != "no_op":
-            W[p + "input_layernorm.weight"] = _Logical("rep", _gain(off, t["input_ln"]))
-        if kind == "linear":
-            W[p + "attention.weight"] = _Logical("col", fold_vo(t["v"], t["o"], dims, alpha))
-        elif kind in ("attention", "window1"):
-            q, k = t["q"], t["k"]
-            qb, kb = t["qb"], t["kb"]
-            if kind == "window1":  # Q and K do not matter over a one-token window; zero them
-                q = torch.zeros(dims.heads * dims.head_dim, dims.hidden)
-                k = torch.zeros(dims.kv_heads * dims.head_dim, dims.hidden)
-                qb = torch.zeros(dims.heads * dims.head_dim) if target.qkv_bias else None
-                kb = torch.zeros(dims.kv_heads * dims.head_dim) if target.qkv_bias else None
-            W[p + "attention.qkv.weight"] = _Logical("qkv", (q, k, t["v"]))
-            if target.qkv_bias:
-                W[p + "attention.qkv.bias"] = _Logical("qkv_bias", (qb, kb, t["vb"]))
-            dense_alpha = alpha if kind == "window1" and not target.alpha_in_post_norm else 1.0
-            W[p + "attention.dense.weight"] = _Logical("row", _gain(0.0, t["o"], dense_alpha))
-        post_scale = alpha if kind == "window1" and target.alpha_in_post_norm else 1.0
-        if target.inter_layernorms:
-            # Gemma2: post_layernorm is the post-attention norm; alpha scales its gain (HARP, Gemma2)
-            W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, t["post_attn_ln"], post_scale))
-            W[p + "pre_feedforward_layernorm.weight"] = _Logical("rep", _gain(off, t["pre_feedforward_layernorm"]))
-            W[p + "post_feedforward_layernorm.weight"] = _Logical("rep", _gain(off, t["post_feedforward_layernorm"]))
+    if kind != "no_op":
+        W[p + "input_layernorm.weight"] = _Logical("rep", _gain(off, src.get("input_ln", i)))
+    if kind == "linear":
+        W[p + "attention.weight"] = _Logical("col", fold_vo(src.get("v", i), src.get("o", i), dims, alpha))
+    elif kind in ("attention", "window1"):
+        q_rows, kv_rows = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+        if kind == "window1":  # Q and K do not matter over a one-token window; zero them
+            q, k = src.zeros(q_rows, dims.hidden), src.zeros(kv_rows, dims.hidden)
+            qb, kb = src.zeros(q_rows), src.zeros(kv_rows)
         else:
-            W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, t["post_attn_ln"]))
-        W[p + f"{mlp}.fc.weight"] = _Logical("col", t["gate"])
-        W[p + f"{mlp}.gate.weight"] = _Logical("col", t["up"])
-        W[p + f"{mlp}.proj.weight"] = _Logical("row", t["down"])
+            q, k = src.get("q", i), src.get("k", i)
+            qb = src.get("qb", i) if target.qkv_bias else None
+            kb = src.get("kb", i) if target.qkv_bias else None
+        v = src.get("v", i)
+        W[p + "attention.qkv.weight"] = _Logical("qkv", (q, k.to(q.dtype), v.to(q.dtype)))
+        if target.qkv_bias:
+            vb = src.get("vb", i) if src.has("vb", i) else src.zeros(kv_rows)
+            W[p + "attention.qkv.bias"] = _Logical("qkv_bias", (qb.to(vb.dtype), kb.to(vb.dtype), vb))
+        dense_alpha = alpha if kind == "window1" and not target.alpha_in_post_norm else 1.0
+        W[p + "attention.dense.weight"] = _Logical("row", _gain(0.0, src.get("o", i), dense_alpha))
+    post_scale = alpha if kind == "window1" and target.alpha_in_post_norm else 1.0
+    if target.inter_layernorms:
+        # Gemma2: post_layernorm is the post-attention norm; alpha scales its gain (HARP, Gemma2)
+        W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, src.get("post_attn_ln", i), post_scale))
+        for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            W[p + f"{n}.weight"] = _Logical("rep", _gain(off, src.get(n, i)))
+    else:
+        W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, src.get("post_attn_ln", i)))
+    W[p + f"{mlp}.fc.weight"] = _Logical("col", src.get("gate", i))
+    W[p + f"{mlp}.gate.weight"] = _Logical("col", src.get("up", i))
+    W[p + f"{mlp}.proj.weight"] = _Logical("row", src.get("down", i))
     return W
 
 
+def _rank_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, dtype: torch.dtype,
+                  tp: int, pp: int) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(rank, name, tensor) for every tensor of every rank file, one layer resident at a time."""
+    glob = _global_tensors(src, target)
+    owners = {"transformer.vocab_embedding.weight": 0, "transformer.ln_f.weight": pp - 1, "lm_head.weight": pp - 1}
+    for name, lt in glob.items():
+        for t in range(tp):
+            yield rank_of(t, owners[name], tp), name, _shard(lt, tp, t, dims).to(dtype)
+        glob[name] = None  # free the table before the layers
+    for p in range(pp):
+        for j, g in enumerate(pp_layers(dims.num_layers, pp, p)):
+            tensors = _layer_tensors(src, target, lk, dims, g)
+            for name, lt in tensors.items():
+                local = f"transformer.layers.{j}." + name.split(".", 3)[3]
+                for t in range(tp):
+                    yield rank_of(t, p, tp), local, _shard(lt, tp, t, dims).to(dtype)
+            del tensors
+
+
 # ---- config.json ------------------------------------------------------------------------------
-def _trtllm_config(config, family: FamilySpec, target: TrtllmTarget, cp: CheckpointPlan, dims: ModelDims,
-                   dtype: str, tp: int, pp: int, max_seq_len: int) -> dict[str, Any]:
+def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, dtype: str, tp: int,
+                   pp: int) -> dict[str, Any]:
     theta, scaling = _rope_fields(config)
     act = getattr(config, "hidden_activation", None) or config.hidden_act
     cfg: dict[str, Any] = {
         "architecture": target.architecture, "dtype": dtype, "logits_dtype": "float32",
-        "vocab_size": dims.vocab, "hidden_size": dims.hidden, "num_hidden_layers": dims.layers,
+        "vocab_size": dims.vocab, "hidden_size": dims.hidden, "num_hidden_layers": dims.num_layers,
         "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
         "head_size": dims.head_dim, "intermediate_size": dims.intermediate, "hidden_act": act,
         "norm_epsilon": float(config.rms_norm_eps), "position_embedding_type": "rope_gpt_neox",
@@ -331,117 +362,122 @@ def _trtllm_config(config, family: FamilySpec, target: TrtllmTarget, cp: Checkpo
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         **target.extra_config,
     }
+    if target.seq_length_field:
+        # TensorRT-LLM's own Qwen converter writes seq_length (models/qwen/config.py
+        # QWenConfig.from_hugging_face); some 1.x QWenDecoderLayer versions read it with no default
+        cfg["seq_length"] = int(config.max_position_embeddings)
     if target.share_embedding:
         cfg["share_embedding_table"] = True
     if target.architecture == "DeciLMForCausalLM":
         cfg["layer_configs"] = [
             {"attention": {"impl": k, "num_key_value_heads": dims.kv_heads if k == "attention" else None},
-             "ffn": {"impl": "mlp", "intermediate_size": dims.intermediate}} for k in cp.kinds]
+             "ffn": {"impl": "mlp", "intermediate_size": dims.intermediate}} for k in lk.kinds]
     if target.inter_layernorms:  # Gemma2 config group
         cfg["query_pre_attn_scalar"] = config.query_pre_attn_scalar
         cfg["attn_logit_softcapping"] = getattr(config, "attn_logit_softcapping", None)
         cfg["final_logit_softcapping"] = getattr(config, "final_logit_softcapping", None)
-    windows = _runtime_windows(cp, target, max_seq_len)
+    windows = lk.window_list()
     if windows is not None:
-        # Engine default for KvCacheConfig.max_attention_window (one entry per layer, cyclic)
-        cfg["runtime_defaults"] = {"max_attention_window": windows, "sink_token_length": 0}
+        # Engine default for KvCacheConfig.max_attention_window (models/modeling_utils.py
+        # RuntimeDefaults). No sink_token_length: KvCacheConfig::setSinkTokenLength requires > 0.
+        cfg["runtime_defaults"] = {"max_attention_window": windows}
     return cfg
 
 
-def _runtime_windows(cp: CheckpointPlan, target: TrtllmTarget, max_seq_len: int) -> list[int] | None:
-    if target.route == ROUTE_LINEAR:
-        # DeciLM layers share one window; only a sliding-window Mistral needs one (cyclic list of 1)
-        ws = {w for k, w in zip(cp.kinds, cp.windows) if k == "attention" and w}
-        return [min(ws.pop(), max_seq_len)] if len(ws) == 1 and min(ws) < max_seq_len else None
-    per_layer = [min(w, max_seq_len) if w else max_seq_len for w in cp.windows]
-    return per_layer if any(w < max_seq_len for w in per_layer) else None
-
-
 # ---- the writer -------------------------------------------------------------------------------
-def write_checkpoint(model, plan: Plan, out_dir: str | Path, *, dtype: str = "float16", tp_size: int = 1,
-                     pp_size: int = 1, max_seq_len: int | None = None,
-                     tokens_per_block: int = 32) -> dict[str, Any]:
-    """Write ``config.json`` and every ``rank{N}.safetensors`` of the HARP-pruned model into
-    ``out_dir`` (created). ``model`` is the Hugging Face model, unpruned or already patched by
-    ``apply_harp`` with the same plan; it is not modified. Returns a summary (per-layer table, KV
-    and GEMM costs) for the manifest."""
-    from safetensors.torch import save_file
+def check_plan_matches(plan: Plan, family: FamilySpec, num_layers: int) -> None:
+    if plan.family != family.name:
+        raise PreconditionError(STAGE_NAME, f"plan is for family {plan.family!r} but the model is {family.name!r}",
+                                "pass the model the plan was calibrated on")
+    if plan.num_layers != num_layers:
+        raise PreconditionError(STAGE_NAME, f"plan has {plan.num_layers} layers but the model has {num_layers}",
+                                "pass the model the plan was calibrated on")
 
-    family = family_of(model.config)
+
+def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",
+                     tp_size: int = 1, pp_size: int = 1, max_seq_len: int | None = None,
+                     tokens_per_block: int = 32) -> dict[str, Any]:
+    """Write ``config.json`` and every ``rank{N}.safetensors`` of the HARP-pruned model in
+    ``model_folder`` (a Hugging Face folder, never loaded whole) into ``out_dir`` (created).
+    Returns a summary (per-layer table, KV and GEMM costs) for the manifest."""
+    config = hf_config(model_folder)
+    family = family_of(config)
     target = target_for(family.name)
-    dims = ModelDims.of(model.config)
+    dims = ModelDims.from_config(config)
     check_layout(dims, target, dtype, tp_size, pp_size)
-    check_plan_matches(model, plan, family)
-    if target.share_embedding and not getattr(model.config, "tie_word_embeddings", True):
+    check_plan_matches(plan, family, dims.num_layers)
+    reader = WeightReader(model_folder)
+    if target.share_embedding and family.weight_name("lm_head") in reader:
         raise PreconditionError(STAGE_NAME, f"{target.architecture} in TensorRT-LLM always ties lm_head to the "
                                 "embedding, but this model has a separate lm_head",
                                 "only tied-embedding Gemma2 checkpoints (all released ones) can be exported")
-    max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
-    cp = _layer_kinds(plan, target, model.config, family, dims)
+    max_seq_len = int(max_seq_len or config.max_position_embeddings)
+    lk = layer_kinds(plan, target, dims, max_seq_len)
+    check_pipeline(lk, target, pp_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _trtllm_config(model.config, family, target, cp, dims, dtype, tp_size, pp_size, max_seq_len)
+    cfg = _trtllm_config(config, target, lk, dims, dtype, tp_size, pp_size)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
-    with torch.no_grad():
-        logical = _logical_weights(model, family, target, cp, dims)
     torch_dtype = DTYPES[dtype]
-    files = []
-    for pp_rank in range(pp_size):
-        local = pp_layers(dims.layers, pp_size, pp_rank)
-        rename = {f"transformer.layers.{g}.": f"transformer.layers.{j}." for j, g in enumerate(local)}
-        for tp_rank in range(tp_size):
-            tensors = {}
-            for name, lt in logical.items():
-                if name.startswith("transformer.layers."):
-                    prefix = ".".join(name.split(".")[:3]) + "."
-                    if prefix not in rename:
-                        continue
-                    key = rename[prefix] + name[len(prefix):]
-                elif name == "transformer.vocab_embedding.weight":
-                    if pp_rank != 0:
-                        continue
-                    key = name
-                else:  # ln_f, lm_head
-                    if pp_rank != pp_size - 1:
-                        continue
-                    key = name
-                # copy=True: a tied lm_head must not share storage with the embedding in the file
-                tensors[key] = _shard(lt, tp_size, tp_rank, dims, dims.kv_heads).to(torch_dtype, copy=True).contiguous()
-            fname = f"rank{rank_of(tp_rank, pp_rank, tp_size)}.safetensors"
-            save_file(tensors, str(out / fname), metadata={"format": "pt"})
-            files.append(fname)
+    world = tp_size * pp_size
+    plans: list[list[TensorSpec]] = [[] for _ in range(world)]
+    with torch.no_grad():
+        for r, name, t in _rank_tensors(_Source(reader, family, meta=True), target, lk, dims, torch_dtype,
+                                        tp_size, pp_size):
+            plans[r].append(TensorSpec(name, t.dtype, tuple(t.shape)))
+        files = [f"rank{r}.safetensors" for r in range(world)]
+        writers = [SafetensorsWriter(out / f, plans[r]) for r, f in enumerate(files)]
+        try:
+            for r, name, t in _rank_tensors(_Source(reader, family, meta=False), target, lk, dims, torch_dtype,
+                                            tp_size, pp_size):
+                writers[r].write(name, t)
+        finally:
+            for w in writers:
+                w.close()
     log.info("wrote %s checkpoint (%s, tp=%d, pp=%d) to %s", target.architecture, dtype, tp_size, pp_size, out)
     return {"architecture": target.architecture, "route": target.route, "files": sorted(files),
-            "layers": _layer_table(cp, dims, plan), **_costs(cp, dims, target, dtype, max_seq_len, tokens_per_block)}
+            "layers": _layer_table(lk, dims), "window_list": lk.window_list(),
+            **kv_costs(lk, dims, dtype, tokens_per_block)}
 
 
-def _layer_table(cp: CheckpointPlan, dims: ModelDims, plan: Plan) -> list[dict[str, Any]]:
-    return [{"layer": i, "kind": k, "alpha": cp.alphas.get(i),
+def _layer_table(lk: LayerKinds, dims: ModelDims) -> list[dict[str, Any]]:
+    return [{"layer": i, "kind": k, "alpha": lk.alphas.get(i),
              "kv_heads": 0 if k in ("linear", "no_op") else dims.kv_heads, "window": w}
-            for i, (k, w) in enumerate(zip(cp.kinds, cp.windows))]
+            for i, (k, w) in enumerate(zip(lk.kinds, lk.windows))]
 
 
-def _costs(cp: CheckpointPlan, dims: ModelDims, target: TrtllmTarget, dtype: str, max_seq_len: int,
-           tokens_per_block: int) -> dict[str, Any]:
-    """KV bytes one sequence of ``max_seq_len`` tokens holds (all ranks together; paged blocks of
-    ``tokens_per_block``), and linear-layer multiply-accumulates per token, pruned vs unpruned."""
+def kv_costs(lk: LayerKinds, dims: ModelDims, dtype: str, tokens_per_block: int) -> dict[str, Any]:
+    """KV-cache cost as TensorRT-LLM 1.2 allocates it, and GEMM work per token.
+
+    ``kv_bytes_per_token``: bytes one more token of context costs in the pool that bounds capacity
+    (layers holding the whole sequence). DeciLM ``linear`` / ``no_op`` layers have no KV heads, so
+    the engine allocates nothing for them (``num_kv_heads_per_layer`` lists attention layers only).
+    Window-1 layers (Qwen2, Gemma2 route) sit in a pool of their own whose blocks are freed as
+    generation goes, but hold the whole prompt while it is prefilled
+    (``KVCacheManager::addSequence``; ``WindowBlockManager::adjustBlocksIfNeeded``); their pool size
+    is set by the window-size shares written into every launch file (``launch.window_size_shares``)."""
     esize = torch.finfo(DTYPES[dtype]).bits // 8
-    per_token_layer = 2 * dims.kv_heads * dims.head_dim * esize
+    per_layer = 2 * dims.kv_heads * dims.head_dim * esize
+    full = sum(1 for k, w in zip(lk.kinds, lk.windows) if k == "attention" and (w is None or w >= lk.max_seq_len))
+    windowed = {i: w for i, (k, w) in enumerate(zip(lk.kinds, lk.windows))
+                if k in ("attention", "window1") and w is not None and w < lk.max_seq_len}
+    native_full = sum(1 for w in lk.native if w is None or w >= lk.max_seq_len)
     d, hd = dims.hidden, dims.head_dim
     attn_gemm = d * (dims.heads + 2 * dims.kv_heads) * hd + dims.heads * hd * d
     mlp_gemm = 3 * d * dims.intermediate
-    kv, kv_base, macs = 0, 0, 0
-    for k, w, nw in zip(cp.kinds, cp.windows, cp.native):
-        kv_base += pad_to_multiple(min(nw or max_seq_len, max_seq_len), tokens_per_block) * per_token_layer
-        if k in ("attention", "window1"):
-            kv += pad_to_multiple(min(w or max_seq_len, max_seq_len), tokens_per_block) * per_token_layer
-            macs += attn_gemm
-        elif k == "linear":
-            macs += d * d
-        macs += mlp_gemm
-    base_macs = dims.layers * (attn_gemm + mlp_gemm)
-    return {"kv_bytes_per_sequence": kv, "kv_bytes_per_sequence_unpruned": kv_base,
-            "gemm_macs_per_token": macs, "gemm_macs_per_token_unpruned": base_macs,
-            "kv_cost_note": (f"at max_seq_len={max_seq_len}, tokens_per_block={tokens_per_block}; "
-                             "window-1 layers keep one block per sequence")}
+    macs = 0
+    for k in lk.kinds:
+        macs += mlp_gemm + (attn_gemm if k in ("attention", "window1") else d * d if k == "linear" else 0)
+    return {
+        "kv_bytes_per_token": full * per_layer,
+        "kv_bytes_per_token_unpruned": native_full * per_layer,
+        "kv_layers_full": full, "kv_layers_windowed": {str(i): w for i, w in windowed.items()},
+        "kv_bytes_per_sequence": full * per_layer * lk.max_seq_len + sum(
+            pad_to_multiple(w + tokens_per_block, tokens_per_block) * per_layer for w in windowed.values()),
+        "kv_bytes_per_sequence_unpruned": sum(
+            pad_to_multiple(min(w or lk.max_seq_len, lk.max_seq_len), tokens_per_block) * per_layer for w in lk.native),
+        "gemm_macs_per_token": macs, "gemm_macs_per_token_unpruned": dims.num_layers * (attn_gemm + mlp_gemm),
+        "kv_cost_note": (f"max_seq_len={lk.max_seq_len}, tokens_per_block={tokens_per_block}; a windowed layer keeps "
+                         "window + one block per sequence after its prompt is prefilled"),
+    }

@@ -11,8 +11,11 @@ no attention weights at all. The MLP width is stored as ``ffn_mult``, from which
 not a multiple of 256 cannot be expressed and is reported as skipped.
 
 ``model_type`` ``nemotron-nas`` is unknown to ``transformers``, so the folder carries a small config
-class of its own (``configuration_decilm.py``, ``auto_map``): load it with
-``trust_remote_code=True``. Only Llama-style families fit (no attention biases, no extra norms)."""
+class of its own (``configuration_decilm.py``, ``auto_map``). TensorRT-LLM's PyTorch backend reads the
+config through ``transformers.AutoConfig`` (``_torch/pyexecutor/config_utils.py``
+``load_pretrained_config``), so ``trtllm-serve`` needs ``--trust_remote_code`` for this folder; the code
+it runs is that one config class, written here. Only Llama-style families fit (NemotronNAS attention
+and its linear replacement are bias-free, ``_torch/models/modeling_nemotron_nas.py``)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +28,7 @@ import torch
 from harp_trt.families import family_of
 from harp_trt.plan import Plan
 
-from .checkpoint import DTYPES, ModelDims, _layer_tensors, _rope_fields, check_plan_matches, fold_vo
+from .checkpoint import DTYPES, ModelDims, _rope_fields, fold_vo
 from .targets import target_for
 
 __all__ = ["write_hf_decilm", "ffn_mult_for", "intermediate_from_ffn_mult", "HF_CONFIG_MODULE"]
@@ -98,65 +101,93 @@ def ffn_mult_for(intermediate: int, hidden: int) -> float | None:
     return mult if intermediate_from_ffn_mult(mult, hidden) == intermediate else None
 
 
-def write_hf_decilm(model, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",
-                    tokenizer=None) -> dict[str, Any]:
-    """Write the HF DeciLM checkpoint into ``out_dir``. Returns ``{"written": bool, ...}``; when the
-    family or the MLP width cannot be expressed, nothing is written and ``reason`` says why."""
-    from safetensors.torch import save_file
+def _hf_tensors(src, dims: ModelDims, amap: dict[int, float], dtype: torch.dtype):
+    """(name, tensor) of the DeciLM folder in file order, one layer resident at a time."""
+    yield "model.embed_tokens.weight", src.get("embed").to(dtype)
+    yield "model.norm.weight", src.get("final_norm").to(dtype)
+    # always written, tied or not: TensorRT-LLM's DeciLM converter reads lm_head.weight unconditionally
+    # (tensorrt_llm/models/nemotron_nas/convert.py, load_weights_from_hf)
+    yield "lm_head.weight", src.get("lm_head").to(dtype)
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}."
+        alpha = amap.get(i)
+        if alpha is None or alpha != 0.0:
+            yield p + "input_layernorm.weight", src.get("input_ln", i).to(dtype)
+        if alpha is not None and alpha != 0.0:
+            yield p + "self_attn.linear_attn.weight", fold_vo(src.get("v", i), src.get("o", i), dims, alpha).to(dtype)
+        elif alpha is None:
+            for n in "qkvo":
+                yield p + f"self_attn.{n}_proj.weight", src.get(n, i).to(dtype)
+        yield p + "post_attention_layernorm.weight", src.get("post_attn_ln", i).to(dtype)
+        for n in ("gate", "up", "down"):
+            yield p + f"mlp.{n}_proj.weight", src.get(n, i).to(dtype)
 
-    family = family_of(model.config)
+
+def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",
+                    shard_bytes: int = 5 << 30) -> dict[str, Any]:
+    """Write the HF DeciLM checkpoint of the model in ``model_folder`` into ``out_dir``, streaming
+    tensors (shards of at most ``shard_bytes`` with ``model.safetensors.index.json`` when larger).
+    Returns ``{"written": bool, ...}``; when the family or the MLP width cannot be expressed,
+    nothing is written and ``reason`` says why."""
+    from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
+
+    from .checkpoint import _Source, check_plan_matches, hf_config
+
+    cfg = hf_config(model_folder)
+    family = family_of(cfg)
     target = target_for(family.name)
     if not target.hf_heterogeneous:
         return {"written": False, "reason": f"{family.name} has features DeciLM lacks (see targets.py); "
                 "use the TensorRT-LLM checkpoint"}
-    dims = ModelDims.of(model.config)
+    dims = ModelDims.from_config(cfg)
     mult = ffn_mult_for(dims.intermediate, dims.hidden)
     if mult is None:
         return {"written": False, "reason": f"intermediate_size {dims.intermediate} is not expressible as a "
                 "DeciLM ffn_mult (needs a multiple of 256)"}
-    check_plan_matches(model, plan, family)
+    check_plan_matches(plan, family, dims.num_layers)
     amap = plan.alpha_map
-    cfg = model.config
     theta, scaling = _rope_fields(cfg)
-    blocks, tensors = [], {}
+    reader = WeightReader(model_folder)
     tdt = DTYPES[dtype]
-    dec = family.decoder(model)
-
-    def put(name: str, t: torch.Tensor) -> None:
-        tensors[name] = t.detach().to(tdt, copy=True).contiguous()
-
-    put("model.embed_tokens.weight", dec.embed_tokens.weight)
-    put("model.norm.weight", dec.norm.weight)
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    if not tied:
-        put("lm_head.weight", model.lm_head.weight)
-    for i, layer in enumerate(family.layers(model)):
-        p = f"model.layers.{i}."
-        t = _layer_tensors(family, layer, dims)
+    blocks = []
+    for i in range(dims.num_layers):
         alpha = amap.get(i)
-        if alpha == 0.0:
-            attn = {"n_heads_in_group": None, "no_op": True, "replace_with_linear": False, "sparsify": None}
-        elif alpha is not None:
-            attn = {"n_heads_in_group": None, "no_op": False, "replace_with_linear": True, "sparsify": None}
-            put(p + "input_layernorm.weight", t["input_ln"])
-            put(p + "self_attn.linear_attn.weight", fold_vo(t["v"], t["o"], dims, alpha))
-        else:
-            attn = {"n_heads_in_group": dims.heads // dims.kv_heads, "no_op": False,
-                    "replace_with_linear": False, "sparsify": None}
-            put(p + "input_layernorm.weight", t["input_ln"])
-            for n in "qkvo":
-                put(p + f"self_attn.{n}_proj.weight", t[n])
-        blocks.append({"attention": attn, "ffn": {"ffn_mult": mult, "no_op": False,
-                                                   "replace_with_linear": False, "sparsify": None}})
-        put(p + "post_attention_layernorm.weight", t["post_attn_ln"])
-        for n in ("gate", "up", "down"):
-            put(p + f"mlp.{n}_proj.weight", t[n])
+        attn = {"n_heads_in_group": dims.heads // dims.kv_heads if alpha is None else None,
+                "no_op": alpha == 0.0, "replace_with_linear": alpha is not None and alpha != 0.0, "sparsify": None}
+        blocks.append({"attention": attn, "ffn": {"ffn_mult": mult, "no_op": False, "replace_with_linear": False,
+                                                  "sparsify": None}})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        specs = [TensorSpec(n, t.dtype, tuple(t.shape))
+                 for n, t in _hf_tensors(_Source(reader, family, meta=True), dims, amap, tdt)]
+        shards: list[list[TensorSpec]] = [[]]
+        size = 0
+        for spec in specs:
+            if shards[-1] and size + spec.nbytes > shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+        where = {spec.name: k for k, shard in enumerate(shards) for spec in shard}
+        writers = [SafetensorsWriter(out / n, shard) for n, shard in zip(names, shards)]
+        try:
+            for name, t in _hf_tensors(_Source(reader, family, meta=False), dims, amap, tdt):
+                writers[where[name]].write(name, t)
+        finally:
+            for w in writers:
+                w.close()
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+             "weight_map": {n: names[k] for n, k in sorted(where.items())}}, indent=2))
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
     hf_cfg = {
         "architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas",
         "auto_map": {"AutoConfig": "configuration_decilm.DeciLMConfig"},
-        "hidden_size": dims.hidden, "num_attention_heads": dims.heads, "num_hidden_layers": dims.layers,
+        "hidden_size": dims.hidden, "num_attention_heads": dims.heads, "num_hidden_layers": dims.num_layers,
         "num_key_value_heads": dims.kv_heads, "head_dim": dims.head_dim, "intermediate_size": dims.intermediate,
         "vocab_size": dims.vocab, "hidden_act": cfg.hidden_act, "rms_norm_eps": float(cfg.rms_norm_eps),
         "rope_theta": theta, "rope_scaling": scaling,
@@ -168,8 +199,6 @@ def write_hf_decilm(model, plan: Plan, out_dir: str | Path, *, dtype: str = "flo
     }
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     (out / HF_CONFIG_MODULE).write_text(_CONFIG_SOURCE)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    log.info("wrote HF DeciLM checkpoint to %s", out)
-    return {"written": True, "files": sorted(p.name for p in out.iterdir()), "ffn_mult": mult}
+    log.info("wrote HF DeciLM checkpoint to %s (%d file(s))", out, len(names))
+    return {"written": True, "files": sorted(p.name for p in out.iterdir()), "ffn_mult": mult,
+            "kv_heads_per_layer": [0 if b["attention"]["n_heads_in_group"] is None else dims.kv_heads for b in blocks]}

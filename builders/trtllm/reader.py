@@ -3,6 +3,8 @@
 be checked against the PyTorch HARP reference on a machine without TensorRT-LLM or a GPU.
 
 The reader knows nothing about Hugging Face models or HARP plans: everything comes from the files.
+Tensors are read from disk when a layer needs them and dropped after it (embedding rows for the
+tokens at hand, the LM head in row chunks), so checking a 7B checkpoint holds one layer in fp32.
 It simulates the parallel execution rather than undoing it: each tensor-parallel rank computes its
 heads / MLP columns from its own shard and the partial outputs are summed (the all-reduce) or
 concatenated (``gather_output``); pipeline stages run their local layers in order. Full-sequence
@@ -27,8 +29,56 @@ from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
 
 __all__ = ["TrtllmCheckpoint", "read_checkpoint", "read_hf_decilm", "SUPPORTED_ARCHITECTURES"]
 
-SUPPORTED_ARCHITECTURES = ("DeciLMForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                           "Qwen2ForCausalLM", "Gemma2ForCausalLM")
+@dataclass(frozen=True)
+class _Arch:
+    """What an architecture's TensorRT-LLM model does beyond the Llama layout."""
+    embedding_scale: bool = False   # hidden states start as embedding * sqrt(hidden) (Gemma)
+    inter_layernorms: bool = False  # post-attention, pre/post feed-forward norms (Gemma2)
+    softcapping: bool = False       # attention / final logit soft-capping, query_pre_attn_scalar (Gemma2)
+    heterogeneous: bool = False     # per-layer layer_configs (DeciLM)
+    mlp_prefix: str = "mlp"
+
+
+ARCHITECTURES: dict[str, _Arch] = {
+    "DeciLMForCausalLM": _Arch(heterogeneous=True, mlp_prefix="ffn"),
+    "LlamaForCausalLM": _Arch(), "MistralForCausalLM": _Arch(), "Qwen2ForCausalLM": _Arch(),
+    "Gemma2ForCausalLM": _Arch(embedding_scale=True, inter_layernorms=True, softcapping=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+HEAD_CHUNK_BYTES = 64 << 20  # LM head rows read at once (fp32)
+
+
+class _LazyRank:
+    """One rank file's tensors, read on access (nothing cached)."""
+
+    def __init__(self, reader, rename: dict[str, str | tuple[str, ...]] | None = None):
+        self.reader = reader
+        self.rename = rename  # our name -> name in the file, or names concatenated (HF DeciLM folders)
+
+    def _name(self, name: str):
+        if self.rename is None:
+            return name if name in self.reader else None
+        return self.rename.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) is not None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        real = self._name(name)
+        if real is None:
+            raise KeyError(name)
+        if isinstance(real, tuple):
+            return torch.cat([self.reader.get(r) for r in real])
+        return self.reader.get(real)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.reader.get(self._name(name), rows=(start, stop))
+
+    def num_rows(self, name: str) -> int:
+        return self.reader.spec(self._name(name)).shape[0]
+
+    def keys(self) -> list[str]:
+        return sorted(self.rename) if self.rename is not None else self.reader.names()
 
 _ACTS = {
     "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
@@ -85,7 +135,7 @@ class _Layer:
 class TrtllmCheckpoint:
     """A TensorRT-LLM checkpoint folder loaded into memory (all ranks)."""
 
-    def __init__(self, config: dict[str, Any], ranks: list[dict[str, torch.Tensor]]):
+    def __init__(self, config: dict[str, Any], ranks: list):
         self.config = config
         self.ranks = ranks
         arch = config["architecture"]
@@ -98,13 +148,13 @@ class TrtllmCheckpoint:
         if len(ranks) != self.tp * self.pp:
             raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, mapping needs {self.tp * self.pp}")
         self.arch = arch
-        self.is_gemma2 = arch == "Gemma2ForCausalLM"
+        self.traits = ARCHITECTURES[arch]
         self.layers = self._layer_specs()
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path) -> "TrtllmCheckpoint":
-        from safetensors.torch import load_file
+        from harp_trt.weights import WeightReader
 
         p = Path(path)
         try:
@@ -118,10 +168,10 @@ class TrtllmCheckpoint:
             f = p / f"rank{r}.safetensors"
             if not f.is_file():
                 raise CorruptWeightsError(f"{p} is missing {f.name} (mapping has {world} ranks)")
-            ranks.append(load_file(str(f)))
+            ranks.append(_LazyRank(WeightReader(f)))
         return cls(config, ranks)
 
-    def rank_weights(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    def rank_weights(self, tp_rank: int, pp_rank: int) -> _LazyRank:
         return self.ranks[tp_rank + pp_rank * self.tp]
 
     # ---- structure ----------------------------------------------------------------------------
@@ -132,7 +182,7 @@ class TrtllmCheckpoint:
         windows = (c.get("runtime_defaults") or {}).get("max_attention_window") or None
         specs, attn_idx = [], 0
         for i in range(n):
-            if self.arch == "DeciLMForCausalLM" and c.get("layer_configs"):
+            if self.traits.heterogeneous and c.get("layer_configs"):
                 a = c["layer_configs"][i]["attention"]
                 kind = a.get("impl", "attention")
                 heads = (a.get("num_key_value_heads") or kv) if kind == "attention" else 0
@@ -140,9 +190,9 @@ class TrtllmCheckpoint:
                 kind, heads = "attention", kv
             w = None
             if kind == "attention" and windows:
-                # DeciLM's runtime indexes windows over attention layers; others over all layers
-                idx = attn_idx if self.arch == "DeciLMForCausalLM" else i
-                w = int(windows[idx % len(windows)])
+                # the runtime indexes the list by attention-layer ordinal, cyclically
+                # (TransformerBuffers: maxAttentionWindowVec[(firstLayerId + i) % len])
+                w = int(windows[attn_idx % len(windows)])
             if kind == "attention":
                 attn_idx += 1
             specs.append(_Layer(kind, heads, w))
@@ -174,9 +224,14 @@ class TrtllmCheckpoint:
                 h = self._layer(h, p, local, self.layers[g], cos, sin)
         last = self.pp - 1
         h = _rms(h, self.rank_weights(0, last)["transformer.ln_f.weight"].float(), c["norm_epsilon"])
-        lm = torch.cat([self.rank_weights(t, last)["lm_head.weight"].float() for t in range(self.tp)])
-        logits = (h @ lm.T)[..., : c["vocab_size"]]
-        cap = c.get("final_logit_softcapping") if self.is_gemma2 else None
+        parts = []
+        for t in range(self.tp):
+            w = self.rank_weights(t, last)
+            n = w.num_rows("lm_head.weight")
+            step = max(1, HEAD_CHUNK_BYTES // (4 * h.shape[-1]))
+            parts += [h @ w.rows("lm_head.weight", r, min(r + step, n)).float().T for r in range(0, n, step)]
+        logits = torch.cat(parts, -1)[..., : c["vocab_size"]]
+        cap = c.get("final_logit_softcapping") if self.traits.softcapping else None
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits if input_ids.dim() == 2 else logits[0]
@@ -184,16 +239,19 @@ class TrtllmCheckpoint:
     __call__ = forward
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the (possibly vocab-split) table for the tokens at hand only."""
         c = self.config
+        name = "transformer.vocab_embedding.weight"
+        shards = [self.rank_weights(0, 0)]
         if c.get("use_parallel_embedding"):
             if c.get("embedding_sharding_dim", 0) != 0:
                 raise UnsupportedArchitectureError("reader: only vocab-dim (0) embedding sharding is supported")
-            table = torch.cat([self.rank_weights(t, 0)["transformer.vocab_embedding.weight"].float()
-                               for t in range(self.tp)])
-        else:
-            table = self.rank_weights(0, 0)["transformer.vocab_embedding.weight"].float()
-        h = F.embedding(ids, table)
-        if self.is_gemma2:
+            shards = [self.rank_weights(t, 0) for t in range(self.tp)]
+        per = shards[0].num_rows(name)
+        uniq, local = torch.unique(ids, return_inverse=True)
+        rows = torch.cat([shards[int(r) // per].rows(name, int(r) % per, int(r) % per + 1).float() for r in uniq])
+        h = F.embedding(local, rows)
+        if self.traits.embedding_scale:
             h = h * math.sqrt(c["hidden_size"])
         return h
 
@@ -202,7 +260,7 @@ class TrtllmCheckpoint:
         eps = c["norm_epsilon"]
         pre = f"transformer.layers.{local}."
         w0 = self.rank_weights(0, pp_rank)
-        mlp = "ffn" if self.arch == "DeciLMForCausalLM" else "mlp"
+        mlp = self.traits.mlp_prefix
         if spec.kind != "no_op":
             x = _rms(h, w0[pre + "input_layernorm.weight"].float(), eps)
             if spec.kind == "linear":  # ColumnLinear with gather_output: concatenate the shards
@@ -212,10 +270,10 @@ class TrtllmCheckpoint:
             else:
                 a = sum(self._attention_shard(x, self.rank_weights(t, pp_rank), pre, spec, cos, sin)
                         for t in range(self.tp))
-            if self.is_gemma2:
+            if self.traits.inter_layernorms:
                 a = _rms(a, w0[pre + "post_layernorm.weight"].float(), eps)
             h = h + a
-        if self.is_gemma2:
+        if self.traits.inter_layernorms:
             x = _rms(h, w0[pre + "pre_feedforward_layernorm.weight"].float(), eps)
             m = self._mlp(x, pp_rank, pre, mlp)
             return h + _rms(m, w0[pre + "post_feedforward_layernorm.weight"].float(), eps)
@@ -253,7 +311,7 @@ class TrtllmCheckpoint:
         k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
         q_scaling = 1.0
         cap = None
-        if self.is_gemma2:
+        if self.traits.softcapping:
             q_scaling = math.sqrt(c["query_pre_attn_scalar"]) / math.sqrt(hd)
             cap = c.get("attn_logit_softcapping")
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hd) * q_scaling)
@@ -270,19 +328,20 @@ class TrtllmCheckpoint:
 
 
 def read_hf_decilm(path: str | Path) -> TrtllmCheckpoint:
-    """Load an HF heterogeneous DeciLM folder (``block_configs``) as a single-rank checkpoint, so
-    the same forward pass checks it. Names and shapes follow the HF DeciLM / Nemotron-NAS layout."""
-    from safetensors.torch import load_file
+    """Open an HF heterogeneous DeciLM folder (``block_configs``) as a single-rank checkpoint, so
+    the same forward pass checks it. Names and shapes follow the HF DeciLM / Nemotron-NAS layout
+    (``tensorrt_llm/models/nemotron_nas/convert.py``); tensors are read lazily."""
+    from harp_trt.weights import WeightReader
 
     p = Path(path)
     hf = json.loads((p / "config.json").read_text())
-    w = {}
-    for f in sorted(p.glob("*.safetensors")):
-        w.update(load_file(str(f)))
+    reader = WeightReader(p)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    out: dict[str, torch.Tensor] = {"transformer.vocab_embedding.weight": w["model.embed_tokens.weight"],
-                                    "transformer.ln_f.weight": w["model.norm.weight"],
-                                    "lm_head.weight": w.get("lm_head.weight", w["model.embed_tokens.weight"])}
+    names: dict[str, str | tuple[str, ...]] = {
+        "transformer.vocab_embedding.weight": "model.embed_tokens.weight",
+        "transformer.ln_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+    if "lm_head.weight" not in reader:
+        raise CorruptWeightsError(f"{p} has no lm_head.weight; TensorRT-LLM's DeciLM converter always reads it")
     layer_configs, inter = [], None
     for i, block in enumerate(hf["block_configs"]):
         a, f = block["attention"], block["ffn"]
@@ -291,20 +350,20 @@ def read_hf_decilm(path: str | Path) -> TrtllmCheckpoint:
             layer_configs.append({"attention": {"impl": "no_op", "num_key_value_heads": None}})
         elif a.get("replace_with_linear"):
             layer_configs.append({"attention": {"impl": "linear", "num_key_value_heads": None}})
-            out[dst + "attention.weight"] = w[src + "self_attn.linear_attn.weight"]
+            names[dst + "attention.weight"] = src + "self_attn.linear_attn.weight"
         else:
             layer_configs.append({"attention": {"impl": "attention",
                                                 "num_key_value_heads": heads // a["n_heads_in_group"]}})
-            out[dst + "attention.qkv.weight"] = torch.cat([w[src + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-            out[dst + "attention.dense.weight"] = w[src + "self_attn.o_proj.weight"]
+            names[dst + "attention.qkv.weight"] = tuple(src + f"self_attn.{n}_proj.weight" for n in "qkv")
+            names[dst + "attention.dense.weight"] = src + "self_attn.o_proj.weight"
         if not a.get("no_op"):
-            out[dst + "input_layernorm.weight"] = w[src + "input_layernorm.weight"]
+            names[dst + "input_layernorm.weight"] = src + "input_layernorm.weight"
         n = int(2 * f["ffn_mult"] * hidden / 3)
         inter = n if n % 256 == 0 else n + 256 - n % 256
         layer_configs[-1]["ffn"] = {"impl": "mlp", "intermediate_size": inter}
-        out[dst + "post_layernorm.weight"] = w[src + "post_attention_layernorm.weight"]
+        names[dst + "post_layernorm.weight"] = src + "post_attention_layernorm.weight"
         for hf_name, trt in (("gate", "fc"), ("up", "gate"), ("down", "proj")):
-            out[dst + f"ffn.{trt}.weight"] = w[src + f"mlp.{hf_name}_proj.weight"]
+            names[dst + f"ffn.{trt}.weight"] = src + f"mlp.{hf_name}_proj.weight"
     config = {"architecture": "DeciLMForCausalLM", "vocab_size": hf["vocab_size"], "hidden_size": hidden,
               "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": heads,
               "num_key_value_heads": hf.get("num_key_value_heads") or heads,
@@ -312,7 +371,7 @@ def read_hf_decilm(path: str | Path) -> TrtllmCheckpoint:
               "hidden_act": hf["hidden_act"], "norm_epsilon": hf["rms_norm_eps"],
               "rotary_base": hf.get("rope_theta", 10000.0), "rotary_scaling": hf.get("rope_scaling"),
               "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "layer_configs": layer_configs}
-    return TrtllmCheckpoint(config, [out])
+    return TrtllmCheckpoint(config, [_LazyRank(reader, names)])
 
 
 def read_checkpoint(path: str | Path) -> TrtllmCheckpoint:

@@ -11,11 +11,12 @@ Artifact layout (``<cache>/trtllm-<key>/``)::
     llm_api_options.yaml          kv_cache_config.max_attention_window for one-token-window layers
     engine/                       only where ``tensorrt_llm`` imports and a GPU is present
 
-Inputs: ``{"plan": Plan, "model": <HF *ForCausalLM>}`` plus optionally ``"tokenizer"`` (saved into
-``hf/``) and ``"model_digest"`` (the weights' digest; defaults to the plan's)."""
+Inputs: ``{"plan": Plan, "model": ResolvedModel}``: a reference to the weights, never a loaded
+module. Nothing is read on a cache hit; on a miss, tensors stream from the safetensors files one at
+a time into the rank files, and the verification runs the written checkpoint and the PyTorch HARP
+reference layer by layer (one layer resident, fp32)."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import logging
@@ -29,13 +30,13 @@ import torch
 from harp_trt.config import StageConfig, digest_of
 from harp_trt.errors import ConfigError, PreconditionError, VerificationError
 from harp_trt.families import family_of
-from harp_trt.harp import apply_harp, harp_alphas
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 
-from .checkpoint import DTYPES, STAGE_NAME, ModelDims, check_layout, write_checkpoint
+from .checkpoint import (DTYPES, STAGE_NAME, ModelDims, check_layout, check_pipeline, hf_config, layer_kinds,
+                         write_checkpoint)
 from .hf_format import write_hf_decilm
-from .reader import read_checkpoint
+from .reader import read_checkpoint, read_hf_decilm
 from .targets import ROUTE_WINDOW1, target_for
 
 __all__ = ["TrtllmCheckpointConfig", "TrtllmCheckpointStage", "build_command", "VERIFY_TOLERANCE"]
@@ -122,80 +123,98 @@ def _llm_api_yaml(windows: list[int]) -> str:
 
 class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
     name: ClassVar[str] = STAGE_NAME
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
     outputs: ClassVar[tuple[str, ...]] = ("plan.json", "checkpoint/config.json", "build_engine.sh")
 
     def key_material(self, config, inputs):
         base = super().key_material(config, inputs)
         plan: Plan = inputs["plan"]
+        model = inputs.get("model")
         return {**base, "plan": digest_of(plan.to_dict()),
-                "model_digest": inputs.get("model_digest") or plan.model_digest}
+                "model_digest": getattr(model, "digest", None) or plan.model_digest}
 
     def check_preconditions(self, config: TrtllmCheckpointConfig, inputs: Mapping[str, Any]) -> None:
         plan, model = inputs.get("plan"), inputs.get("model")
         if not isinstance(plan, Plan):
             raise PreconditionError(self.name, "input 'plan' is missing or not a harp_trt.plan.Plan",
                                     "pass Plan.load(<calibrate artifact>)")
-        if model is None or not hasattr(model, "config"):
-            raise PreconditionError(self.name, "input 'model' is missing or not a Hugging Face model",
-                                    "pass the model returned by harp_trt.models.load_model")
-        family = family_of(model.config)
-        dims = ModelDims.of(model.config)
-        check_layout(dims, target_for(family.name), config.dtype, config.tp_size, config.pp_size)
-        if config.max_seq_len > model.config.max_position_embeddings:
+        if model is None or not hasattr(model, "folder"):
+            raise PreconditionError(self.name, "input 'model' is missing or not a resolved model reference",
+                                    "pass harp_trt.models.resolve_model(ref, cache_root)")
+        if model.digest and model.digest != plan.model_digest:
+            raise PreconditionError(self.name, f"model {model.ref} (weights {model.digest[:12]}) is not the model "
+                                    f"the plan was calibrated on ({plan.model_digest[:12]})",
+                                    "pass --model with the calibrated weights, or calibrate this model first")
+        cfg = hf_config(model.folder)
+        family = family_of(cfg)
+        dims = ModelDims.from_config(cfg)
+        target = target_for(family.name)
+        check_layout(dims, target, config.dtype, config.tp_size, config.pp_size)
+        check_pipeline(layer_kinds(plan, target, dims, config.max_seq_len), target, config.pp_size)
+        if config.max_seq_len > cfg.max_position_embeddings:
             log.warning("max_seq_len %d exceeds the model's max_position_embeddings %d",
-                        config.max_seq_len, model.config.max_position_embeddings)
+                        config.max_seq_len, cfg.max_position_embeddings)
 
     def run(self, config: TrtllmCheckpointConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
         out = Path(out_dir)
         plan: Plan = inputs["plan"]
         model = inputs["model"]
         plan.save(out / "plan.json")
-        info = write_checkpoint(model, plan, out / "checkpoint", dtype=config.dtype, tp_size=config.tp_size,
+        info = write_checkpoint(model.folder, plan, out / "checkpoint", dtype=config.dtype, tp_size=config.tp_size,
                                 pp_size=config.pp_size, max_seq_len=config.max_seq_len,
                                 tokens_per_block=config.tokens_per_block)
-        hf = (write_hf_decilm(model, plan, out / "hf", dtype=config.dtype, tokenizer=inputs.get("tokenizer"))
+        hf = (write_hf_decilm(model.folder, plan, out / "hf", dtype=config.dtype)
               if config.hf_format else {"written": False, "reason": "hf_format is off"})
+        if hf["written"]:
+            _copy_tokenizer(Path(model.folder), out / "hf")
         script = out / "build_engine.sh"
         script.write_text(_script(config))
         script.chmod(0o755)
         windows = read_checkpoint_config_windows(out / "checkpoint")
         if info["route"] == ROUTE_WINDOW1 and windows:
             (out / "llm_api_options.yaml").write_text(_llm_api_yaml(windows))
-        body = {"model": {"ref": plan.model_ref, "digest": inputs.get("model_digest") or plan.model_digest},
-                "checkpoint": info, "hf_checkpoint": hf,
+        body = {"model": model.to_dict(), "checkpoint": info, "hf_checkpoint": hf,
                 "build_command": build_command(config, "checkpoint", "engine")}
         if config.verify:
-            body["verification"] = self._verify(config, plan, model, out / "checkpoint")
+            body["verification"] = self._verify(config, plan, Path(model.folder), out / "checkpoint",
+                                                out / "hf" if hf["written"] else None)
         body["engine"] = self._maybe_build(config, out)
         return body
 
     # ---- postcondition: the written checkpoint computes the HARP model --------------------------
-    def _verify(self, config, plan: Plan, model, ckpt: Path) -> dict[str, Any]:
-        family = family_of(model.config)
-        ref = model
-        if not harp_alphas(model, family) or config.dtype != "float32":
-            ref = copy.deepcopy(model).float()
-            if config.dtype != "float32":  # same weight rounding as the checkpoint
-                with torch.no_grad():
-                    for p in ref.parameters():
-                        p.copy_(p.to(DTYPES[config.dtype]).float())
-            if not harp_alphas(ref, family):
-                apply_harp(ref, plan.alpha_map, family)
+    def _verify(self, config, plan: Plan, folder: Path, ckpt: Path, hf: Path | None) -> dict[str, Any]:
+        """Logits of the written checkpoint (and HF folder) against the PyTorch HARP reference, both
+        run layer by layer in fp32 with one layer resident; a half-precision checkpoint is compared
+        with a reference whose weights are rounded to the same dtype."""
+        import torch
+
+        from harp_trt.device import Placement
+        from harp_trt.harp import apply_harp
+        from harp_trt.layerwise import LayerStack
+
         n = min(config.verify_tokens, config.max_input_len)
-        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = ref(ids.to(next(ref.parameters()).device)).logits.float().cpu()
-        got = read_checkpoint(ckpt).forward(ids)
-        diff = float((got - want).abs().max())
+        round_to = None if config.dtype == "float32" else DTYPES[config.dtype]
+        ref = LayerStack.open(folder, Placement("cpu", "float32", sequential=True), stream_embeddings=True,
+                              round_to=round_to)
+        vocab = ref.model.config.vocab_size
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+        apply_harp(ref.model, plan.alpha_map, ref.family)
+        cap = ref.capture(ids)
+        want = ref.logits(ref.run(cap.h0, cap)[0]).float()
+        del ref, cap
         scale = max(1.0, float(want.abs().max()))
         tol = VERIFY_TOLERANCE[config.dtype] * scale
-        result = {"max_abs_diff": diff, "tolerance": tol, "tokens": n, "passed": diff <= tol}
-        log.info("%s: logits max |diff| %.3g (tolerance %.3g)", self.name, diff, tol)
-        if diff > tol:
-            raise VerificationError(self.name, f"checkpoint logits differ from the PyTorch HARP model: "
-                                    f"max |diff| {diff:.3g} > tolerance {tol:.3g}",
-                                    "this is a bug in the writer; please report it with the plan")
+        result: dict[str, Any] = {"tokens": n, "tolerance": tol, "reference": "layer by layer, fp32"}
+        checks = [("checkpoint", read_checkpoint(ckpt))] + ([("hf", read_hf_decilm(hf))] if hf else [])
+        for what, ck in checks:
+            diff = float((ck.forward(ids) - want).abs().max())
+            result["max_abs_diff" if what == "checkpoint" else "hf_max_abs_diff"] = diff
+            log.info("%s: %s logits max |diff| %.3g (tolerance %.3g)", self.name, what, diff, tol)
+            if not diff <= tol:
+                raise VerificationError(self.name, f"{what} logits differ from the PyTorch HARP model: "
+                                        f"max |diff| {diff:.3g} > tolerance {tol:.3g}",
+                                        "this is a bug in the writer; please report it with the plan")
+        result["passed"] = True
         return result
 
     def _maybe_build(self, config, out: Path) -> dict[str, Any]:
@@ -213,6 +232,19 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
             raise VerificationError(self.name, f"trtllm-build failed (exit {r.returncode}): "
                                     f"{(r.stderr or r.stdout).strip()[-400:]}", "see build_engine.log in the artifact")
         return {"built": True, "dir": "engine"}
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    import shutil
+
+    from harp_trt.models import TOKENIZER_FILES
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        if name != "config.json" and (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
 
 
 def read_checkpoint_config_windows(ckpt: Path) -> list[int] | None:

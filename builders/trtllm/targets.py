@@ -49,13 +49,14 @@ class TrtllmTarget:
     parallel_embedding: bool = False  # Gemma forces use_parallel_embedding when tp > 1
     share_embedding: bool = False     # Gemma ties lm_head to the embedding table
     hf_heterogeneous: bool = False    # an HF DeciLM (block_configs) checkpoint can be written
+    seq_length_field: bool = False    # config.json carries seq_length (Qwen: QWenConfig.from_hugging_face)
     extra_config: dict[str, Any] = field(default_factory=dict)
 
 
 TARGETS: dict[str, TrtllmTarget] = {t.family: t for t in [
     TrtllmTarget("llama", "DeciLMForCausalLM", ROUTE_LINEAR, hf_heterogeneous=True),
     TrtllmTarget("mistral", "DeciLMForCausalLM", ROUTE_LINEAR, hf_heterogeneous=True),
-    TrtllmTarget("qwen2", "Qwen2ForCausalLM", ROUTE_WINDOW1, qkv_bias=True,
+    TrtllmTarget("qwen2", "Qwen2ForCausalLM", ROUTE_WINDOW1, qkv_bias=True, seq_length_field=True,
                  extra_config={"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False,
                                "use_logn_attn": False, "mlp_only_layers": [],
                                "decoder_sparse_step": 1, "disable_weight_only_quant_plugin": False}),

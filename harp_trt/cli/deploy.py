@@ -60,7 +60,7 @@ def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-tokens", type=int, default=C.default("max_num_tokens"), help="(default %(default)s)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF DeciLM checkpoint")
     p.add_argument("--no-verify", action="store_true",
-                   help="skip the read-back check (it holds a second fp32 copy of the model in memory)")
+                   help="skip the read-back check (layer by layer against the PyTorch HARP reference)")
     p.add_argument("--build", default=C.default("build"), choices=["auto", "never"],
                    help="auto: run trtllm-build where tensorrt_llm and GPUs exist (default %(default)s)")
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is cached")
@@ -149,10 +149,9 @@ def run_triton(args) -> dict:
 def run_trtllm(args) -> dict:
     from builders.trtllm.stage import TrtllmCheckpointConfig, TrtllmCheckpointStage
 
-    from ..errors import PreconditionError
-    from ..models import load_model, load_tokenizer, resolve_model
-    from ..store import ArtifactStore
+    from ..models import resolve_model
     from ..plan import open_plan
+    from ..store import ArtifactStore
 
     t0 = time.perf_counter()
     config = TrtllmCheckpointConfig.from_dict({
@@ -163,18 +162,7 @@ def run_trtllm(args) -> dict:
     store = ArtifactStore(args.workdir)
     plan = open_plan(args.plan, store)
     resolved = resolve_model(args.model or plan.model_ref, store.root)
-    if resolved.digest != plan.model_digest:
-        raise PreconditionError("trtllm", f"model {resolved.ref} (weights {resolved.digest[:12]}) is not the model "
-                                f"the plan was calibrated on ({plan.model_digest[:12]})",
-                                "pass --model with the calibrated weights, or calibrate this model first")
-    model, _ = load_model(resolved, dtype="float32")
-    try:
-        tokenizer = load_tokenizer(resolved.folder)
-    except (OSError, ValueError):
-        tokenizer = None
-    art = TrtllmCheckpointStage().execute(
-        store, config, {"plan": plan, "model": model, "tokenizer": tokenizer, "model_digest": resolved.digest},
-        force=args.force)
+    art = TrtllmCheckpointStage().execute(store, config, {"plan": plan, "model": resolved}, force=args.force)
     m = art.manifest
     ck = m["checkpoint"]
     rows = [{"layer": r["layer"], "kind": r["kind"], "alpha": "" if r["alpha"] is None else r["alpha"],
@@ -182,6 +170,7 @@ def run_trtllm(args) -> dict:
     return {
         "artifact": str(art.path), "cached": art.cached, "architecture": ck["architecture"],
         "route": ck["route"], "dtype": config.dtype, "tp": config.tp_size, "pp": config.pp_size,
+        "kv_bytes_per_token": ck["kv_bytes_per_token"], "kv_bytes_per_token_unpruned": ck["kv_bytes_per_token_unpruned"],
         "kv_bytes_per_sequence": ck["kv_bytes_per_sequence"],
         "kv_bytes_per_sequence_unpruned": ck["kv_bytes_per_sequence_unpruned"],
         "verify_max_abs_diff": (m.get("verification") or {}).get("max_abs_diff"),

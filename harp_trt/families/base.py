@@ -23,6 +23,7 @@ class FamilySpec:
     # that norm: h <- h + alpha * post_attention_layernorm(o_proj(...)) (see README, "Gemma2").
     alpha_after_post_attn_norm: ClassVar[bool] = False
     norm_weight_offset: ClassVar[float] = 0.0   # RMSNorm gain is (offset + w): Gemma uses 1 + w
+    uniform_sliding_window: ClassVar[bool] = False  # config.sliding_window applies to all layers (Mistral)
     attn_implementation: ClassVar[str] = "sdpa"  # Gemma2 needs eager (sdpa cannot soft-cap)
     extra_layer_norms: ClassVar[tuple[str, ...]] = ()  # norms beyond input/post-attention (Gemma2)
 
@@ -64,11 +65,15 @@ class FamilySpec:
 
     def logits(self, model: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and (where the family has it) logit soft-capping."""
-        logits = model.lm_head(self.decoder(model).norm(h))
+        return self.softcap(model, model.lm_head(self.final_norm(model, h)))
+
+    def final_norm(self, model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(model).norm(h)
+
+    @staticmethod
+    def softcap(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
         cap = getattr(model.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     # ---- tiny random models for tests -----------------------------------------------------
     def tiny_config_kwargs(self) -> dict[str, Any]:

@@ -9,3 +9,4 @@ class MistralFamily(LlamaFamily):
     name = "mistral"
     model_types = ("mistral",)
     hf_config_class = "MistralConfig"
+    uniform_sliding_window = True  # v0.1's 4096-token window on every layer; v0.3 has none

@@ -128,7 +128,7 @@ class _FlatKV(nn.Module):
 
 
 def _example(model: nn.Module, kv_layers: list[int], batch: int, seq: int, past: int, seed: int = 0):
-    d = ModelDims.of(model.config)
+    d = ModelDims.from_config(model.config)
     kv, hd = d.kv_heads, d.head_dim
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
@@ -141,7 +141,7 @@ def _example(model: nn.Module, kv_layers: list[int], batch: int, seq: int, past:
 
 def _meta(model: nn.Module, kv_layers: list[int]) -> dict[str, Any]:
     cfg = model.config
-    d = ModelDims.of(cfg)
+    d = ModelDims.from_config(cfg)
     heads, kv, hd = d.heads, d.kv_heads, d.head_dim
     return {
         "format": "harp-export/1", "model_type": cfg.model_type, "num_layers": cfg.num_hidden_layers,
