@@ -118,8 +118,10 @@ class LayerStack:
         from transformers import AutoConfig
 
         from .errors import ModelError
+        from .memory import tune_allocator
         from .weights import WeightReader
 
+        tune_allocator()
         folder = Path(folder)
         try:
             cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)

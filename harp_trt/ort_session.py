@@ -45,7 +45,8 @@ class OrtCausalLM:
     ``engine.json``. ``intra_op_threads``: ORT's intra-op pool size (None: ORT's default)."""
 
     def __init__(self, onnx_path: str | Path, providers: Sequence[str] | None = None,
-                 intra_op_threads: int | None = None, graph_optimization_level: str = "all"):
+                 intra_op_threads: int | None = None, graph_optimization_level: str = "all",
+                 session_config: dict[str, str] | None = None):
         import onnxruntime as ort
 
         path = Path(onnx_path)
@@ -70,6 +71,8 @@ class OrtCausalLM:
         if intra_op_threads:
             so.intra_op_num_threads = int(intra_op_threads)
         so.log_severity_level = 3
+        for k, v in (session_config or {}).items():  # e.g. session.disable_prepacking: no packed weight copies
+            so.add_session_config_entry(k, v)
         self.path = path
         self.providers = list(providers) if providers else default_providers()
         try:

@@ -129,3 +129,43 @@ def test_export_stage_caches_by_weight_digest(tmp_path):
     assert art.manifest["model"]["digest"] == ra.digest
     again = stage.execute(store, cfg, {"model": rb})
     assert again.cached and again.path == art.path
+
+
+@pytest.mark.parametrize("fam", ["qwen2", "gemma2"])
+def test_streamed_export_equals_in_memory_export(tmp_path, fam):
+    """export_folder traces a meta skeleton and streams initializers from safetensors: the graph
+    computes what the in-memory export computes, bit for bit, on prefill and with a past."""
+    import onnxruntime as ort
+
+    from harp_trt.rewrite.export import _example, export_folder
+
+    folder = save_tiny(fam, tmp_path / "m", tie_word_embeddings=(fam == "gemma2"))
+    streamed = export_folder(folder, tmp_path / "streamed")
+    model = tiny(fam) if fam != "gemma2" else None
+    from harp_trt.models import load_model_folder
+
+    model = load_model_folder(folder)
+    ref = export_dense(model, tmp_path / "ref")
+    assert read_export_meta(streamed)["kv_layers"] == [0, 1, 2, 3]
+    layers = list(range(4))
+    s1, s2 = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (streamed, ref))
+    for b, s, p in ((1, 6, 0), (2, 3, 4)):
+        args = _example(model, layers, b, s, p, seed=7)
+        feed = {n: t.numpy() for n, t in zip(input_names(layers), [args[0], args[1], args[2], *args[3]])}
+        for x, y in zip(s1.run(None, feed), s2.run(None, feed)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_streamed_export_in_bfloat16(tmp_path):
+    """A bf16 graph for GPU engines: bf16 initializers and KV I/O, the fp32 export's structure."""
+    from harp_trt.rewrite.export import export_folder
+
+    folder = save_tiny("llama", tmp_path / "m")
+    path = export_folder(folder, tmp_path / "bf16", dtype="bfloat16")
+    m = onnx.load(str(path), load_external_data=False)
+    assert {i.data_type for i in m.graph.initializer if len(i.dims) == 2} == {onnx.TensorProto.BFLOAT16}
+    kv = next(i for i in m.graph.input if i.name == "past_key_values.0.key")
+    assert kv.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    assert read_export_meta(path)["dtype"] == "bfloat16"
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        export_folder(folder, tmp_path / "x", dtype="int8")

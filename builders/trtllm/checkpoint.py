@@ -400,6 +400,9 @@ def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, 
     """Write ``config.json`` and every ``rank{N}.safetensors`` of the HARP-pruned model in
     ``model_folder`` (a Hugging Face folder, never loaded whole) into ``out_dir`` (created).
     Returns a summary (per-layer table, KV and GEMM costs) for the manifest."""
+    from harp_trt.memory import tune_allocator
+
+    tune_allocator()
     config = hf_config(model_folder)
     family = family_of(config)
     target = target_for(family.name)

@@ -75,6 +75,9 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..memory import tune_allocator
+
+    tune_allocator()  # freed layers go back to the system (harp_trt/memory.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

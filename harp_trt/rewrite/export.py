@@ -38,6 +38,7 @@ builder converts ``Attention`` to ``GroupQueryAttention`` in a separate pass (``
 that keeps this I/O contract. ``bench/ort_vs_torch.py`` measures engine vs PyTorch."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -139,7 +140,7 @@ def _example(model: nn.Module, kv_layers: list[int], batch: int, seq: int, past:
     return ids, mask, pos, flat
 
 
-def _meta(model: nn.Module, kv_layers: list[int]) -> dict[str, Any]:
+def _meta(model: nn.Module, kv_layers: list[int], dtype: str = "float32") -> dict[str, Any]:
     cfg = model.config
     d = ModelDims.from_config(cfg)
     heads, kv, hd = d.heads, d.kv_heads, d.head_dim
@@ -151,54 +152,152 @@ def _meta(model: nn.Module, kv_layers: list[int]) -> dict[str, Any]:
         "sliding_window": getattr(cfg, "sliding_window", None),
         "layer_types": list(getattr(cfg, "layer_types", None) or []),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-        "dtype": "float32", "versions": exporter_versions(),
+        "dtype": dtype, "versions": exporter_versions(),
     }
 
 
+def _dims_args(dyn_kv: int):
+    return [{0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"},
+            [{0: "batch", 2: "past"}] * dyn_kv]
+
+
+def _trace(meta_model: nn.Module, kv_layers: list[int], num_layers: int, opset: int):
+    """``torch.onnx.export`` of a model whose parameters and buffers live on the meta device: the
+    graph is traced from shapes alone; every initializer is bound afterwards (``_bind``)."""
+    wrapper = _FlatKV(meta_model, kv_layers, num_layers).eval()
+    ids, mask, pos, flat = _example(meta_model, kv_layers, batch=2, seq=5, past=3)
+    args = (ids.to("meta"), mask.to("meta"), pos.to("meta"), [t.to("meta") for t in flat])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.onnx.export(
+                wrapper, args, None, input_names=input_names(kv_layers), output_names=output_names(kv_layers),
+                dynamic_shapes=_dims_args(2 * len(kv_layers)), opset_version=opset, dynamo=True,
+                optimize=False, verbose=False)
+        except Exception as e:  # torch.export raises many types; keep the first line
+            msg = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+            raise GraphError("export", f"torch.onnx.export failed for {meta_model.config.model_type}: {msg}",
+                             "check the model loads and runs a forward pass with cache=DynamicCache()") from e
+
+
+def _ir_tensor(t: torch.Tensor, name: str):
+    import onnx_ir as ir
+
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return ir.Tensor(t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16), name=name)
+    return ir.Tensor(t.numpy(), name=name)
+
+
+def _bind(program, fetch, shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """Give every initializer of a meta-traced program a lazy value: ``fetch(name)`` returns the
+    tensor when the saver asks for it, so one initializer is resident at a time."""
+    import onnx_ir as ir
+
+    for name, value in program.model.graph.initializers.items():
+        if name not in shapes:
+            raise GraphError("export", f"traced graph has an initializer {name!r} that no weight or buffer "
+                             "provides", "report this with the model type")
+        dtype, shape = shapes[name]
+        ir_dtype = ir.DataType.BFLOAT16 if dtype == torch.bfloat16 else ir.DataType.from_numpy(
+            torch.empty((), dtype=dtype).numpy().dtype)
+        value.const_value = ir.LazyTensor(lambda n=name: _ir_tensor(fetch(n), n), dtype=ir_dtype,
+                                          shape=ir.Shape(shape), name=name)
+
+
+def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
+    """Optimise (as ``torch.onnx.export(optimize=True)`` does), stamp the metadata and save; weights
+    go to ``model.onnx.data`` only past the protobuf limit, written one initializer at a time."""
+    import onnx_ir as ir
+
+    program.optimize()
+    program.model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
+    path = out_dir / "model.onnx"
+    for stale in (path, out_dir / "model.onnx.data"):
+        stale.unlink(missing_ok=True)
+    weight_bytes = sum(v.const_value.nbytes for v in program.model.graph.initializers.values()
+                       if v.const_value is not None)
+    if weight_bytes > EXTERNAL_DATA_THRESHOLD:
+        ir.save(program.model, str(path), external_data="model.onnx.data")
+    else:
+        ir.save(program.model, str(path))
+    log.info("wrote %s (%.1f MB weights%s)", path, weight_bytes / 1e6,
+             ", external data" if weight_bytes > EXTERNAL_DATA_THRESHOLD else "")
+    return path
+
+
 def export_dense(model: nn.Module, out_dir: Path, opset: int = 23) -> Path:
-    """Export ``model`` (a ``*ForCausalLM``, fp32, optionally HARP-patched) to ``out_dir/model.onnx``
-    following the module's I/O contract; returns the path. ``out_dir`` is created if needed."""
-    if opset < 23:
-        raise ConfigError(f"opset {opset} is too old: the export needs opset >= 23 "
-                          "(Attention, RotaryEmbedding, RMSNormalization)")
+    """Export a loaded ``model`` (a ``*ForCausalLM``, fp32, optionally HARP-patched) to
+    ``out_dir/model.onnx`` following the module's I/O contract; returns the path. The graph is
+    traced on a meta copy and its initializers are taken from ``model``."""
+    _check_opset(opset)
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:
         raise ConfigError(f"export takes an fp32 model, got {dtype}", "load it with dtype='float32'")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "model.onnx"
     model.eval()
-    num_layers = model.config.num_hidden_layers
     kv_layers = kv_layers_of(model)
-    wrapper = _FlatKV(model, kv_layers, num_layers).eval()
-    args = _example(model, kv_layers, batch=2, seq=5, past=3)
-    dyn = [{0: "batch", 1: "seq"}, {0: "batch", 1: "total"}, {0: "batch", 1: "seq"},
-           [{0: "batch", 2: "past"}] * (2 * len(kv_layers))]
-    seen, weight_bytes = set(), 0
-    for p in model.parameters():  # tied weights count once
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            weight_bytes += p.numel() * p.element_size()
-    log.info("exporting %s (%d layers, KV for %d) to %s", model.config.model_type, num_layers,
-             len(kv_layers), path)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            program = torch.onnx.export(
-                wrapper, args, None, input_names=input_names(kv_layers),
-                output_names=output_names(kv_layers), dynamic_shapes=dyn, opset_version=opset,
-                dynamo=True, optimize=True, verbose=False)
-        except Exception as e:  # torch.export raises many types; keep the first line
-            msg = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
-            raise GraphError("export", f"torch.onnx.export failed for {model.config.model_type}: {msg}",
-                             "check the model loads and runs a forward pass with cache=DynamicCache()") from e
-    program.model.metadata_props[EXPORT_META_KEY] = json.dumps(_meta(model, kv_layers))
-    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
-    for stale in (path, out_dir / "model.onnx.data"):
-        stale.unlink(missing_ok=True)
-    program.save(path, external_data=external)
-    log.info("wrote %s (%.1f MB weights%s)", path, weight_bytes / 1e6, ", external data" if external else "")
-    return path
+    log.info("exporting %s (%d layers, KV for %d)", model.config.model_type, model.config.num_hidden_layers,
+             len(kv_layers))
+    real = {f"model.{n}": t for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    meta = copy.deepcopy(model).to("meta")
+    program = _trace(meta, kv_layers, model.config.num_hidden_layers, opset)
+    _bind(program, lambda n: real[n], {n: (t.dtype, tuple(t.shape)) for n, t in real.items()})
+    return _finish(program, _meta(model, kv_layers, "float32"), out_dir)
+
+
+def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "float32") -> Path:
+    """Export the dense model in a Hugging Face ``folder`` without loading it: trace a meta
+    skeleton, then stream each initializer from the safetensors files (cast to ``dtype``) into
+    the saved graph. Peak memory: the largest single tensor, plus the exporter."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..families import family_of
+    from ..weights import WeightReader
+
+    _check_opset(opset)
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ConfigError(f"export dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    tdt = getattr(torch, dtype)
+    cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    family = family_of(cfg)
+    with init_empty_weights(include_buffers=True):
+        meta = AutoModelForCausalLM.from_config(cfg, dtype=tdt, attn_implementation=family.attn_implementation).eval()
+    with init_empty_weights(include_buffers=False):  # real buffers (rotary tables, embedding scales)
+        shell = AutoModelForCausalLM.from_config(cfg, dtype=tdt, attn_implementation=family.attn_implementation)
+    buffers = {f"model.{n}": b.to(tdt) if b.is_floating_point() else b for n, b in shell.named_buffers()}
+    del shell
+    reader = WeightReader(folder)
+    embed = family.weight_name("embed")
+
+    def hf_name(n: str) -> str:
+        hf = n[len("model."):]
+        return hf if hf in reader or hf != family.lm_head_name else embed  # tied head
+
+    shapes = {n: (b.dtype, tuple(b.shape)) for n, b in buffers.items()}
+    for n, p in meta.named_parameters(remove_duplicate=False):
+        shapes[f"model.{n}"] = (tdt, tuple(p.shape))
+
+    def fetch(n: str) -> torch.Tensor:
+        return buffers[n] if n in buffers else reader.get(hf_name(n), tdt)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kv_layers = list(range(cfg.num_hidden_layers))
+    log.info("exporting %s from %s (%d layers, %s, streamed)", cfg.model_type, folder, cfg.num_hidden_layers, dtype)
+    program = _trace(meta, kv_layers, cfg.num_hidden_layers, opset)
+    _bind(program, fetch, shapes)
+    return _finish(program, _meta(meta, kv_layers, dtype), out_dir)
+
+
+def _check_opset(opset: int) -> None:
+    if opset < 23:
+        raise ConfigError(f"opset {opset} is too old: the export needs opset >= 23 "
+                          "(Attention, RotaryEmbedding, RMSNormalization)")
 
 
 def read_export_meta(onnx_path: Path) -> dict[str, Any]:
@@ -258,9 +357,10 @@ def verify_export(model: nn.Module, onnx_path: Path, atol: float = 1e-4,
 class ExportConfig(StageConfig):
     """``opset``: ONNX opset (>= 23). ``verify_atol``: logits tolerance relative to max|logits|."""
 
-    VERSION = 1
+    VERSION = 2
     opset: int = 23
     verify_atol: float = 1e-4
+    dtype: str = "float32"   # float16 / bfloat16 graphs for GPU engines (onnxruntime-gpu)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -270,6 +370,8 @@ class ExportConfig(StageConfig):
             raise ConfigError(f"ExportConfig.opset must be >= 23, got {self.opset}")
         if not 0 < self.verify_atol < 1:
             raise ConfigError(f"ExportConfig.verify_atol must lie in (0, 1), got {self.verify_atol}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"ExportConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
 
 
 class ExportStage(Stage[ExportConfig]):
@@ -280,7 +382,7 @@ class ExportStage(Stage[ExportConfig]):
     every plan tried on one model shares one export."""
 
     name = "export"
-    version = 1
+    version = 2
     outputs = ("model.onnx", "config.json")
 
     def key_material(self, config: ExportConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -297,12 +399,18 @@ class ExportStage(Stage[ExportConfig]):
             raise PreconditionError(self.name, f"model folder {resolved.folder} has no config.json")
 
     def run(self, config: ExportConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
-        from ..models import load_model
+        from ..families import family_of
+        from .verify import VerifyConfig, verify_rewrite
 
         resolved = inputs["model"]
-        model, family = load_model(resolved, dtype="float32")
-        path = export_dense(model, Path(out_dir), opset=config.opset)
-        check = verify_export(model, path, atol=config.verify_atol)
+        path = export_folder(Path(resolved.folder), Path(out_dir), opset=config.opset, dtype=config.dtype)
+        family = family_of(_hf_config(resolved.folder))
+        check = None
+        if config.dtype == "float32":  # half-precision graphs are for GPU engines; checked there
+            res = verify_rewrite(path, resolved.folder, {}, VerifyConfig(rtol=config.verify_atol, decode_steps=4,
+                                                                         greedy_steps=4))
+            check = {"logits": res.max_abs_diff, "tolerance": res.tolerance, "decode_steps": 4,
+                     "reference": "layer by layer from the safetensors files"}
         copied = []
         for name in TOKENIZER_FILES:
             src = Path(resolved.folder) / name
@@ -314,3 +422,9 @@ class ExportStage(Stage[ExportConfig]):
                 "external_data": (Path(out_dir) / "model.onnx.data").exists(), "kv_layers": meta["kv_layers"],
                 "num_layers": meta["num_layers"], "kv_heads": meta["kv_heads"], "head_dim": meta["head_dim"],
                 "verify": check, "files": copied, "versions": meta["versions"]}
+
+
+def _hf_config(folder):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)

@@ -1,9 +1,14 @@
 """Numeric check of a rewritten graph against the PyTorch HARP reference (``harp.apply_harp``).
 
-Both run the same batch of 2 prompts, the second left-padded: the prefill logits are compared at
-every real (unpadded) position, then the models decode greedily through their KV caches. For the
-first ``decode_steps`` steps the logits are compared; for ``greedy_steps`` steps the argmax
-tokens must be identical. The tolerance is relative to the logit scale:
+The graph runs a batch of 2 prompts in ONNX Runtime, the second left-padded: a prefill, then
+greedy decoding through its KV cache. The reference computes each row's whole sequence (prompt
+plus the tokens the graph chose, no padding) in one causal pass, layer by layer through a
+``LayerStack``: its logits at position t are those of incremental decoding at step t. So the
+reference can be a loaded model or a model folder read one layer at a time (one fp32 layer plus
+the ORT session resident: a 1.5B graph is checked within ~1.2x its own size). The prefill logits
+are compared at every real (unpadded) position; for the first ``decode_steps`` steps the logits
+are compared; for ``greedy_steps`` steps the argmax tokens must be identical. The tolerance is
+relative to the logit scale:
 
     max |logits_onnx - logits_torch| <= rtol * max(1, max |logits_torch|)      (per step)
 
@@ -66,41 +71,85 @@ def _positions(mask: np.ndarray, new: int) -> np.ndarray:
     return (np.cumsum(mask, -1) - 1).clip(min=0)[:, -new:].astype(np.int64)
 
 
-def verify_rewrite(onnx_path: Path, torch_model, alphas: Mapping[int, float],
-                   cfg: VerifyConfig = VerifyConfig()) -> VerifyResult:
-    """Compare the rewritten graph at ``onnx_path`` with ``torch_model`` after
-    ``apply_harp(torch_model, alphas)`` (done here, in place). See the module docstring."""
-    import torch
-    from transformers.cache_utils import DynamicCache
-
+def _reference_stack(reference, alphas: Mapping[int, float]):
+    """A LayerStack for the reference: a loaded model (patched in place) or a folder (sequential,
+    streamed embeddings: one layer resident)."""
+    from ..device import Placement
     from ..harp import apply_harp
+    from ..layerwise import LayerStack
+
+    if isinstance(reference, (str, Path)):
+        stack = LayerStack.open(reference, Placement("cpu", "float32", sequential=True), stream_embeddings=True)
+    else:
+        stack = LayerStack.wrap(reference)
+    if alphas:
+        apply_harp(stack.model, dict(alphas), stack.family)
+    stack.model.eval()
+    return stack
+
+
+def _reference_logits(stack, rows: list[np.ndarray]) -> list[np.ndarray]:
+    """Full-sequence logits of each token row (one causal pass per row, layer by layer)."""
+    import torch
+
+    out = []
+    for row in rows:
+        ids = torch.from_numpy(row[None].astype(np.int64))
+        cap = stack.capture(ids)
+        out.append(stack.logits(stack.run(cap.h0, cap)[0]).float().numpy()[0])
+    return out
+
+
+def verify_rewrite(onnx_path: Path, reference, alphas: Mapping[int, float],
+                   cfg: VerifyConfig = VerifyConfig(), session_options: Mapping[str, str] | None = None) -> VerifyResult:
+    """Compare the graph at ``onnx_path`` with the HARP model of ``alphas`` built from
+    ``reference`` (a loaded ``*ForCausalLM``, patched in place, or a model folder read layer by
+    layer). See the module docstring."""
     from ..ort_session import OrtCausalLM
 
-    apply_harp(torch_model, dict(alphas))
-    torch_model.eval()
-    sess = OrtCausalLM(onnx_path)
-    ids, mask = make_prompts(torch_model.config.vocab_size, cfg)
-    cache = DynamicCache(config=torch_model.config)
-    past = None
+    sess = OrtCausalLM(onnx_path, session_config=dict(session_options or {"session.disable_prepacking": "1"}))
+    vocab = sess.vocab_size
+    ids, mask = make_prompts(vocab, cfg)
     steps = max(cfg.greedy_steps, cfg.decode_steps)
+    logits: list[np.ndarray] = []   # per step: [2, new, V]
+    past, cur, m = None, ids, mask
+    chosen: list[np.ndarray] = []
+    for step in range(steps + 1):
+        pos = _positions(m, cur.shape[1])
+        got, past = sess.forward(cur, m, pos, past)
+        got = np.asarray(got, dtype=np.float32)
+        logits.append(got)
+        if step == steps:
+            break
+        nxt = got[:, -1].argmax(-1)
+        chosen.append(nxt)
+        cur = nxt[:, None].astype(np.int64)
+        m = np.concatenate([m, np.ones((m.shape[0], 1), np.int64)], 1)
+    del sess, past
+    gen = np.stack(chosen, 1) if chosen else np.zeros((2, 0), np.int64)
+    rows = [np.concatenate([ids[b][mask[b] > 0], gen[b]]) for b in range(2)]
+    stack = _reference_stack(reference, alphas)
+    ref_rows = _reference_logits(stack, rows)
+    del stack
+
     result = VerifyResult(0.0, 0.0, cfg.rtol, 0.0, greedy_steps=cfg.greedy_steps, decode_steps=cfg.decode_steps)
-    tokens: list[np.ndarray] = []
-    cur = ids
+    n_prompt = [int(mask[b].sum()) for b in range(2)]
     for step in range(steps + 1):
         name = "prefill" if step == 0 else f"decode step {step}"
-        pos = _positions(mask, cur.shape[1])
-        with torch.no_grad():
-            out = torch_model(input_ids=torch.from_numpy(cur), attention_mask=torch.from_numpy(mask),
-                              position_ids=torch.from_numpy(pos), past_key_values=cache, use_cache=True)
-        ref = out.logits.float().numpy()
-        got, past = sess.forward(cur, mask, pos, past)
-        got = np.asarray(got, dtype=np.float32)
-        if got.shape != ref.shape:
-            raise VerificationError(STAGE, f"{name}: ONNX logits have shape {got.shape}, PyTorch {ref.shape}")
+        got = logits[step]
+        # reference positions of this step's outputs, per row
+        if step == 0:
+            ref = [ref_rows[b][:n_prompt[b]] for b in range(2)]
+            g = [got[b][mask[b] > 0] for b in range(2)]
+        else:
+            ref = [ref_rows[b][n_prompt[b] + step - 1: n_prompt[b] + step] for b in range(2)]
+            g = [got[b] for b in range(2)]
+        if any(x.shape != y.shape for x, y in zip(g, ref)):
+            raise VerificationError(STAGE, f"{name}: ONNX logits have shape {[x.shape for x in g]}, "
+                                           f"PyTorch {[y.shape for y in ref]}")
         if step <= cfg.decode_steps:
-            valid = mask[:, -cur.shape[1]:] > 0
-            diff = float(np.abs(got - ref)[valid].max())
-            tol = cfg.rtol * max(1.0, float(np.abs(ref[valid]).max()))
+            diff = max(float(np.abs(x - y).max()) for x, y in zip(g, ref))
+            tol = cfg.rtol * max(1.0, max(float(np.abs(y).max()) for y in ref))
             if not np.isfinite(diff) or diff > tol:
                 raise VerificationError(
                     STAGE, f"output 'logits' at {name}: max |diff| {diff:.3g} > tolerance {tol:.3g} "
@@ -111,19 +160,14 @@ def verify_rewrite(onnx_path: Path, torch_model, alphas: Mapping[int, float],
             result.tolerance = max(result.tolerance, tol)
             if step == 0:
                 result.prefill_max_abs_diff = diff
-        if step == steps:
-            break
-        nxt_ref = ref[:, -1].argmax(-1)
-        nxt_got = got[:, -1].argmax(-1)
-        if step < cfg.greedy_steps and not np.array_equal(nxt_ref, nxt_got):
-            raise VerificationError(
-                STAGE, f"output 'tokens' at greedy step {step + 1}: ONNX chose {nxt_got.tolist()}, "
-                       f"PyTorch {nxt_ref.tolist()} (logits max |diff| there "
-                       f"{float(np.abs(got[:, -1] - ref[:, -1]).max()):.3g})")
-        tokens.append(nxt_ref)
-        cur = nxt_ref[:, None].astype(np.int64)
-        mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], 1)
-    result.tokens = np.stack(tokens, 1).tolist() if tokens else []
+        if step < min(cfg.greedy_steps, steps):
+            want = np.array([ref[b][-1].argmax() for b in range(2)])
+            if not np.array_equal(want, gen[:, step]):
+                raise VerificationError(
+                    STAGE, f"output 'tokens' at greedy step {step + 1}: ONNX chose {gen[:, step].tolist()}, "
+                           f"PyTorch {want.tolist()} (logits max |diff| there "
+                           f"{max(float(np.abs(x[-1] - y[-1]).max()) for x, y in zip(g, ref)):.3g})")
+    result.tokens = gen.tolist()
     log.info("verify: logits max|diff| %.3g (tolerance %.3g) over prefill + %d decode steps; "
              "%d greedy tokens identical", result.max_abs_diff, result.tolerance, cfg.decode_steps,
              cfg.greedy_steps)

@@ -1,0 +1,214 @@
+"""Memory and time of every stage on a randomly initialised model with a real model's shapes.
+
+    python bench/scale_probe.py --shape qwen2-1.5b|qwen2-7b|llama3.1-8b|tiny [--stages calibrate,deploy,rewrite]
+
+Writes the model once (bf16 safetensors, sharded, written tensor by tensor so the writer itself
+holds one tensor; a borrowed SmolLM2 tokenizer), then runs each stage as a ``harp-trt`` command in a
+subprocess and reads that subprocess's peak resident memory from ``wait4``. No weights are needed to
+measure memory and time: shapes decide both. The last stdout line is one JSON object: per stage the
+command, seconds, peak RSS, peak RSS / model bf16 bytes (and / fp32 graph bytes for the ONNX stages),
+the path it took (in-memory or sequential) and its exit code.
+
+Stages: ``calibrate`` (auto placement), ``calibrate-seq`` (``--sequential``), ``deploy`` (TensorRT-LLM
+checkpoint + HF folder, verified), ``rewrite`` (fp32 ONNX export + HARP rewrite + verification).
+Delete the probe folder afterwards (``--clean``): a 7B probe is ~15 GB and its checkpoint as much again."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Hugging Face config fields of each shape (the published configs' shapes; weights are random)
+SHAPES: dict[str, dict] = {
+    "tiny": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
+                 max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+SHARD_BYTES = 2 << 30
+
+
+def write_random_model(shape: str, folder: Path, tokenizer_from: Path | None, seed: int = 0) -> dict:
+    """A sharded bf16 safetensors folder with ``shape``'s config; returns {bytes, params, files}."""
+    import torch
+    from transformers import AutoConfig
+
+    from harp_trt.families import family_for_model_type
+    from harp_trt.weights import SafetensorsWriter, TensorSpec
+
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kw, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    fam = family_for_model_type(model_type)
+    d, n, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.hidden_size // cfg.num_attention_heads
+    q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    specs = [(fam.weight_name("embed"), (cfg.vocab_size, d))]
+    for i in range(n):
+        shapes = {"q": (q, d), "k": (kv, d), "v": (kv, d), "o": (d, q), "input_ln": (d,), "post_attn_ln": (d,),
+                  "gate": (inter, d), "up": (inter, d), "down": (d, inter)}
+        if fam.qkv_bias:
+            shapes.update(qb=(q,), kb=(kv,), vb=(kv,))
+        specs += [(fam.weight_name(role, i), s) for role, s in shapes.items()]
+    specs.append((fam.weight_name("final_norm"), (d,)))
+    if not cfg.tie_word_embeddings:
+        specs.append((fam.weight_name("lm_head"), (cfg.vocab_size, d)))
+    shards, size = [[]], 0
+    for name, s in specs:
+        nbytes = 2 * int(torch.tensor(s).prod())
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(TensorSpec(name, torch.bfloat16, tuple(s)))
+        size += nbytes
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    g = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        with SafetensorsWriter(folder / fname, shard) as w:
+            for spec in shard:
+                if spec.name.endswith("layernorm.weight") or spec.name.endswith("norm.weight"):
+                    t = 1.0 + 0.1 * torch.randn(spec.shape, generator=g)
+                elif spec.name.endswith(".bias"):
+                    t = 0.02 * torch.randn(spec.shape, generator=g)
+                else:
+                    t = 0.02 * torch.randn(spec.shape, generator=g)
+                w.write(spec.name, t.to(torch.bfloat16))
+                weight_map[spec.name] = fname
+                del t
+    total = sum(s.nbytes for shard in shards for s in shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    cfg.save_pretrained(folder)
+    if tokenizer_from is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer_from / f).is_file():
+                shutil.copy2(tokenizer_from / f, folder / f)
+    params = sum(int(torch.tensor(s.shape).prod()) for shard in shards for s in shard)
+    return {"bytes_bf16": total, "params": params, "files": len(names)}
+
+
+def _measured(cmd: list[str], env: dict) -> dict:
+    """Run one command under a tiny wrapper process that reports the command's own peak RSS
+    (``RUSAGE_CHILDREN`` of the wrapper: the command alone), its seconds and exit code."""
+    wrapper = ("import json,os,resource,subprocess,sys,time;t=time.perf_counter();"
+               "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
+               "r=resource.getrusage(resource.RUSAGE_CHILDREN);"
+               "sys.stderr.write(p.stderr);print(p.stdout);"
+               "print(json.dumps({'__probe__':1,'peak_rss':r.ru_maxrss*1024,'code':p.returncode,"
+               "'seconds':time.perf_counter()-t}))")
+    p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, env=env)
+    lines = p.stdout.strip().splitlines()
+    probe = json.loads(lines[-1])
+    result = None
+    for line in reversed(lines[:-1]):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                pass
+            break
+    return {"seconds": round(probe["seconds"], 2), "peak_rss": probe["peak_rss"], "exit_code": probe["code"],
+            "result": result, "stderr_tail": p.stderr.strip().splitlines()[-3:] if probe["code"] else []}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b")
+    ap.add_argument("--stages", default="calibrate,calibrate-seq,deploy,rewrite")
+    ap.add_argument("--root", default=None, help="probe folder (default: $TMPDIR/harp-scale-<shape>)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--alpha-grid", default="0,0.5,1")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--clean", action="store_true", help="delete the probe folder at the end")
+    args = ap.parse_args(argv)
+
+    from harp_trt.models import resolve_model
+    from harp_trt.store import default_cache_root
+
+    root = Path(args.root or Path(os.environ.get("TMPDIR", "/tmp")) / f"harp-scale-{args.shape}")
+    model_dir, cache = root / "model", root / "cache"
+    env = {**os.environ, "HARP_TRT_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    info_file = root / "model.json"
+    if not info_file.is_file():
+        tok = resolve_model("smollm2-135m", Path(os.environ.get("HARP_TRT_TOKENIZER_CACHE", default_cache_root())))
+        t = time.perf_counter()
+        info = write_random_model(args.shape, model_dir, tok.folder)
+        info["write_seconds"] = round(time.perf_counter() - t, 1)
+        info_file.write_text(json.dumps(info))
+    info = json.loads(info_file.read_text())
+    bf16 = info["bytes_bf16"]
+    fp32_graph = 2 * bf16
+    exe = [sys.executable, "-m", "harp_trt.cli"]
+    common = ["--workdir", str(cache), "--json"]
+    calib = ["calibrate", "--model", str(model_dir), "--dtype", "bfloat16", "--device", "cpu",
+             "--layers", str(args.layers), "--tokens", str(args.tokens), "--seq-len", str(args.seq_len),
+             "--alpha-grid", args.alpha_grid]
+    stages: dict[str, dict] = {}
+    plan = None
+    for stage in [s for s in args.stages.split(",") if s]:
+        if stage == "calibrate":
+            cmd = calib
+        elif stage == "calibrate-seq":
+            cmd = calib + ["--sequential", "--force"]
+        elif stage == "deploy":
+            if plan is None:
+                stages[stage] = {"skipped": "needs a calibrate stage first"}
+                continue
+            cmd = ["deploy", "trtllm", "--plan", plan, "--dtype", "bfloat16", "--tp", str(args.tp),
+                   "--max-input-len", "256", "--max-seq-len", "512"]
+        elif stage == "rewrite":
+            if plan is None:
+                stages[stage] = {"skipped": "needs a calibrate stage first"}
+                continue
+            cmd = ["rewrite", "--model", str(model_dir), "--plan", plan]
+        else:
+            raise SystemExit(f"unknown stage {stage!r}")
+        r = _measured(exe + cmd + common, env)
+        r["command"] = "harp-trt " + " ".join(cmd)
+        if r["peak_rss"]:
+            r["peak_rss_gb"] = round(r["peak_rss"] / 1e9, 3)
+            r["rss_over_bf16_bytes"] = round(r["peak_rss"] / bf16, 3)
+            if stage == "rewrite":
+                r["rss_over_fp32_graph_bytes"] = round(r["peak_rss"] / fp32_graph, 3)
+        res = r.pop("result") or {}
+        if stage.startswith("calibrate") and res.get("plan"):
+            plan = res["plan"]
+            r["path"] = (res.get("placement") or {}).get("path")
+            r["layers"], r["alphas"] = res.get("layers"), res.get("alphas")
+        if stage == "deploy":
+            r["verify_max_abs_diff"] = res.get("verify_max_abs_diff")
+            r["kv_bytes_per_token"] = res.get("kv_bytes_per_token")
+            r["kv_bytes_per_token_unpruned"] = res.get("kv_bytes_per_token_unpruned")
+        if stage == "rewrite":
+            r["max_abs_diff"], r["verify_path"] = res.get("max_abs_diff"), res.get("verify_path")
+        stages[stage] = r
+        print(f"{stage}: {r.get('seconds')} s, peak {r.get('peak_rss_gb')} GB, exit {r['exit_code']}",
+              file=sys.stderr)
+    out = {"shape": args.shape, "model_bytes_bf16": bf16, "params": info["params"],
+           "write_seconds": info.get("write_seconds"), "stages": stages}
+    if args.clean:
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(out))
+    return 0 if all(s.get("exit_code", 0) == 0 for s in stages.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
