@@ -22,6 +22,7 @@ from harp_trt.store import ArtifactStore
 
 from conftest import _tiny_tokenizer, make_tiny
 
+ONNX = TritonRepoConfig(serving="onnx")  # Triton's onnxruntime backend (test_triton_server.py: python serving)
 ALPHAS = {1: 0.6, 3: 0.0}  # layers 1 and 3 pruned, 0 and 2 keep attention
 NUM_LAYERS = 4
 
@@ -58,7 +59,7 @@ def _config_io(cfg):
 
 def test_config_tensors_equal_the_graph(engine, tmp_path):
     folder, _ = engine
-    report = write_repository(folder, tmp_path / "repo")
+    report = write_repository(folder, tmp_path / "repo", ONNX)
     repo = tmp_path / "repo"
     cfg = parse_model_config(repo / "harp" / "config.pbtxt")
     assert cfg.name == "harp" and cfg.backend == "onnxruntime" and cfg.max_batch_size == 0
@@ -95,7 +96,7 @@ def test_config_tensors_equal_the_graph(engine, tmp_path):
 
 def test_gpu_instances_and_threads(engine, tmp_path):
     folder, _ = engine
-    write_repository(folder, tmp_path / "r", TritonRepoConfig(device="gpu", instances=2, threads=3,
+    write_repository(folder, tmp_path / "r", TritonRepoConfig(serving="onnx", device="gpu", instances=2, threads=3,
                                                               model_name="smol-harp", link=False))
     cfg = parse_model_config(tmp_path / "r" / "smol-harp" / "config.pbtxt")
     assert cfg.name == "smol-harp"
@@ -119,7 +120,7 @@ def test_written_client_greedy_loop_matches_pytorch(engine, tmp_path):
 
     folder, model = engine
     repo = tmp_path / "repo"
-    write_repository(folder, repo)
+    write_repository(folder, repo, ONNX)
     client = _load_client(repo)
     assert client.DEFAULTS == {"model": "harp", "tokenizer": "harp/tokenizer", "url": "localhost:8001",
                                "max_tokens": 32}
@@ -155,7 +156,7 @@ def test_external_data_travels_with_the_model(engine, tmp_path):
     m = onnx.load(str(folder / "model.onnx"))
     onnx.save_model(m, str(ext / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data", size_threshold=1024)
-    report = write_repository(ext, tmp_path / "repo")
+    report = write_repository(ext, tmp_path / "repo", ONNX)
     assert report["files"] == ["model.onnx", "model.onnx.data"] and report["artifact"]["stage"] is None
     feed = {"input_ids": np.array([[1, 2, 3]], np.int64), "attention_mask": np.ones((1, 3), np.int64),
             "position_ids": np.arange(3)[None].astype(np.int64)}
@@ -167,7 +168,7 @@ def test_external_data_travels_with_the_model(engine, tmp_path):
 
     (ext / "model.onnx.data").unlink()
     with pytest.raises(PreconditionError, match="model.onnx.data"):
-        write_repository(ext, tmp_path / "repo2")
+        write_repository(ext, tmp_path / "repo2", ONNX)
     assert not (tmp_path / "repo2").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".repo2")]
 
@@ -179,8 +180,8 @@ def test_wrong_artifact_kind_is_refused(tmp_path, capsys):
     ArtifactStore.write_manifest(calib, {"stage": "calibrate", "key": "calibrate-0123"})
     (calib / "plan.json").write_text("{}")
     with pytest.raises(PreconditionError, match="is a 'calibrate' artifact.*export, rewrite, build-ort, trtllm"):
-        write_repository(calib, tmp_path / "repo")
-    rc = main(["deploy", "triton", "--artifact", str(calib), "--out", str(tmp_path / "repo")])
+        write_repository(calib, tmp_path / "repo", ONNX)
+    rc = main(["deploy", "triton", "--serving", "onnx", "--artifact", str(calib), "--out", str(tmp_path / "repo")])
     err = capsys.readouterr().err
     assert rc == 2 and "calibrate" in err and len(err.strip().splitlines()) <= 2
     assert not (tmp_path / "repo").exists()
@@ -192,19 +193,19 @@ def test_missing_model_onnx(engine, tmp_path, capsys):
     art.mkdir()
     ArtifactStore.write_manifest(art, {"stage": "rewrite", "key": "rewrite-abc", "onnx": "model.onnx"})
     with pytest.raises(PreconditionError, match="'rewrite' artifact .* has no model.onnx"):
-        write_repository(art, tmp_path / "repo")
+        write_repository(art, tmp_path / "repo", ONNX)
     eng = tmp_path / "ort-engine"
     eng.mkdir()
     (eng / "engine.json").write_text(json.dumps({"format": "harp-engine/1", "backend": "ort", "model": "model.onnx",
                                                  "providers": ["CPUExecutionProvider"], "intra_op_threads": 2}))
-    assert main(["deploy", "triton", "--artifact", str(eng), "--out", str(tmp_path / "repo")]) == 2
+    assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(eng), "--out", str(tmp_path / "repo")]) == 2
     assert "has no model.onnx" in capsys.readouterr().err
     shutil.copy2(folder / "model.onnx", eng / "model.onnx")  # an ORT engine folder with its graph is fine
-    r = write_repository(eng, tmp_path / "repo")
+    r = write_repository(eng, tmp_path / "repo", ONNX)
     assert r["artifact"]["stage"] == "ort-engine" and r["engine_providers"] == ["CPUExecutionProvider"]
     cfg = parse_model_config(tmp_path / "repo" / "harp" / "config.pbtxt")
     assert cfg.parameters["intra_op_thread_count"].string_value == "2"  # the engine's thread count
-    assert main(["deploy", "triton", "--artifact", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
+    assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
 
 
 def test_existing_output_needs_force(engine, tmp_path, capsys):
@@ -213,26 +214,26 @@ def test_existing_output_needs_force(engine, tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(PreconditionError, match="exists and is not empty.*\n.*--force"):
-        write_repository(folder, out)
-    assert main(["deploy", "triton", "--artifact", str(folder), "--out", str(out), "--json"]) == 2
+        write_repository(folder, out, ONNX)
+    assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(folder), "--out", str(out), "--json"]) == 2
     assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert main(["deploy", "triton", "--artifact", str(folder), "--out", str(out), "--force", "--json"]) == 0
+    assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(folder), "--out", str(out), "--force", "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["kind"] == "onnx" and last["pruned_layers"] == [1, 3] and last["instance_kind"] == "KIND_CPU"
     assert not (out / "keep.txt").exists() and (out / "harp" / "config.pbtxt").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
-    write_repository(folder, empty)  # an existing empty folder needs no --force
+    write_repository(folder, empty, ONNX)  # an existing empty folder needs no --force
     assert (empty / "harp" / "1" / "model.onnx").is_file()
 
 
 def test_bad_config_values_and_unparsable_pbtxt():
     with pytest.raises(HarpError, match="device must be 'cpu' or 'gpu'"):
         TritonRepoConfig.from_dict({"device": "tpu"})
-    with pytest.raises(HarpError, match="unknown key.*valid keys: model_name, device"):
+    with pytest.raises(HarpError, match="unknown key.*valid keys: model_name, serving, device"):
         TritonRepoConfig.from_dict({"gpus": 2})
     with pytest.raises(HarpError, match="not a usable Triton model name"):
-        TritonRepoConfig(model_name="ensemble").validate()
+        TritonRepoConfig(serving="onnx", model_name="ensemble").validate()
     with pytest.raises(PostconditionError, match="not a valid Triton ModelConfig.*bogus_field"):
         parse_model_config('name: "x"\nbogus_field: 3\n')
     with pytest.raises(PostconditionError, match="not a valid Triton ModelConfig"):
@@ -241,30 +242,42 @@ def test_bad_config_values_and_unparsable_pbtxt():
         parse_model_config('name: "x"\nparameters { key: "p" value { string_value: "${engine_dir}" } }\n')
 
 
-def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path):
-    """An engine folder written by builders.ort (GroupQueryAttention graph, engine.json) becomes a
-    Triton model whose tensors are the engine graph's, and whose client loop still matches PyTorch."""
-    import onnxruntime as ort
-
+def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
+    """An engine folder written by builders.ort (GroupQueryAttention graph saved by this ONNX
+    Runtime) cannot go to Triton's onnxruntime backend, whose ORT is older (exit 2, with the
+    versions); it becomes the text-in/text-out Python-backend model instead, whose config parses."""
     from builders.ort.builder import OrtBuilder
+    from builders.triton.compat import TRITON_ORT, required_ort
 
     folder, model = engine
     spec = OrtBuilder().build(folder / "model.onnx", tmp_path / "engine")
-    r = write_repository(tmp_path / "engine", tmp_path / "repo")
-    assert r["artifact"]["stage"] == "ort-engine" and r["kv_layers"] == spec["kv"]["layers"] == [0, 2]
-    cfg = parse_model_config(tmp_path / "repo" / "harp" / "config.pbtxt")
-    assert _config_io(cfg) == _graph_io(tmp_path / "repo" / "harp" / "1" / "model.onnx")
-    sess = ort.InferenceSession(str(tmp_path / "repo" / "harp" / "1" / "model.onnx"),
-                                providers=["CPUExecutionProvider"])
-    outs = [o.name for o in sess.get_outputs()]
-    client = _load_client(tmp_path / "repo")
-    prompt = [9, 8, 7, 6]
-    got = client.greedy_generate(lambda feed: dict(zip(outs, sess.run(None, feed))), model_metadata(cfg), prompt, 6)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(6):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert got == ids[len(prompt):]
+    assert spec["kv"]["layers"] == [0, 2]
+    need, why = required_ort(tmp_path / "engine" / "model.onnx", spec)
+    assert need == spec["versions"]["onnxruntime"] and "saved by ONNX Runtime" in why[0]
+    with pytest.raises(HarpError, match=r"Triton 25.10 ships ONNX Runtime 1.23.1, but .*needs ONNX Runtime >= "):
+        write_repository(tmp_path / "engine", tmp_path / "repo", ONNX)
+    assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(tmp_path / "engine"), "--out",
+                 str(tmp_path / "repo")]) == 2
+    assert "needs ONNX Runtime" in capsys.readouterr().err and not (tmp_path / "repo").exists()
+    # the export artifact (standard opset-23 ops) needs ORT 1.22: Triton 25.05 and newer
+    assert required_ort(folder / "model.onnx")[0] == "1.22.0"
+    with pytest.raises(HarpError, match=r"Triton 24.10 ships ONNX Runtime 1.19.2.*ONNX opset 23"):
+        write_repository(folder, tmp_path / "old", TritonRepoConfig(serving="onnx", triton_release="24.10"))
+    assert TRITON_ORT["25.05"] == "1.22.0"
+    r = write_repository(tmp_path / "engine", tmp_path / "py", TritonRepoConfig(serving="python"))
+    cfg = parse_model_config(tmp_path / "py" / "harp" / "config.pbtxt")
+    assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+    assert [t.name for t in cfg.input] == ["text_input", "stream", "sampling_parameters", "exclude_input_in_output"]
+    assert [t.name for t in cfg.output] == ["text_output"]
+    assert (tmp_path / "py" / "harp" / "1" / "model.py").is_file()
+    assert (tmp_path / "py" / "harp" / "1" / "engine" / "model.onnx").is_file() and r["serving"] == "python"
+    from _exported import engine as gqa_engine
+    from builders.triton.llm_repo import check_gpu_graph
+
+    gqa = gqa_engine("llama")  # attention fused to com.microsoft GroupQueryAttention, fp32
+    with pytest.raises(HarpError, match="fp32 GroupQueryAttention graph"):
+        check_gpu_graph(gqa / "model.onnx", "gpu")
+    check_gpu_graph(gqa / "model.onnx", "cpu")
 
 
 def test_stage_execute_caches_the_repository(engine, tmp_path):
@@ -274,12 +287,12 @@ def test_stage_execute_caches_the_repository(engine, tmp_path):
     folder, _ = engine
     store = ArtifactStore(tmp_path / "cache")
     art = store.open(folder)
-    first = TritonRepoStage().execute(store, TritonRepoConfig(), {"engine": art})
+    first = TritonRepoStage().execute(store, ONNX, {"engine": art})
     assert not first.cached and first.manifest["stage"] == "triton" and first.manifest["kind"] == "onnx"
     assert first.manifest["artifact"]["key"] == "export-test" and first.manifest["pruned_layers"] == [1, 3]
     assert parse_model_config(first.path / "harp" / "config.pbtxt").max_batch_size == 0
-    assert TritonRepoStage().execute(store, TritonRepoConfig(), {"engine": art}).cached
-    other = TritonRepoStage().execute(store, TritonRepoConfig(device="gpu"), {"engine": art})
+    assert TritonRepoStage().execute(store, ONNX, {"engine": art}).cached
+    other = TritonRepoStage().execute(store, TritonRepoConfig(serving="onnx", device="gpu"), {"engine": art})
     assert other.key != first.key and not other.cached
     with pytest.raises(PreconditionError, match="needs one of the inputs artifact, engine, onnx, trtllm"):
-        TritonRepoStage().execute(store, TritonRepoConfig(), {})
+        TritonRepoStage().execute(store, ONNX, {})

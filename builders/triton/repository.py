@@ -52,16 +52,22 @@ NGC_TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
 class TritonRepoConfig(StageConfig):
     """How the repository is written.
 
-    ONNX: ``model_name`` (folder and model name), ``device`` (``cpu`` -> KIND_CPU, ``gpu`` ->
-    KIND_GPU instances), ``instances``, ``threads`` (ORT intra-op threads; 0 = ORT's default),
-    ``link`` (hard-link model files instead of copying where the filesystem allows).
+    ONNX: ``model_name`` (folder and model name), ``serving`` (``python``: a text-in/text-out
+    Python-backend model generating inside the server with the vLLM backend's I/O; ``onnx``: the
+    graph on Triton's onnxruntime backend, the client keeps the KV cache), ``device`` (``cpu`` ->
+    KIND_CPU, ``gpu`` -> KIND_GPU instances), ``instances``, ``threads`` (ORT intra-op threads; 0 =
+    ORT's default), ``link`` (hard-link model files instead of copying where the filesystem
+    allows), ``max_active`` / ``max_input_len`` / ``max_seq_len`` (python serving: concurrent
+    sequences batched together, prompt and total token limits; 0 = the model's), and
+    ``triton_release`` (onnx serving: the tritonserver release whose ONNX Runtime must load the graph).
     TensorRT-LLM: ``max_batch_size`` (0 = the engine's), ``engine_dir`` (path *as the server sees
     it*; empty = ``<artifact>/engine``, where build_engine.sh writes), ``tokenizer_dir`` (where to
     copy the tokenizer from; empty = the artifact's ``hf/`` or the plan's model folder), and the
     tensorrtllm-backend settings of the same names."""
 
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     model_name: str = "harp"
+    serving: str = "python"
     device: str = "cpu"
     instances: int = 1
     threads: int = 0
@@ -79,6 +85,10 @@ class TritonRepoConfig(StageConfig):
     max_queue_size: int = 0
     preprocessing_instances: int = 1
     postprocessing_instances: int = 1
+    max_active: int = 8
+    max_input_len: int = 0
+    max_seq_len: int = 0
+    triton_release: str = "25.10"
 
     def validate(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -99,9 +109,23 @@ class TritonRepoConfig(StageConfig):
         if not 0.0 < float(self.kv_cache_free_gpu_mem_fraction) <= 1.0:
             raise ConfigError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1], got "
                               f"{self.kv_cache_free_gpu_mem_fraction!r}")
-        if self.batching_strategy not in ("inflight_fused_batching", "V1"):
-            raise ConfigError(f"batching_strategy must be 'inflight_fused_batching' or 'V1', got "
-                              f"{self.batching_strategy!r}")
+        if self.batching_strategy != "inflight_fused_batching":
+            # V1 (static batching) is gone from the 1.x executor (executor/types.h BatchingType)
+            raise ConfigError(f"batching_strategy must be 'inflight_fused_batching', got {self.batching_strategy!r}",
+                              "TensorRT-LLM 1.x executors run in-flight batching only")
+        if self.serving not in ("python", "onnx"):
+            raise ConfigError(f"serving must be 'python' (text in/out, generation in the server) or 'onnx' "
+                              f"(Triton's onnxruntime backend), got {self.serving!r}")
+        for name in ("max_active",):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_input_len", "max_seq_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        from .compat import TRITON_ORT
+
+        if self.triton_release not in TRITON_ORT:
+            raise ConfigError(f"unknown triton_release {self.triton_release!r}; known: {', '.join(TRITON_ORT)}")
         if self.batch_scheduler_policy not in ("guaranteed_no_evict", "max_utilization"):
             raise ConfigError(f"batch_scheduler_policy must be 'guaranteed_no_evict' or 'max_utilization', "
                               f"got {self.batch_scheduler_policy!r}")
@@ -296,8 +320,18 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
 
     # -- ONNX ------------------------------------------------------------------------------------
     def _run_onnx(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
+        if config.serving == "python":
+            return self._run_llm(config, info, out, header)
+        from .compat import check_triton_release
+        from .llm_repo import _graph_dtype, check_gpu_graph
         from .onnx_repo import write_onnx_model
 
+        check_gpu_graph(info.onnx, config.device)
+        if _graph_dtype(info.onnx) == "bfloat16":
+            raise ConfigError(f"{info.path.name} is a bfloat16 graph: Triton's onnxruntime backend does not serve "
+                              "bf16 tensors to its clients (numpy and tritonclient have no bfloat16)",
+                              "export in float16 for --serving onnx, or use --serving python")
+        compat = check_triton_release(config.triton_release, info.onnx, info.engine)
         kind = "KIND_GPU" if config.device == "gpu" else "KIND_CPU"
         header = header + ["max_batch_size 0: every tensor lists its batch dimension; the client keeps the "
                            "KV cache (past_key_values.* in, present.* out)."]
@@ -324,8 +358,18 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
                     "url": "localhost:8001", "max_tokens": 32}
         _write_client(out, "ort_client.py", defaults)
         (out / "README.md").write_text(_readme_onnx(config, info, summary, bool(tok_files)))
-        return {"kind": "onnx", "device": config.device, "instance_kind": kind, **summary,
-                "tokenizer_files": tok_files}
+        return {"kind": "onnx", "serving": "onnx", "device": config.device, "instance_kind": kind, **summary,
+                "tokenizer_files": tok_files, "compat": compat}
+
+    def _run_llm(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
+        from .llm_repo import write_llm_model
+
+        summary = write_llm_model(info.onnx, info.engine, info.path, out, config.model_name, config, header)
+        defaults = {"model": config.model_name, "url": "localhost:8001", "max_tokens": 32}
+        _write_client(out, "llm_client.py", defaults)
+        (out / "README.md").write_text(_readme_llm(config, info, summary))
+        return {"kind": "onnx", "device": config.device,
+                "instance_kind": "KIND_GPU" if config.device == "gpu" else "KIND_CPU", **summary}
 
     # -- TensorRT-LLM ----------------------------------------------------------------------------
     def _tokenizer_source(self, config, info: ArtifactInfo) -> tuple[Path, list[str]]:
@@ -377,6 +421,48 @@ def _write_client(out: Path, asset: str, defaults: dict[str, Any]) -> None:
 
 
 # ---- README -----------------------------------------------------------------------------------
+def _readme_llm(config, info: ArtifactInfo, s: dict[str, Any]) -> str:
+    p = s["parameters"]
+    return f"""# Triton model repository: `{config.model_name}` (text in, text out; ONNX Runtime inside)
+
+Written by `harp-trt deploy triton` from `{info.path}` ({info.stage or 'folder'}).
+
+```
+{config.model_name}/config.pbtxt   backend python, decoupled (streaming), max_batch_size 0
+{config.model_name}/1/model.py     generation loop: KV cache in the server, continuous batching
+{config.model_name}/1/engine/      {', '.join(s['files'])}, engine.json, tokenizer
+client.py                  streaming gRPC client
+harp_triton.json           what was written, from which artifact
+```
+
+The model speaks the I/O of Triton's vLLM backend: `text_input` (string), optional `stream`
+(bool), `sampling_parameters` (JSON string: max_tokens, temperature, top_k, top_p, seed,
+stop_token_ids, ignore_eos; default greedy) and `exclude_input_in_output` (bool) -> `text_output`.
+Concurrent requests share one decode batch (up to {p['max_active']} sequences); prompts are
+limited to {p['max_input_len']} tokens and prompt + max_tokens to {p['max_seq_len']}.
+
+## Start the server
+
+The Python backend runs `1/model.py` in the Python environment it finds: that environment needs
+`harp-trt`, `onnxruntime`{'-gpu' if config.device == 'gpu' else ''} and `transformers` (for example
+`pip install harp-trt` in the image, or a conda-pack'ed `EXECUTION_ENV_PATH`). Then
+
+```bash
+tritonserver --model-repository=$(pwd)
+```
+
+## Call it
+
+```bash
+curl -s localhost:8000/v2/models/{config.model_name}/generate \
+  -d '{{"text_input": "The capital of France is", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
+curl -sN localhost:8000/v2/models/{config.model_name}/generate_stream \
+  -d '{{"text_input": "The capital of France is", "stream": true}}'
+python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
+```
+"""
+
+
 def _readme_onnx(config, info: ArtifactInfo, s: dict[str, Any], has_tokenizer: bool) -> str:
     gpu = config.device == "gpu"
     pruned = s["pruned_layers"]

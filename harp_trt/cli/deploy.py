@@ -75,6 +75,18 @@ def add_triton_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
     g = p.add_argument_group("ONNX Runtime model")
     g.add_argument("--model-name", default=C.default("model_name"), help="Triton model name (default %(default)s)")
+    g.add_argument("--serving", default=C.default("serving"), choices=["python", "onnx"],
+                   help="python: text in/out, generation + KV cache + batching inside the server (vLLM-backend "
+                        "I/O); onnx: Triton's onnxruntime backend, the client keeps the cache (default %(default)s)")
+    g.add_argument("--max-active", type=int, default=C.default("max_active"),
+                   help="python serving: sequences decoded together (default %(default)s)")
+    g.add_argument("--prompt-limit", type=int, default=C.default("max_input_len"),
+                   help="python serving: longest prompt in tokens, 0 = the model's context (default %(default)s)")
+    g.add_argument("--context-limit", type=int, default=C.default("max_seq_len"),
+                   help="python serving: prompt + max_tokens limit, 0 = the model's context (default %(default)s)")
+    g.add_argument("--triton-release", default=C.default("triton_release"),
+                   help="onnx serving: tritonserver release (YY.MM) whose ONNX Runtime must load the graph "
+                        "(default %(default)s)")
     g.add_argument("--device", default=C.default("device"), choices=["cpu", "gpu"],
                    help="instance kind: cpu -> KIND_CPU, gpu -> KIND_GPU (default %(default)s)")
     g.add_argument("--instances", type=int, default=C.default("instances"), help="model instances (default %(default)s)")
@@ -91,7 +103,7 @@ def add_triton_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=C.default("kv_cache_free_gpu_mem_fraction"),
                    help="(default %(default)s)")
     g.add_argument("--batching-strategy", default=C.default("batching_strategy"),
-                   choices=["inflight_fused_batching", "V1"], help="(default %(default)s)")
+                   choices=["inflight_fused_batching"], help="(default %(default)s; V1 is gone from 1.x executors)")
     g.add_argument("--batch-scheduler-policy", default=C.default("batch_scheduler_policy"),
                    choices=["guaranteed_no_evict", "max_utilization"], help="(default %(default)s)")
     g.add_argument("--decoupled", action="store_true", help="decoupled (streaming) tensorrt_llm model")
@@ -118,7 +130,9 @@ def run_triton(args) -> dict:
 
     t0 = time.perf_counter()
     config = TritonRepoConfig.from_dict({
-        "model_name": args.model_name, "device": args.device, "instances": args.instances, "threads": args.threads,
+        "model_name": args.model_name, "serving": args.serving, "max_active": args.max_active,
+        "max_input_len": args.prompt_limit, "max_seq_len": args.context_limit,
+        "triton_release": args.triton_release, "device": args.device, "instances": args.instances, "threads": args.threads,
         "link": not args.copy, "max_batch_size": args.max_batch_size, "engine_dir": args.engine_dir,
         "tokenizer_dir": args.tokenizer_dir, "kv_cache_free_gpu_mem_fraction": args.kv_cache_free_gpu_mem_fraction,
         "batching_strategy": args.batching_strategy, "batch_scheduler_policy": args.batch_scheduler_policy,
@@ -130,10 +144,14 @@ def run_triton(args) -> dict:
     r = write_repository(args.artifact, args.out, config, force=args.force, store=store)
     result = {"repository": r["repository"], "kind": r["kind"], "artifact": r["artifact"]["path"],
               "artifact_stage": r["artifact"]["stage"], "seconds": round(time.perf_counter() - t0, 3)}
-    if r["kind"] == "onnx":
-        result.update({"model": r["model"], "instance_kind": r["instance_kind"], "inputs": len(r["inputs"]),
-                       "outputs": len(r["outputs"]), "kv_layers": r["kv_layers"], "pruned_layers": r["pruned_layers"],
-                       "weights": r["placed_by"]})
+    if r["kind"] == "onnx" and r.get("serving") == "python":
+        result.update({"model": r["model"], "serving": "python", "instance_kind": r["instance_kind"],
+                       "inputs": len(r["inputs"]), "weights": r["placed_by"]})
+    elif r["kind"] == "onnx":
+        result.update({"model": r["model"], "serving": "onnx", "instance_kind": r["instance_kind"],
+                       "inputs": len(r["inputs"]), "outputs": len(r["outputs"]), "kv_layers": r["kv_layers"],
+                       "pruned_layers": r["pruned_layers"], "weights": r["placed_by"],
+                       "triton_onnxruntime": r["compat"]["triton_onnxruntime"]})
     else:
         v = r["template_values"]
         result.update({"models": ", ".join(r["models"]), "engine_dir": r["engine_dir"], "engine_built": r["engine_built"],

@@ -161,12 +161,25 @@ def _dims_args(dyn_kv: int):
             [{0: "batch", 2: "past"}] * dyn_kv]
 
 
-def _trace(meta_model: nn.Module, kv_layers: list[int], num_layers: int, opset: int):
-    """``torch.onnx.export`` of a model whose parameters and buffers live on the meta device: the
-    graph is traced from shapes alone; every initializer is bound afterwards (``_bind``)."""
-    wrapper = _FlatKV(meta_model, kv_layers, num_layers).eval()
-    ids, mask, pos, flat = _example(meta_model, kv_layers, batch=2, seq=5, past=3)
-    args = (ids.to("meta"), mask.to("meta"), pos.to("meta"), [t.to("meta") for t in flat])
+def _fake_model(cfg, dtype: torch.dtype, attn_implementation: str):
+    """The model with fake parameters (shapes and dtypes on the CPU device, no memory), and its
+    fake-tensor mode. Tracing it gives the graph a real model gives, op for op (the meta device
+    does not: views trace differently there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval(), mode
+
+
+def _trace(fake_model: nn.Module, mode, kv_layers: list[int], num_layers: int, opset: int):
+    """``torch.onnx.export`` of a model whose parameters are fake: the graph is traced from shapes
+    alone; every initializer is bound afterwards (``_bind``)."""
+    wrapper = _FlatKV(fake_model, kv_layers, num_layers).eval()
+    ids, mask, pos, flat = _example(fake_model, kv_layers, batch=2, seq=5, past=3)
+    args = (mode.from_tensor(ids), mode.from_tensor(mask), mode.from_tensor(pos), [mode.from_tensor(t) for t in flat])
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
@@ -176,7 +189,7 @@ def _trace(meta_model: nn.Module, kv_layers: list[int], num_layers: int, opset: 
                 optimize=False, verbose=False)
         except Exception as e:  # torch.export raises many types; keep the first line
             msg = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
-            raise GraphError("export", f"torch.onnx.export failed for {meta_model.config.model_type}: {msg}",
+            raise GraphError("export", f"torch.onnx.export failed for {fake_model.config.model_type}: {msg}",
                              "check the model loads and runs a forward pass with cache=DynamicCache()") from e
 
 
@@ -192,7 +205,7 @@ def _ir_tensor(t: torch.Tensor, name: str):
 
 
 def _bind(program, fetch, shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-    """Give every initializer of a meta-traced program a lazy value: ``fetch(name)`` returns the
+    """Give every initializer of a fake-traced program a lazy value: ``fetch(name)`` returns the
     tensor when the saver asks for it, so one initializer is resident at a time."""
     import onnx_ir as ir
 
@@ -231,7 +244,7 @@ def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
 def export_dense(model: nn.Module, out_dir: Path, opset: int = 23) -> Path:
     """Export a loaded ``model`` (a ``*ForCausalLM``, fp32, optionally HARP-patched) to
     ``out_dir/model.onnx`` following the module's I/O contract; returns the path. The graph is
-    traced on a meta copy and its initializers are taken from ``model``."""
+    traced on a fake-tensor twin and its initializers are taken from ``model``."""
     _check_opset(opset)
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32:
@@ -242,15 +255,21 @@ def export_dense(model: nn.Module, out_dir: Path, opset: int = 23) -> Path:
     kv_layers = kv_layers_of(model)
     log.info("exporting %s (%d layers, KV for %d)", model.config.model_type, model.config.num_hidden_layers,
              len(kv_layers))
+    from ..families import family_of
+    from ..harp import apply_harp, harp_alphas
+
     real = {f"model.{n}": t for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
-    meta = copy.deepcopy(model).to("meta")
-    program = _trace(meta, kv_layers, model.config.num_hidden_layers, opset)
+    fake, mode = _fake_model(copy.deepcopy(model.config), dtype, model.config._attn_implementation)
+    alphas = harp_alphas(model)
+    if alphas:
+        apply_harp(fake, alphas, family_of(model.config))
+    program = _trace(fake, mode, kv_layers, model.config.num_hidden_layers, opset)
     _bind(program, lambda n: real[n], {n: (t.dtype, tuple(t.shape)) for n, t in real.items()})
     return _finish(program, _meta(model, kv_layers, "float32"), out_dir)
 
 
 def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "float32") -> Path:
-    """Export the dense model in a Hugging Face ``folder`` without loading it: trace a meta
+    """Export the dense model in a Hugging Face ``folder`` without loading it: trace a fake-tensor
     skeleton, then stream each initializer from the safetensors files (cast to ``dtype``) into
     the saved graph. Peak memory: the largest single tensor, plus the exporter."""
     from accelerate import init_empty_weights
@@ -265,8 +284,7 @@ def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "fl
     tdt = getattr(torch, dtype)
     cfg = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     family = family_of(cfg)
-    with init_empty_weights(include_buffers=True):
-        meta = AutoModelForCausalLM.from_config(cfg, dtype=tdt, attn_implementation=family.attn_implementation).eval()
+    fake, mode = _fake_model(cfg, tdt, family.attn_implementation)
     with init_empty_weights(include_buffers=False):  # real buffers (rotary tables, embedding scales)
         shell = AutoModelForCausalLM.from_config(cfg, dtype=tdt, attn_implementation=family.attn_implementation)
     buffers = {f"model.{n}": b.to(tdt) if b.is_floating_point() else b for n, b in shell.named_buffers()}
@@ -279,7 +297,7 @@ def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "fl
         return hf if hf in reader or hf != family.lm_head_name else embed  # tied head
 
     shapes = {n: (b.dtype, tuple(b.shape)) for n, b in buffers.items()}
-    for n, p in meta.named_parameters(remove_duplicate=False):
+    for n, p in fake.named_parameters(remove_duplicate=False):
         shapes[f"model.{n}"] = (tdt, tuple(p.shape))
 
     def fetch(n: str) -> torch.Tensor:
@@ -289,9 +307,9 @@ def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "fl
     out_dir.mkdir(parents=True, exist_ok=True)
     kv_layers = list(range(cfg.num_hidden_layers))
     log.info("exporting %s from %s (%d layers, %s, streamed)", cfg.model_type, folder, cfg.num_hidden_layers, dtype)
-    program = _trace(meta, kv_layers, cfg.num_hidden_layers, opset)
+    program = _trace(fake, mode, kv_layers, cfg.num_hidden_layers, opset)
     _bind(program, fetch, shapes)
-    return _finish(program, _meta(meta, kv_layers, dtype), out_dir)
+    return _finish(program, _meta(fake, kv_layers, dtype), out_dir)
 
 
 def _check_opset(opset: int) -> None:

@@ -1,0 +1,101 @@
+"""The text-in / text-out Triton model for an ORT engine: a Python-backend model that generates
+inside the server (``assets/ort_llm_model.py``), with the I/O of Triton's vLLM backend.
+
+``<repo>/<name>/config.pbtxt``: backend python, decoupled (streaming), ``max_batch_size 0`` (the
+model batches concurrent requests itself, continuously); ``<repo>/<name>/1/model.py`` and
+``1/engine/`` (the graph hard-linked or copied, ``engine.json``, tokenizer files). The version
+folder is never empty, so a git copy of the repository keeps it."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from harp_trt.errors import ConfigError
+
+from .onnx_repo import _place, external_data_files
+from .pbtxt import Enum, render_pbtxt
+
+__all__ = ["write_llm_model", "LLM_INPUTS", "LLM_OUTPUTS"]
+
+LLM_INPUTS = [
+    {"name": "text_input", "data_type": Enum("TYPE_STRING"), "dims": [1]},
+    {"name": "stream", "data_type": Enum("TYPE_BOOL"), "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": Enum("TYPE_STRING"), "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": Enum("TYPE_BOOL"), "dims": [1], "optional": True},
+]
+LLM_OUTPUTS = [{"name": "text_output", "data_type": Enum("TYPE_STRING"), "dims": [-1]}]
+
+
+def _uses_gqa(onnx_path: Path) -> bool:
+    import onnx
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    return any(n.op_type == "GroupQueryAttention" for n in m.graph.node)
+
+
+def _graph_dtype(onnx_path: Path) -> str:
+    import onnx
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    for i in m.graph.input:
+        if i.name.startswith("past_key_values."):
+            return onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
+    return "float32"
+
+
+def check_gpu_graph(onnx_path: Path, device: str) -> None:
+    """ONNX Runtime's CUDA GroupQueryAttention kernel takes float16/bfloat16 only: an fp32 GQA
+    graph on a GPU silently runs attention on the CPU provider (with copies each layer)."""
+    if device == "gpu" and _uses_gqa(onnx_path) and _graph_dtype(onnx_path) == "float32":
+        raise ConfigError(f"{onnx_path.parent.name} is an fp32 GroupQueryAttention graph: ONNX Runtime's CUDA "
+                          "kernel for it takes float16/bfloat16 only, so attention would fall back to the CPU",
+                          "export in half precision for GPU engines (ExportConfig dtype float16), or use --device cpu")
+
+
+def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path, repo: Path, name: str,
+                    config, header: list[str]) -> dict[str, Any]:
+    """Write the Python-backend generation model; returns a summary for the report."""
+    from .repository import _tokenizer_files  # one list of tokenizer files
+
+    check_gpu_graph(onnx_path, config.device)
+    mdir = repo / name
+    edir = mdir / "1" / "engine"
+    edir.mkdir(parents=True)
+    how = _place(onnx_path, edir / onnx_path.name, config.link)
+    files = [onnx_path.name]
+    for loc in external_data_files(onnx_path):
+        _place(onnx_path.parent / loc, edir / loc, config.link)
+        files.append(loc)
+    spec = dict(engine or {})
+    spec["model"] = onnx_path.name
+    (edir / "engine.json").write_text(json.dumps(spec, indent=2))
+    tok = _tokenizer_files(source)
+    if not tok:
+        raise ConfigError(f"{source} has no tokenizer files: the text-in/text-out model needs them",
+                          "pass an artifact built by harp-trt (export/rewrite/ORT engine), or --serving onnx")
+    for f in tok:
+        shutil.copy2(source / f, edir / f)
+    asset = Path(__file__).parent / "assets" / "ort_llm_model.py"
+    shutil.copy2(asset, mdir / "1" / "model.py")
+    meta_cfg = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else {}
+    max_seq = int(config.max_seq_len or meta_cfg.get("max_position_embeddings") or 4096)
+    params = {"engine_dir": "engine", "max_active": str(config.max_active), "max_seq_len": str(max_seq),
+              "max_input_len": str(min(config.max_input_len or max_seq, max_seq)),
+              "intra_op_threads": str(config.threads or (engine or {}).get("intra_op_threads") or 0),
+              "providers": "CUDAExecutionProvider,CPUExecutionProvider" if config.device == "gpu" else "CPUExecutionProvider",
+              "add_special_tokens": "true"}
+    cfg = {
+        "name": name, "backend": "python", "max_batch_size": 0,
+        "model_transaction_policy": {"decoupled": True},
+        "input": LLM_INPUTS, "output": LLM_OUTPUTS,
+        "instance_group": [{"count": 1, "kind": Enum("KIND_GPU" if config.device == "gpu" else "KIND_CPU")}],
+        "parameters": [{"key": k, "value": {"string_value": v}} for k, v in params.items()],
+    }
+    (mdir / "config.pbtxt").write_text(render_pbtxt(cfg, header + [
+        "Text in, text out (Triton vLLM-backend I/O); generation, KV cache and continuous batching run",
+        "inside this model (1/model.py, harp_trt.serving). Needs harp-trt, onnxruntime and transformers",
+        "in the Python environment of the Python backend."]))
+    return {"model": name, "serving": "python", "files": files, "placed_by": how, "tokenizer_files": tok,
+            "parameters": params, "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
