@@ -73,7 +73,9 @@ def test_qwen2_repository_values_match_the_build(artifacts, tmp_path):
     ckpt = json.loads((art.path / "checkpoint" / "config.json").read_text())
     windows = ckpt["runtime_defaults"]["max_attention_window"]
     assert windows == [64, 64, 1, 1]  # kept layers: max_seq_len; HARP-pruned layers 2, 3: one token
-    assert p["max_attention_window_size"] == "64,64,1,1" and p["sink_token_length"] == "0"
+    assert p["max_attention_window_size"] == "64,64,1,1" and "sink_token_length" not in p  # must be > 0 if set
+    # read by the backend with no fallback: present (empty = unset), else the model does not load
+    assert p["tokenizer_dir"] == p["xgrammar_tokenizer_info_path"] == p["guided_decoding_backend"] == ""
     assert "max_tokens_in_paged_kv_cache" not in p  # optional, no value: left out (backend default)
     assert list(llm.dynamic_batching.preferred_batch_size) == [6]
     out_types = {t.name: t.data_type for t in llm.output}
@@ -86,7 +88,7 @@ def test_qwen2_repository_values_match_the_build(artifacts, tmp_path):
     assert cfgs["ensemble"].platform == "ensemble"
     assert [s.model_name for s in cfgs["ensemble"].ensemble_scheduling.step] == [
         "preprocessing", "tensorrt_llm", "postprocessing"]
-    assert (repo / "ensemble" / "1").is_dir() and (repo / "tensorrt_llm" / "1").is_dir()
+    assert (repo / "ensemble" / "1" / "README.md").is_file() and (repo / "tensorrt_llm" / "1" / "README.md").is_file()
     for m in ("preprocessing", "postprocessing"):
         assert (repo / m / "1" / "model.py").is_file()
         assert (repo / m / "1" / "tokenizer" / "tokenizer.json").read_bytes() == \
@@ -97,6 +99,8 @@ def test_qwen2_repository_values_match_the_build(artifacts, tmp_path):
     readme = (repo / "README.md").read_text()
     assert "build_engine.sh" in readme and "trtllm-python-py3" in readme and "64,64,1,1" in readme
     assert "tritonserver --model-repository=" in readme
+    shares = art.manifest["launch"]["kv_runtime"]["shares_env"]
+    assert shares.startswith("TRTLLM_WINDOW_SIZE_SHARES=") and f"-e {shares}" in readme
 
 
 def test_llama_decilm_and_overrides(artifacts, tmp_path):

@@ -283,17 +283,26 @@ def _resolved(folder):
 def test_stage_writes_verified_artifact_and_caches(cases, tmp_path):
     model = _resolved(cases["qwen2"][0])
     store = ArtifactStore(tmp_path)
-    cfg = TrtllmCheckpointConfig(dtype="bfloat16", tp_size=2, pp_size=1, max_input_len=64, max_seq_len=128)
+    cfg = TrtllmCheckpointConfig(dtype="bfloat16", tp_size=2, pp_size=1, max_input_len=64, max_seq_len=128,
+                                 max_num_tokens=128)
     art = TrtllmCheckpointStage().execute(store, cfg, {"plan": _plan("qwen2"), "model": model})
     man = art.manifest
     assert man["stage"] == "trtllm" and not art.cached
     assert man["verification"]["passed"] and man["verification"]["max_abs_diff"] <= man["verification"]["tolerance"]
     assert man["checkpoint"]["architecture"] == "Qwen2ForCausalLM"
-    assert man["checkpoint"]["kv_bytes_per_sequence"] < man["checkpoint"]["kv_bytes_per_sequence_unpruned"]
+    assert man["checkpoint"]["kv_bytes_per_token"] == man["checkpoint"]["kv_bytes_per_token_unpruned"] // 2
     assert man["engine"]["built"] is False and "build_engine.sh" in man["engine"]["reason"]
     assert Plan.load(art.path / "plan.json") == _plan("qwen2")
     assert sorted(os.listdir(art.path / "checkpoint")) == ["config.json"] + [f"rank{r}.safetensors" for r in range(2)]
-    assert "max_attention_window: [128, 128, 1, 1]" in (art.path / "llm_api_options.yaml").read_text()
+    assert "max_attention_window: [128, 128, 1, 1]" in (art.path / "engine_llm_api_options.yaml").read_text()
+    kv = man["launch"]["kv_runtime"]
+    # two window sizes (1 and 128): the shares give the full-attention pool what it needs, not 1/2
+    assert list(kv["window_size_shares"]) == ["1", "128"] and kv["window_size_shares"]["128"] > 0.5
+    serve = (art.path / "serve_engine.sh").read_text()
+    assert kv["shares_env"].split("=")[1] in serve and "--backend tensorrt" in serve and "--tp_size 2" in serve
+    assert kv["kv_bytes_per_token_capacity"] < kv["kv_bytes_per_token_capacity_unpruned"]
+    assert man["launch"]["pytorch_backend"]["available"] is False and "NemotronNAS" in man["launch"]["pytorch_backend"]["reason"]
+    assert not (art.path / "serve_pytorch.sh").exists()
     script = (art.path / "build_engine.sh").read_text()
     for flag in ('--checkpoint_dir "$HERE/checkpoint"', '--output_dir "$OUT"', "--gemm_plugin auto",
                  "--kv_cache_type paged", "--max_batch_size 8", "--max_input_len 64", "--max_seq_len 128",
@@ -315,7 +324,13 @@ def test_stage_llama_writes_hf_format(tmp_path):
     assert art.manifest["verification"]["max_abs_diff"] <= TOL
     assert art.manifest["verification"]["hf_max_abs_diff"] <= TOL
     assert (art.path / "hf" / "tokenizer.json").is_file() and not (art.path / "hf" / "tokenizer_config.json").read_text() == ""
-    assert not (art.path / "llm_api_options.yaml").exists()  # DeciLM needs no per-layer windows
+    opts = (art.path / "engine_llm_api_options.yaml").read_text()
+    assert "max_attention_window" not in opts  # DeciLM needs no per-layer windows
+    serve = (art.path / "serve_pytorch.sh").read_text()
+    assert "--backend pytorch" in serve and "--trust_remote_code" in serve and os.access(art.path / "serve_pytorch.sh", os.X_OK)
+    assert "trust_remote_code: true" in (art.path / "pytorch_llm_api_options.yaml").read_text()
+    kv = art.manifest["launch"]["kv_runtime"]
+    assert kv["window_size_shares"] is None and kv["kv_bytes_per_token_capacity"] == 2 * 2 * 2 * 16 * 4
 
 
 # ---- errors -----------------------------------------------------------------------------------

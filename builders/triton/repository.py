@@ -392,8 +392,11 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
     def _run_trtllm(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
         from .trtllm_repo import read_checkpoint_config, trtllm_model_configs, write_trtllm_models
 
+        from .trtllm_repo import check_engine_windows
+
         ckpt = read_checkpoint_config(info.path)
         engine_dir = config.engine_dir or str(info.path / "engine")
+        check_engine_windows(engine_dir, (ckpt.get("runtime_defaults") or {}).get("max_attention_window"))
         configs, values = trtllm_model_configs(info.manifest, ckpt, config, engine_dir)
         tok_src, tok_files = self._tokenizer_source(config, info)
         write_trtllm_models(out, configs, tok_src, tok_files, header)
@@ -529,8 +532,15 @@ def _readme_trtllm(config, info: ArtifactInfo, s: dict[str, Any]) -> str:
     engine = ("The engine is built." if s["engine_built"] else
               f"The engine is not built yet: run `bash {info.path / 'build_engine.sh'}` inside the container "
               "first (it writes the engine where `gpt_model_path` points).")
+    kv = ((info.manifest.get("launch") or {}).get("kv_runtime") or {})
+    shares = kv.get("shares_env")
+    env = f"-e {shares} " if shares else ""
     launch = ("tritonserver --model-repository=/models" if world == 1 else
               "TRTLLM_ORCHESTRATOR=1 tritonserver --model-repository=/models")
+    if shares:
+        windows += (f" The KV pool is split between window sizes by `{shares}` (set in the command below): "
+                    "without it TensorRT-LLM 1.2 gives each window size an equal share "
+                    "(`BaseKVCacheManager::calculateMaxNumBlocks`), and the full-attention layers lose half the cache.")
     return f"""# Triton model repository: TensorRT-LLM ({s['architecture']})
 
 Written by `harp-trt deploy triton` from `{info.path}`.
@@ -557,7 +567,7 @@ runs only with the TensorRT-LLM version that built it). The engine and this repo
 visible inside the container at the paths in the configs, so mount the artifact at its own path:
 
 ```bash
-docker run --rm --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 \\
+docker run --rm --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 {env}\\
   -v "$(pwd)":/models -v "{info.path}":"{info.path}" {NGC_TRTLLM_IMAGE} \\
   {launch}
 ```

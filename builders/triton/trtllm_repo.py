@@ -43,10 +43,11 @@ LOGITS_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TY
 TEMPLATE_KEYS = (
     "triton_backend", "triton_max_batch_size", "decoupled_mode", "max_queue_delay_microseconds",
     "max_queue_size", "engine_dir", "batching_strategy", "max_beam_width", "max_attention_window_size",
-    "sink_token_length", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse",
+    "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse",
     "exclude_input_in_output", "enable_chunked_context", "normalize_log_probs", "max_tokens_in_paged_kv_cache",
     "logits_datatype", "tokenizer_dir", "add_special_tokens", "skip_special_tokens",
-    "preprocessing_instance_count", "postprocessing_instance_count",
+    "preprocessing_instance_count", "postprocessing_instance_count", "xgrammar_tokenizer_info_path",
+    "guided_decoding_backend",
 )
 
 
@@ -199,7 +200,6 @@ def trtllm_model_configs(manifest: dict[str, Any], ckpt_config: dict[str, Any], 
     build = manifest.get("config") or {}
     mbs = cfg.max_batch_size or int(build.get("max_batch_size", 8))
     windows = (ckpt_config.get("runtime_defaults") or {}).get("max_attention_window")
-    sink = (ckpt_config.get("runtime_defaults") or {}).get("sink_token_length")
     logits = LOGITS_DTYPES.get(ckpt_config.get("logits_dtype") or "float32", "TYPE_FP32")
     bool_s = lambda b: "true" if b else "false"  # noqa: E731
     llm_params = {
@@ -211,10 +211,13 @@ def trtllm_model_configs(manifest: dict[str, Any], ckpt_config: dict[str, Any], 
         "exclude_input_in_output": bool_s(cfg.exclude_input_in_output),
         "enable_chunked_context": "false", "normalize_log_probs": "true",
         "executor_worker_path": EXECUTOR_WORKER_PATH,
+        # read with no fallback by the backend (model_instance_state.cc): present, empty = unset
+        "tokenizer_dir": "", "xgrammar_tokenizer_info_path": "", "guided_decoding_backend": "",
     }
     if windows:
+        # our per-attention-layer list: a window-1 layer is HARP only with it (no sink_token_length:
+        # KvCacheConfig::setSinkTokenLength requires > 0)
         llm_params["max_attention_window_size"] = ",".join(str(int(w)) for w in windows)
-        llm_params["sink_token_length"] = str(int(sink or 0))
     pre_params = {"tokenizer_dir": "tokenizer", "add_special_tokens": "true",
                   "max_input_len": str(int(build.get("max_input_len", 0))),
                   "max_seq_len": str(int(build.get("max_seq_len", 0)))}
@@ -231,7 +234,6 @@ def trtllm_model_configs(manifest: dict[str, Any], ckpt_config: dict[str, Any], 
         "max_queue_delay_microseconds": d, "max_queue_size": q, "engine_dir": engine_dir,
         "batching_strategy": cfg.batching_strategy, "max_beam_width": 1,
         "max_attention_window_size": llm_params.get("max_attention_window_size"),
-        "sink_token_length": llm_params.get("sink_token_length"),
         "batch_scheduler_policy": cfg.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": float(cfg.kv_cache_free_gpu_mem_fraction),
         "enable_kv_cache_reuse": cfg.enable_kv_cache_reuse, "exclude_input_in_output": cfg.exclude_input_in_output,
@@ -240,6 +242,7 @@ def trtllm_model_configs(manifest: dict[str, Any], ckpt_config: dict[str, Any], 
         "add_special_tokens": True, "skip_special_tokens": True,
         "preprocessing_instance_count": cfg.preprocessing_instances,
         "postprocessing_instance_count": cfg.postprocessing_instances,
+        "xgrammar_tokenizer_info_path": "", "guided_decoding_backend": "",
     }
     assert set(values) == set(TEMPLATE_KEYS), sorted(set(values) ^ set(TEMPLATE_KEYS))
     return configs, values
@@ -255,6 +258,10 @@ def write_trtllm_models(repo: Path, configs: dict[str, dict[str, Any]], tokenize
     for name, cfg in configs.items():
         (repo / name / "1").mkdir(parents=True, exist_ok=True)
         (repo / name / "config.pbtxt").write_text(render_pbtxt(cfg, header))
+        if name in ("ensemble", "tensorrt_llm"):  # an empty version folder vanishes in a git copy
+            (repo / name / "1" / "README.md").write_text(
+                f"Version 1 of `{name}`. Triton needs this folder; it is empty by design "
+                f"({'the ensemble has no files' if name == 'ensemble' else 'the engine is read from gpt_model_path'}).\n")
     for name, src in (("preprocessing", "preprocessing.py"), ("postprocessing", "postprocessing.py")):
         (repo / name / "1" / "model.py").write_text(_asset(src))
         tok = repo / name / "1" / "tokenizer"
@@ -262,6 +269,23 @@ def write_trtllm_models(repo: Path, configs: dict[str, dict[str, Any]], tokenize
         for f in tokenizer_files:
             shutil.copy2(tokenizer_src / f, tok / f)
     log.info("wrote Triton TensorRT-LLM models %s", ", ".join(configs))
+
+
+def check_engine_windows(engine_dir: str, windows: list[int] | None) -> None:
+    """A built engine found at ``engine_dir`` must carry the checkpoint's window list: a window-1
+    layer without it averages V over the prefix (the runtime raises nothing)."""
+    from harp_trt.errors import PreconditionError
+
+    cfg_path = Path(engine_dir) / "config.json"
+    if not windows or not cfg_path.is_file():
+        return
+    cfg = json.loads(cfg_path.read_text())
+    pretrained = cfg.get("pretrained_config", cfg)
+    got = (pretrained.get("runtime_defaults") or {}).get("max_attention_window")
+    if got != windows:
+        raise PreconditionError(STAGE, f"engine {engine_dir} has max_attention_window {got}, but this checkpoint's "
+                                f"pruned layers need {windows}",
+                                "rebuild the engine from this artifact's checkpoint (build_engine.sh)")
 
 
 def read_checkpoint_config(artifact: Path) -> dict[str, Any]:

@@ -137,8 +137,10 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
     family = family_of(cfg)
     target = target_for(family.name)
     if not target.hf_heterogeneous:
-        return {"written": False, "reason": f"{family.name} has features DeciLM lacks (see targets.py); "
-                "use the TensorRT-LLM checkpoint"}
+        return {"written": False, "reason": (
+            f"{family.name} has features DeciLM lacks: TensorRT-LLM's PyTorch backend has no heterogeneous model with "
+            "attention biases or Gemma2's norms (NemotronNAS is bias-free, _torch/models/modeling_nemotron_nas.py) and "
+            "runs mixed window lists for Gemma3 only; use the engine checkpoint")}
     dims = ModelDims.from_config(cfg)
     mult = ffn_mult_for(dims.intermediate, dims.hidden)
     if mult is None:

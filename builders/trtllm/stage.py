@@ -8,7 +8,8 @@ Artifact layout (``<cache>/trtllm-<key>/``)::
     checkpoint/rank{N}.safetensors
     hf/                           HF DeciLM (block_configs) checkpoint, Llama/Mistral only
     build_engine.sh               the exact trtllm-build command (run where a GPU and TensorRT-LLM are)
-    llm_api_options.yaml          kv_cache_config.max_attention_window for one-token-window layers
+    serve_engine.sh, engine_llm_api_options.yaml      run the built engine (trtllm-serve --backend tensorrt)
+    serve_pytorch.sh, pytorch_llm_api_options.yaml    run hf/ on the PyTorch backend (Llama, Mistral)
     engine/                       only where ``tensorrt_llm`` imports and a GPU is present
 
 Inputs: ``{"plan": Plan, "model": ResolvedModel}``: a reference to the weights, never a loaded
@@ -36,6 +37,7 @@ from harp_trt.stage import Stage
 from .checkpoint import (DTYPES, STAGE_NAME, ModelDims, check_layout, check_pipeline, hf_config, layer_kinds,
                          write_checkpoint)
 from .hf_format import write_hf_decilm
+from .launch import write_launch_files
 from .reader import read_checkpoint, read_hf_decilm
 from .targets import ROUTE_WINDOW1, target_for
 
@@ -114,13 +116,6 @@ def _script(cfg: TrtllmCheckpointConfig) -> str:
             f"{lines}\n")
 
 
-def _llm_api_yaml(windows: list[int]) -> str:
-    return ("# LLM API / trtllm-serve options: per-layer attention windows (cyclic). HARP-pruned layers\n"
-            "# attend over one token, which makes them compute exactly alpha * V.O.\n"
-            "kv_cache_config:\n"
-            f"  max_attention_window: [{', '.join(map(str, windows))}]\n")
-
-
 class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
     name: ClassVar[str] = STAGE_NAME
     version: ClassVar[int] = 2
@@ -170,10 +165,11 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
         script = out / "build_engine.sh"
         script.write_text(_script(config))
         script.chmod(0o755)
-        windows = read_checkpoint_config_windows(out / "checkpoint")
-        if info["route"] == ROUTE_WINDOW1 and windows:
-            (out / "llm_api_options.yaml").write_text(_llm_api_yaml(windows))
-        body = {"model": model.to_dict(), "checkpoint": info, "hf_checkpoint": hf,
+        cfg = hf_config(model.folder)
+        dims = ModelDims.from_config(cfg)
+        lk = layer_kinds(plan, target_for(family_of(cfg).name), dims, config.max_seq_len)
+        launch = write_launch_files(out, config, lk, dims, hf)
+        body = {"model": model.to_dict(), "checkpoint": info, "hf_checkpoint": hf, "launch": launch,
                 "build_command": build_command(config, "checkpoint", "engine")}
         if config.verify:
             body["verification"] = self._verify(config, plan, Path(model.folder), out / "checkpoint",

@@ -1,0 +1,170 @@
+"""Start the real ``tritonserver`` (2.51, the 24.10 release) from the ``nvidia-pytriton`` wheel on
+PyPI, on the CPU, for integration tests. Not a test module.
+
+What it takes (measured here; see the README's Triton section):
+* the wheel, downloaded (never installed) and unzipped; the Python-backend stub for this Python
+  copied into ``backends/python`` and exec bits restored (zip drops them);
+* ``LD_LIBRARY_PATH`` with the wheel's libraries and this interpreter's ``libpython`` folder;
+* a *stub venv* first on ``PATH``: the stub's embedded interpreter ignores ``PYTHONPATH`` and finds
+  its ``site-packages`` from the ``python3`` on ``PATH``; it must hold numpy < 2 (the 24.10 stub
+  corrupts string tensors under numpy 2), and reaches this project's packages through a ``.pth``;
+* free loopback ports, a unique shared-memory prefix per server.
+``available()`` says why a server cannot run here (the tests skip with that reason)."""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+import uuid
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PYTRITON = "nvidia-pytriton==0.7.0"
+STUB_NUMPY = "numpy==1.26.4"
+
+
+def available() -> str | None:
+    """None when a server can run here, else the reason it cannot."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return "the pytriton wheel's tritonserver is for x86-64 Linux"
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        return "the Python backend stub needs a shared libpython (this Python is a static build)"
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" not in ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13"):
+        return "the wheel has no Python-backend stub for this Python"
+    return None
+
+
+def fetch_server(root: Path) -> Path:
+    """Unzipped wheel under ``root`` (downloaded once)."""
+
+    done = root / "pytriton" / "tritonserver" / "bin" / "tritonserver"
+    if done.is_file():
+        return root
+    dl = root / "_wheel"
+    dl.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl), PYTRITON], check=True)
+    (whl,) = glob.glob(str(dl / "nvidia_pytriton-*.whl"))
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(root)
+    ts = root / "pytriton" / "tritonserver"
+    ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    stub = ts / "backends" / "python" / "triton_python_backend_stub"
+    stub.write_bytes((ts / "python_backend_stubs" / ver / "triton_python_backend_stub").read_bytes())
+    for f in (done, stub):
+        f.chmod(0o755)
+    return root
+
+
+def stub_venv(dest: Path) -> Path:
+    """A venv from this interpreter's base with only numpy<2, plus this environment's site-packages."""
+    import site
+
+    py = dest / "bin" / "python3"
+    sp = dest / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    if not py.exists():
+        base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        subprocess.run([str(base), "-m", "venv", "--without-pip", str(dest)], check=True)
+    if not (sp / "numpy").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(sp), STUB_NUMPY],
+                       check=True)
+    (sp / "zz_project_site.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
+                                                   for d in site.getsitepackages()))
+    return dest
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    log: Path
+    shm_prefix: str
+    startup_s: float = 0.0
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.http + "/v2/health/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its stubs (own session)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for f in glob.glob(f"/dev/shm/{self.shm_prefix}*"):
+            Path(f).unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+def start(repo: Path, root: Path, timeout: float = 120.0) -> Server:
+    """Start tritonserver on ``repo`` and wait until it is ready (raises with the log tail)."""
+    root = fetch_server(root)
+    venv = stub_venv(root / "stubvenv")
+    ts = root / "pytriton" / "tritonserver"
+    http, grpc, metrics = _ports(3)
+    prefix = f"harp{os.getpid()}_{uuid.uuid4().hex[:6]}_"
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(root / "nvidia_pytriton.libs"),
+                                                         sysconfig.get_config_var("LIBDIR"),
+                                                         env.get("LD_LIBRARY_PATH")) if p)
+    env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
+    env.pop("PYTHONPATH", None)
+    cmd = [str(ts / "bin" / "tritonserver"), f"--model-repository={repo}",
+           f"--backend-directory={ts / 'backends'}", f"--cache-directory={ts / 'caches'}",
+           "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
+           f"--metrics-port={metrics}", "--allow-metrics=false", "--pinned-memory-pool-byte-size=0",
+           "--exit-timeout-secs=10", f"--backend-config=python,shm-region-prefix-name={prefix}",
+           "--backend-config=python,shm-default-byte-size=1048576"]
+    log = root / f"server-{prefix}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    srv = Server(proc, http, grpc, log, prefix)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            break
+        if srv.ready():
+            srv.startup_s = time.monotonic() - t0
+            return srv
+        time.sleep(0.1)
+    srv.stop(5)
+    raise RuntimeError(f"tritonserver not ready after {time.monotonic() - t0:.0f} s (exit {proc.returncode}):\n"
+                       f"{srv.log_tail()}")
