@@ -54,6 +54,24 @@ def check_gpu_graph(onnx_path: Path, device: str) -> None:
                           "export in half precision for GPU engines (ExportConfig dtype float16), or use --device cpu")
 
 
+def _eos_ids(folder: Path) -> list[int]:
+    """The stop tokens `harp-trt generate` uses: the tokenizer's eos plus generation_config.json's."""
+    from transformers import AutoTokenizer
+
+    ids: set[int] = set()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        if tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+    except (OSError, ValueError):
+        pass
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
+    return sorted(ids)
+
+
 def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path, repo: Path, name: str,
                     config, header: list[str]) -> dict[str, Any]:
     """Write the Python-backend generation model; returns a summary for the report."""
@@ -85,7 +103,8 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
               "max_input_len": str(min(config.max_input_len or max_seq, max_seq)),
               "intra_op_threads": str(config.threads or (engine or {}).get("intra_op_threads") or 0),
               "providers": "CUDAExecutionProvider,CPUExecutionProvider" if config.device == "gpu" else "CPUExecutionProvider",
-              "add_special_tokens": "true"}
+              # as `harp-trt generate` tokenizes: no BOS/special tokens added to the prompt
+              "add_special_tokens": "false", "eos_token_ids": ",".join(map(str, _eos_ids(source)))}
     cfg = {
         "name": name, "backend": "python", "max_batch_size": 0,
         "model_transaction_policy": {"decoupled": True},

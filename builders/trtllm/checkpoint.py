@@ -274,12 +274,14 @@ def layer_kinds(plan: Plan, target: TrtllmTarget, dims: ModelDims, max_seq_len: 
     return LayerKinds(kinds, windows, list(dims.windows), amap, target.route, max_seq_len)
 
 
-def _global_tensors(src: _Source, target: TrtllmTarget) -> dict[str, _Logical]:
+def _global_tensors(src: _Source, target: TrtllmTarget) -> Iterator[tuple[str, int, _Logical]]:
+    """(name, owning pp stage: 0 first / -1 last, tensor), read one at a time (embedding tables
+    are the largest tensors of a model; a tied head is read again rather than held)."""
     off = target.norm_offset
     split = "vocab_split" if target.parallel_embedding else None
-    return {"transformer.vocab_embedding.weight": _Logical(split or "rep", src.get("embed")),
-            "transformer.ln_f.weight": _Logical("rep", _gain(off, src.get("final_norm"))),
-            "lm_head.weight": _Logical(split or "vocab_pad", src.get("lm_head"))}
+    yield "transformer.vocab_embedding.weight", 0, _Logical(split or "rep", src.get("embed"))
+    yield "transformer.ln_f.weight", -1, _Logical("rep", _gain(off, src.get("final_norm")))
+    yield "lm_head.weight", -1, _Logical(split or "vocab_pad", src.get("lm_head"))
 
 
 def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, i: int) -> dict[str, _Logical]:
@@ -326,12 +328,10 @@ def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: Mod
 def _rank_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, dtype: torch.dtype,
                   tp: int, pp: int) -> Iterator[tuple[int, str, torch.Tensor]]:
     """(rank, name, tensor) for every tensor of every rank file, one layer resident at a time."""
-    glob = _global_tensors(src, target)
-    owners = {"transformer.vocab_embedding.weight": 0, "transformer.ln_f.weight": pp - 1, "lm_head.weight": pp - 1}
-    for name, lt in glob.items():
+    for name, stage, lt in _global_tensors(src, target):
         for t in range(tp):
-            yield rank_of(t, owners[name], tp), name, _shard(lt, tp, t, dims).to(dtype)
-        glob[name] = None  # free the table before the layers
+            yield rank_of(t, stage % pp, tp), name, _shard(lt, tp, t, dims).to(dtype)
+        del lt
     for p in range(pp):
         for j, g in enumerate(pp_layers(dims.num_layers, pp, p)):
             tensors = _layer_tensors(src, target, lk, dims, g)

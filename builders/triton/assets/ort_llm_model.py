@@ -73,7 +73,7 @@ class TritonPythonModel:
         self.lm = OrtCausalLM(engine / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine), trust_remote_code=False)
         self.max_input_len = int(params.get("max_input_len") or 4096)
-        self.add_special_tokens = params.get("add_special_tokens", "true").lower() == "true"
+        self.add_special_tokens = params.get("add_special_tokens", "false").lower() == "true"
         eos = [int(t) for t in params.get("eos_token_ids", "").split(",") if t.strip()]
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
