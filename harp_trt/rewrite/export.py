@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -220,11 +221,54 @@ def _bind(program, fetch, shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...
                                           shape=ir.Shape(shape), name=name)
 
 
+def _fold_weight_transposes(model) -> int:
+    """Replace ``Transpose(W)`` of a lazily bound 2-D weight by a lazy initializer holding ``W.T``.
+
+    The exporter writes ``linear`` as ``MatMul(x, Transpose(W))``; the optimizer would fold each
+    Transpose into a new initializer *in memory* (every weight matrix of the model at once). Doing
+    the fold here, lazily, gives the optimizer the graph it would have produced, with nothing
+    materialised. Returns how many were folded."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
+            continue
+        src = node.inputs[0]
+        tensor = src.const_value if src is not None else None
+        perm = node.attributes.get("perm")
+        if not isinstance(tensor, ir.LazyTensor) or len(tensor.shape) != 2 or \
+                (perm is not None and list(perm.as_ints()) != [1, 0]):
+            continue
+        out = node.outputs[0]
+        name = out.name
+        shape = ir.Shape([tensor.shape[1], tensor.shape[0]])
+        lazy = ir.LazyTensor(lambda t=tensor, n=name: _transposed(t, n), dtype=tensor.dtype, shape=shape, name=name)
+        new = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
+        graph.remove(node, safe=False)
+        out.replace_all_uses_with(new)
+        if out.is_graph_output():
+            continue
+        graph.initializers.add(new)
+        if not src.uses() and src.name in graph.initializers:
+            del graph.initializers[src.name]
+        folded += 1
+    return folded
+
+
+def _transposed(tensor, name: str):
+    import onnx_ir as ir
+
+    return ir.Tensor(np.ascontiguousarray(tensor.numpy().T), name=name)
+
+
 def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
     """Optimise (as ``torch.onnx.export(optimize=True)`` does), stamp the metadata and save; weights
     go to ``model.onnx.data`` only past the protobuf limit, written one initializer at a time."""
     import onnx_ir as ir
 
+    _fold_weight_transposes(program.model)
     program.optimize()
     program.model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
     path = out_dir / "model.onnx"
