@@ -1,0 +1,195 @@
+"""One command for a GPU host: the alpha search, prefill and decode of an 8B-shaped model.
+
+    python bench/gpu_check.py [--model llama3.1-8b|qwen2-7b] [--budget-s 280]
+    python bench/gpu_check.py --dry-run            # tiny shapes, CPU: the same code path
+
+Builds a model with Llama-3.1-8B's shapes directly on the GPU (random bf16 weights: time and memory
+depend on shapes only) and reports, as one JSON object on the last stdout line:
+
+* ``alpha_search``: Algorithm 1 with P = 8 (the top 8 layers) over the 11-value grid
+  {0, 0.1, ..., 1} on 32k calibration tokens (8 windows of 4096), cached path, in seconds
+  (target: <= 120 s on one H200; the paper reports < 2 hours on an H100);
+* ``naive_vs_cached``: both searches on a smaller grid (P = 2, grid {0, 0.5, 1}, 8k tokens) with the
+  speed-up and whether alphas and perplexities agree;
+* ``prefill``: dense vs HARP (P = 8) at 1k-64k tokens (``bench/gpu_prefill.py``'s timing, fewer
+  repeats), with the paper's H100 figure for reference;
+* ``decode``: tokens/s at the largest batch each model fits, and KV bytes per token.
+
+Only torch, transformers, safetensors and numpy are needed (the harp_trt core imports nothing
+else). Stages are skipped, not cut short, once ``--budget-s`` is spent. Without CUDA and without
+``--dry-run`` it refuses with exit 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GRID = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+class Refused(Exception):
+    pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3.1-8b", choices=["llama3.1-8b", "qwen2-7b"])
+    ap.add_argument("--layers", type=int, default=8, help="P for the full search and prefill (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=32768, help="calibration tokens (default %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="window length (default %(default)s)")
+    ap.add_argument("--seq-lens", default="1024,4096,16384,65536", help="prefill lengths")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=280.0, help="skip stages once this much time is spent")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on any device (CPU included)")
+    args = ap.parse_args(argv)
+    try:
+        args.seq_lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}")
+    if args.dry_run:
+        args.shape, args.layers, args.tokens, args.seq_len, args.seq_lens = "tiny", 2, 64, 16, (16, 32)
+    else:
+        args.shape = args.model
+    if args.tokens < args.seq_len:
+        ap.error("--tokens must hold at least one window of --seq-len")
+    return args
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def search_figures(model, family, windows, layers, grid, naive: bool) -> dict:
+    import copy
+
+    from calib.search import search_alphas
+
+    m = copy.deepcopy(model) if naive else model
+    t0 = time.perf_counter()
+    res = search_alphas(m, family, windows, layers, grid, naive=naive)
+    _sync(next(m.parameters()).device)
+    seconds = time.perf_counter() - t0
+    if naive:
+        del m
+    return {"seconds": round(seconds, 2), "alphas": [res.alphas[l] for l in sorted(res.alphas)],
+            "ppl_alpha1": res.ppl_alpha1, "ppl_searched": res.ppl_searched}
+
+
+def run(args) -> dict:
+    import torch
+
+    from bench.gpu_prefill import build_models, max_batch, time_decode, time_prefill
+    from harp_trt.families import family_of
+
+    if not torch.cuda.is_available() and not args.dry_run:
+        raise Refused("bench/gpu_check.py needs a CUDA GPU (none is visible to PyTorch); "
+                      "pass --dry-run to run it at tiny shapes on the CPU")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t_start = time.perf_counter()
+    out: dict = {"model": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "skipped": []}
+
+    def spent() -> float:
+        return time.perf_counter() - t_start
+
+    dense, harp, attn = build_models(args.shape, args.layers, device, dtype)
+    del harp  # the search patches its own copy
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    family = family_of(dense.config)
+    n = dense.config.num_hidden_layers
+    vocab = dense.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(0)
+    windows = torch.randint(0, vocab, (args.tokens // args.seq_len, args.seq_len), generator=g).to(device)
+    out["build_s"] = round(spent(), 1)
+
+    # naive vs cached on a small configuration (runs first: the full search patches the model)
+    small = windows[: max(1, 8192 // args.seq_len)] if not args.dry_run else windows
+    top2 = list(range(n - 2, n))
+    naive = search_figures(dense, family, small, top2, (0.0, 0.5, 1.0), naive=True)
+    import copy
+
+    cached_model = copy.deepcopy(dense)
+    cached = search_figures(cached_model, family, small, top2, (0.0, 0.5, 1.0), naive=False)
+    del cached_model
+    out["naive_vs_cached"] = {
+        "layers": top2, "grid": [0.0, 0.5, 1.0], "tokens": int(small.numel()),
+        "naive_s": naive["seconds"], "cached_s": cached["seconds"],
+        "speedup": round(naive["seconds"] / max(cached["seconds"], 1e-9), 2),
+        "identical_alphas": naive["alphas"] == cached["alphas"],
+        "ppl_rel_diff": abs(naive["ppl_searched"] / cached["ppl_searched"] - 1)}
+
+    # the full search: P layers x 11 candidates on all windows
+    layers = list(range(n - args.layers, n))
+    full = search_figures(dense, family, windows, layers, GRID, naive=False)
+    out["alpha_search"] = {"layers": layers, "grid": list(GRID), "tokens": int(windows.numel()),
+                           "windows": int(windows.shape[0]), "seconds": full["seconds"], "alphas": full["alphas"],
+                           "ppl_alpha1": full["ppl_alpha1"], "ppl_searched": full["ppl_searched"],
+                           "target_s": 120, "paper": "< 2 hours on one H100"}
+    del windows, small
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # prefill and decode: dense vs HARP at alpha = 1 on the top P layers (latency ignores alpha)
+    if spent() < args.budget_s:
+        del dense  # patched by the search; a fresh pair: dense, and HARP on the top P layers at alpha = 1
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dense_model, harp_model, attn = build_models(args.shape, args.layers, device, dtype)
+        models = {"dense": dense_model, "harp": harp_model}
+        rows = []
+        for s in args.seq_lens:
+            if spent() > args.budget_s:
+                out["skipped"].append(f"prefill {s}")
+                continue
+            rows += time_prefill(models, [s], args.repeats, 1, device, vocab)
+        out["prefill"] = {}
+        for r in rows:
+            out["prefill"].setdefault(str(r["seq_len"]), {})[r["variant"]] = [round(r["mean_s"], 5),
+                                                                           round(r["ci95_s"], 5)]
+        out["prefill_speedup"] = {k: round(v["dense"][0] / v["harp"][0], 4) for k, v in out["prefill"].items()
+                                  if "dense" in v and "harp" in v}
+        out["paper_prefill"] = {"seq_len": 65536, "dense_s": 5.4466, "harp_s": 4.5394, "gpu": "H100"}
+        if spent() < args.budget_s:
+            ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
+            batches = max_batch(models, ctx, steps, 0.8, 256, device, torch.finfo(dtype).bits // 8)
+            dec = time_decode(models, batches, ctx, steps, device, dtype, vocab)
+            best = {r["variant"]: r for r in dec if r["kind"] == "max_batch"}
+            out["decode"] = {"context": ctx, "batch": batches,
+                             "tokens_per_s": {v: round(r["tokens_per_s"], 1) for v, r in best.items()},
+                             "kv_bytes_per_token": {v: r["kv_bytes_per_token"] for v, r in best.items()}}
+        else:
+            out["skipped"].append("decode")
+    else:
+        out["skipped"] += ["prefill", "decode"]
+    out["attention"] = attn
+    out["seconds"] = round(spent(), 1)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except Refused as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        print(json.dumps({"status": "refused", "reason": str(e)}))
+        return 2
+    result["status"] = "ok"
+    print(json.dumps(result, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

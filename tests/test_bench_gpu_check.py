@@ -1,0 +1,48 @@
+"""bench/gpu_check.py and bench/trtllm_check.py on a CPU machine: they refuse cleanly (exit 2, a
+JSON last line) where their hardware or TensorRT-LLM is missing; gpu_check's --dry-run runs its
+whole code path (search naive vs cached, full search, prefill, decode) at tiny shapes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _run(script: str, *args: str) -> tuple[int, dict, str]:
+    r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600)
+    return r.returncode, json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without a GPU")
+def test_gpu_check_refuses_without_gpu():
+    code, out, err = _run("gpu_check.py")
+    assert code == 2 and out["status"] == "refused" and "needs a CUDA GPU" in err and "--dry-run" in out["reason"]
+
+
+def test_gpu_check_dry_run_covers_every_stage():
+    code, out, _ = _run("gpu_check.py", "--dry-run")
+    assert code == 0 and out["status"] == "ok" and out["skipped"] == []
+    nc = out["naive_vs_cached"]
+    assert nc["identical_alphas"] and nc["ppl_rel_diff"] < 1e-6 and nc["naive_s"] > 0 and nc["cached_s"] > 0
+    s = out["alpha_search"]
+    assert len(s["grid"]) == 11 and len(s["alphas"]) == len(s["layers"]) == 2
+    assert s["ppl_searched"] <= s["ppl_alpha1"] + 1e-9
+    assert set(out["prefill"]) == {"16", "32"} and set(out["prefill"]["16"]) == {"dense", "harp"}
+    assert out["decode"]["kv_bytes_per_token"]["harp"] < out["decode"]["kv_bytes_per_token"]["dense"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="checks the refusal without TRT-LLM")
+def test_trtllm_check_refuses_without_tensorrt_llm(tmp_path):
+    code, out, err = _run("trtllm_check.py", "--artifact", str(tmp_path))
+    assert code == 2 and "not a trtllm artifact" in out["reason"]
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "build_engine.sh").write_text("")
+    code, out, err = _run("trtllm_check.py", "--artifact", str(tmp_path))
+    assert code == 2 and "tensorrt_llm does not import here" in out["reason"]
