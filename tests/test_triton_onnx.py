@@ -296,3 +296,13 @@ def test_stage_execute_caches_the_repository(engine, tmp_path):
     assert other.key != first.key and not other.cached
     with pytest.raises(PreconditionError, match="needs one of the inputs artifact, engine, onnx, trtllm"):
         TritonRepoStage().execute(store, ONNX, {})
+
+
+def test_bf16_graph_is_refused_for_onnx_serving(tmp_path):
+    from conftest import save_tiny
+    from harp_trt.rewrite.export import export_folder
+
+    folder = save_tiny("llama", tmp_path / "m")
+    export_folder(folder, tmp_path / "bf16", dtype="bfloat16")
+    with pytest.raises(HarpError, match="bfloat16 graph"):
+        write_repository(tmp_path / "bf16", tmp_path / "repo", ONNX)

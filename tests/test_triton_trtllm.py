@@ -212,3 +212,23 @@ def test_trtllm_errors(artifacts, tmp_path, capsys):
     assert main(["deploy", "triton", "--artifact", art.key, "--out", str(tmp_path / "r3"), "--workdir",
                  str(store_root), "--json"]) == 0
     assert (tmp_path / "r3" / "tensorrt_llm" / "config.pbtxt").is_file()
+
+
+def test_engine_without_our_window_list_is_refused(artifacts, tmp_path):
+    """A built engine at --engine-dir whose config lacks the checkpoint's per-layer windows (a
+    window-1 layer would then average V over the prefix, silently) is refused."""
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({"pretrained_config": {"runtime_defaults": {}}}))
+    with pytest.raises(PreconditionError, match=r"has max_attention_window None, but .* need \[64, 64, 1, 1\]"):
+        write_repository(artifacts["qwen2"].path, tmp_path / "repo", TritonRepoConfig(engine_dir=str(engine)))
+    (engine / "config.json").write_text(json.dumps(
+        {"pretrained_config": {"runtime_defaults": {"max_attention_window": [64, 64, 1, 1]}}}))
+    write_repository(artifacts["qwen2"].path, tmp_path / "repo", TritonRepoConfig(engine_dir=str(engine)))
+
+
+def test_v1_batching_is_refused():
+    from harp_trt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="batching_strategy must be 'inflight_fused_batching'"):
+        TritonRepoConfig(batching_strategy="V1").validate()
