@@ -29,19 +29,23 @@ class TorchEngine(Engine):
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), out.cache
+        out = self.model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float().cpu(), out.cache
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
-        out = self.model(input_ids=token, cache=state, use_cache=True)
-        return out.logits[:, -1].float(), out.cache
+        out = self.model(input_ids=token.to(self.device), cache=state, use_cache=True)
+        return out.logits[:, -1].float().cpu(), out.cache
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits.float()
+        return self.model(input_ids=ids.to(self.device), use_cache=False).logits.float().cpu()
 
     def cache_bytes(self, state: Any) -> int:
         total = 0
@@ -69,11 +73,14 @@ def load_torch_pair(plan, source, config) -> EnginePair:
     from harp_trt.harp import apply_harp
     from harp_trt.models import load_model, load_tokenizer
 
+    device = getattr(config, "device", "cpu")
     dense, family = load_model(source, dtype=config.dtype)
     harp, _ = load_model(source, dtype=config.dtype)
+    dense.to(device)
+    harp.to(device)
     apply_harp(harp, plan.alpha_map, family)
     tok = load_tokenizer(source.folder)
     log.info("torch engines: %s (%s), pruned layers %s", source.ref, config.dtype, list(plan.layers))
     return torch_pair_from_models(dense, harp, tok, plan.alpha_map,
-                                  {"model": source.to_dict(), "dtype": config.dtype,
+                                  {"model": source.to_dict(), "dtype": config.dtype, "device": device,
                                    "threads": torch.get_num_threads()})

@@ -65,6 +65,7 @@ class BenchConfig(StageConfig):
     greedy_prompts: int = 4
     greedy_tokens: int = 32
     dtype: str = "float32"
+    device: str = "cpu"      # torch engine: device kind (cpu | cuda); results differ between kinds
     threads: int = 0
     latency: bool = True
     accuracy: bool = True
@@ -74,6 +75,8 @@ class BenchConfig(StageConfig):
         from .engines import ENGINES
 
         ENGINES.get(self.engine)  # "did you mean"
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"BenchConfig.device is a device kind (cpu or cuda), got {self.device!r}")
         if self.latency and not self.seq_lens:
             raise ConfigError("--seq-lens is empty; give prompt lengths, e.g. 128,512,2048")
         if any(int(s) < 1 for s in self.seq_lens):

@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (held-out half)")
     p.add_argument("--ppl-tokens", type=int, default=C.default("ppl_tokens"), help="(default %(default)s)")
     p.add_argument("--ppl-seq-len", type=int, default=C.default("ppl_seq_len"), help="(default %(default)s)")
-    p.add_argument("--dtype", default=C.default("dtype"), help="float32 | bfloat16 | float16 (torch engine)")
+    p.add_argument("--dtype", default=None, help="torch engine: float32 | bfloat16 | float16 (default: bfloat16 "
+                                                 "on CUDA, float32 on CPU)")
+    p.add_argument("--device", default="auto", help="torch engine: auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--threads", type=int, default=C.default("threads"), help="0 = library default")
     p.add_argument("--no-latency", action="store_true", help="skip the latency measurements")
     p.add_argument("--no-accuracy", action="store_true", help="skip perplexity, agreement and lm-eval")
@@ -69,12 +71,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args):
     from bench.stage import BenchConfig
 
+    from ..device import resolve_placement
+
+    placement = resolve_placement(args.device, args.dtype)
     return BenchConfig.from_dict({
         "engine": args.engine, "seq_lens": _ints(args.seq_lens, "--seq-lens"),
         "decode_context": args.decode_context, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
         "repeats": args.repeats, "tasks": _tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
         "task_dir": args.task_dir, "eval_data": args.eval_data, "corpus": args.corpus,
-        "ppl_tokens": args.ppl_tokens, "ppl_seq_len": args.ppl_seq_len, "dtype": args.dtype,
+        "ppl_tokens": args.ppl_tokens, "ppl_seq_len": args.ppl_seq_len, "dtype": placement.dtype,
+        "device": placement.kind,
         "threads": args.threads, "latency": not args.no_latency, "accuracy": not args.no_accuracy})
 
 

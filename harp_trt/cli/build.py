@@ -35,7 +35,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     store = ArtifactStore(args.workdir)
     calib_config, placement = calibrate_config_from_args(args)
-    bench_config = _bench_config(args) if args.bench else None
+    bench_config = _bench_config(args, placement) if args.bench else None
     trtllm_config = None
     if args.backend == "trtllm":
         from builders.trtllm.stage import TrtllmCheckpointConfig
@@ -64,7 +64,7 @@ def run(args) -> dict:
     return out
 
 
-def _bench_config(args):
+def _bench_config(args, placement):
     from bench.stage import BenchConfig
 
     from .bench import _ints, _tasks
@@ -72,4 +72,6 @@ def _bench_config(args):
     return BenchConfig.from_dict({
         "engine": "ort" if args.backend in ("ort", "triton") else "torch",
         "seq_lens": _ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": _tasks(args.bench_tasks),
-        "limit": args.bench_limit, "repeats": args.bench_repeats, "corpus": args.corpus})
+        "limit": args.bench_limit, "repeats": args.bench_repeats, "corpus": args.corpus,
+        "dtype": placement.dtype if args.backend == "trtllm" else "float32",
+        "device": placement.kind if args.backend == "trtllm" else "cpu"})
