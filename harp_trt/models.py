@@ -75,19 +75,21 @@ def _file_sha256(path: Path) -> str:
 
 def check_safetensors(path: Path) -> None:
     """Cheap structural check: the header parses and the file holds every tensor's bytes."""
+    from .weights import read_header
+
     size = path.stat().st_size
+    hint = "the download or copy was probably cut short; fetch it again"
     try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                raise ValueError("header length beyond end of file")
-            header = json.loads(f.read(n))
+        header, data_start = read_header(path)
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end != size:
-            raise ValueError(f"file has {size} bytes, tensors need {8 + n + end}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CorruptWeightsError(f"{path} is not a complete safetensors file ({e})",
-                                  "the download or copy was probably cut short; fetch it again") from None
+    except CorruptWeightsError as e:
+        raise CorruptWeightsError(e.message.replace("is not a safetensors file", "is not a complete safetensors file"),
+                                  hint) from None
+    except (KeyError, TypeError) as e:
+        raise CorruptWeightsError(f"{path} is not a complete safetensors file ({e})", hint) from None
+    if data_start + end != size:
+        raise CorruptWeightsError(f"{path} is not a complete safetensors file (file has {size} bytes, tensors need "
+                                  f"{data_start + end})", hint)
 
 
 def weight_digest(folder: Path) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from .errors import CorruptWeightsError
 
-__all__ = ["WeightReader", "SafetensorsWriter", "TensorSpec", "ST_DTYPES", "dtype_code", "state_bytes"]
+__all__ = ["WeightReader", "SafetensorsWriter", "TensorSpec", "ST_DTYPES", "dtype_code", "state_bytes", "read_header"]
 
 # safetensors dtype codes <-> torch dtypes
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -63,7 +63,7 @@ class _Entry:
     end: int
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
+def read_header(path: Path) -> tuple[dict, int]:
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -91,7 +91,7 @@ class WeightReader:
         self.files = files
         self.entries: dict[str, _Entry] = {}
         for f in files:
-            header, data_start = _read_header(f)
+            header, data_start = read_header(f)
             for name, v in header.items():
                 if name == "__metadata__":
                     continue
