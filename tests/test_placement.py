@@ -11,7 +11,6 @@ import torch
 
 from calib.search import search_alphas
 from conftest import save_tiny
-from harp_trt.cli import main
 from harp_trt.device import choose_sequential, resolve_placement
 from harp_trt.errors import ConfigError
 from harp_trt.layerwise import LayerStack

@@ -37,7 +37,7 @@ from harp_trt.families import FamilySpec, family_of
 from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
 
-from .targets import ROUTE_LINEAR, ROUTE_WINDOW1, TrtllmTarget, target_for
+from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
 __all__ = ["DTYPES", "ModelDims", "write_checkpoint", "pp_layers", "valid_tp_sizes", "check_layout",
            "rank_of", "STAGE_NAME", "fold_vo", "LayerKinds", "layer_kinds", "hf_config"]
@@ -125,7 +125,7 @@ def check_pipeline(kinds: "LayerKinds", target: TrtllmTarget, pp_size: int) -> N
             raise ConfigError(
                 f"pp_size={pp_size}: pipeline stage {p} (layers {local[0]}-{local[-1]}) has no attention layer left "
                 "after pruning; TensorRT-LLM 1.2 refuses it (\"Asymmetrical pipeline parallelism detected\")",
-                f"use a pp_size whose stages each keep an attention layer, or pp_size=1")
+                "use a pp_size whose stages each keep an attention layer, or pp_size=1")
     windows = kinds.window_list()
     if windows is not None and len(set(windows)) > 1:
         for p in range(1, pp_size):

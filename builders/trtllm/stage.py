@@ -39,7 +39,7 @@ from .checkpoint import (DTYPES, STAGE_NAME, ModelDims, check_layout, check_pipe
 from .hf_format import write_hf_decilm
 from .launch import write_launch_files
 from .reader import read_checkpoint, read_hf_decilm
-from .targets import ROUTE_WINDOW1, target_for
+from .targets import target_for
 
 __all__ = ["TrtllmCheckpointConfig", "TrtllmCheckpointStage", "build_command", "VERIFY_TOLERANCE"]
 
