@@ -17,7 +17,8 @@ def plot_search(plan, trace: list[dict], path: Path) -> None:
     a1.set_ylim(0, 1.05)
     a1.set_xlabel("pruned layer")
     a1.set_ylabel("alpha")
-    a1.set_title(f"{plan.model_ref}: searched alpha (P={len(plan.layers)}, {plan.strategy})")
+    a1.set_title(f"{plan.model_ref}: {'given' if plan.extra.get('alphas_given') else 'searched'} alpha "
+                  f"(P={len(plan.layers)}, {plan.strategy})")
     xs = list(range(len(trace)))
     a2.plot(xs, [r["ppl"] for r in trace], ".-", label="candidate")
     a2.plot(xs, [r["best_ppl"] for r in trace], "-", label="best so far")

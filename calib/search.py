@@ -28,7 +28,7 @@ from harp_trt.families import FamilySpec
 from harp_trt.harp import apply_harp, set_alpha, vo_output
 from harp_trt.layerwise import LayerStack
 
-__all__ = ["SearchResult", "search_alphas", "DEFAULT_GRID"]
+__all__ = ["SearchResult", "search_alphas", "given_alphas", "DEFAULT_GRID"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,23 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         best_ppl = best
         log.info("layer %d: alpha=%.2f ppl=%.4f", l, best_a, best)
     return SearchResult(alphas, ppl1, best_ppl, trace, time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def given_alphas(stack: LayerStack, family: FamilySpec, windows: torch.Tensor, layers: Sequence[int],
+                 alphas: Sequence[float]) -> SearchResult:
+    """No search: HARP on ``layers`` with the given ``alphas`` (same order), and the calibration
+    perplexity at alpha = 1 and at the given alphas (``--alphas`` / ``--paper-alphas``)."""
+    t0 = time.perf_counter()
+    chosen = dict(zip((int(l) for l in layers), (float(a) for a in alphas)))
+    apply_harp(stack.model, {l: 1.0 for l in chosen}, family)
+    ppl1 = stack.perplexity(windows)
+    for l, a in chosen.items():
+        set_alpha(stack.model, l, a, family)
+    ppl = stack.perplexity(windows)
+    trace = [{"step": 0, "layer": l, "alpha": a, "ppl": ppl, "best_alpha": a, "best_ppl": ppl, "seconds": 0.0}
+             for l, a in sorted(chosen.items(), reverse=True)]
+    return SearchResult(chosen, ppl1, ppl, trace, time.perf_counter() - t0)
 
 
 def _div(total: float, count: int) -> float:

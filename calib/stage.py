@@ -19,7 +19,9 @@ from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 from harp_trt.versions import library_versions
 
-from .search import DEFAULT_GRID, Progress, search_alphas
+from harp_trt.ppl import PAD
+
+from .search import DEFAULT_GRID, Progress, given_alphas, search_alphas
 from .strategies import STRATEGIES, ScoreContext, get_strategy
 
 __all__ = ["CalibrateConfig", "CalibrateStage", "CalibrateInputs"]
@@ -29,15 +31,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CalibrateConfig(StageConfig):
-    """Calibration settings. ``layers`` = P; ``tokens`` is the budget of each split."""
+    """Calibration settings. ``layers`` = P; ``tokens`` is the budget of each split.
 
-    VERSION = 1
+    ``prune_layers`` fixes the layers (no scoring); ``alphas`` (ascending layer order, as plans
+    store them) fixes the alphas (no search). ``objective``: ``windows`` = fixed windows of
+    ``seq_len`` tokens over the corpus; ``paper`` = lm-eval ``wikitext``-style rolling windows over
+    whole BOS-prefixed documents, ``seq_len`` 0 = the model's maximum length."""
+
+    VERSION = 2
     layers: int = 2
     strategy: str = "top"
     alpha_grid: tuple[float, ...] = DEFAULT_GRID
     tokens: int = 8192
     seq_len: int = 512
     corpus: str = "wiki"
+    objective: str = "windows"
+    prune_layers: tuple[int, ...] = ()
+    alphas: tuple[float, ...] = ()
     score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
     dtype: str = "float32"   # the CLI's default: bfloat16 on CUDA, float32 on the CPU
     device: str = "cpu"      # device kind (cpu | cuda): results differ between kinds
@@ -51,10 +61,26 @@ class CalibrateConfig(StageConfig):
         bad = [a for a in self.alpha_grid if not 0.0 <= float(a) <= 1.0]
         if bad:
             raise ConfigError(f"--alpha-grid values must lie in [0, 1]; got {bad}")
-        if self.tokens < self.seq_len:
-            raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--seq-len {self.seq_len})")
-        if self.seq_len < 2:
-            raise ConfigError(f"--seq-len must be >= 2, got {self.seq_len}")
+        if self.objective not in ("windows", "paper"):
+            raise ConfigError(f"--objective must be windows or paper, got {self.objective!r}")
+        if self.objective == "windows":
+            if self.seq_len < 2:
+                raise ConfigError(f"--seq-len must be >= 2 with --objective windows, got {self.seq_len}")
+            if self.tokens < self.seq_len:
+                raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--seq-len {self.seq_len})")
+        elif self.seq_len < 0:
+            raise ConfigError(f"--seq-len must be >= 1 or max (0), got {self.seq_len}")
+        if self.prune_layers:
+            if len(self.prune_layers) != self.layers:
+                raise ConfigError(f"--prune-layers gives {len(self.prune_layers)} layers but P is {self.layers}")
+            if len(set(self.prune_layers)) != len(self.prune_layers) or min(self.prune_layers) < 0:
+                raise ConfigError(f"--prune-layers must be distinct layer indices >= 0, got {list(self.prune_layers)}")
+        if self.alphas:
+            if len(self.alphas) != self.layers:
+                raise ConfigError(f"--alphas gives {len(self.alphas)} values for {self.layers} pruned layers")
+            bad = [a for a in self.alphas if not 0.0 <= float(a) <= 1.0]
+            if bad:
+                raise ConfigError(f"--alphas values must lie in [0, 1]; got {bad}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.device not in ("cpu", "cuda"):
@@ -63,6 +89,7 @@ class CalibrateConfig(StageConfig):
     def key_material(self) -> dict[str, Any]:
         d = super().key_material()
         d["alpha_grid"] = [round(float(a), 6) for a in self.alpha_grid]
+        d["alphas"] = [round(float(a), 6) for a in self.alphas]
         return d
 
 
@@ -103,11 +130,15 @@ class CalibrateStage(Stage[CalibrateConfig]):
         if config.layers >= n:
             raise PreconditionError(self.name, f"--layers {config.layers} must be smaller than the model's "
                                     f"{n} layers (valid: 1..{n - 1})")
+        out = [l for l in config.prune_layers if l >= n]
+        if out:
+            raise PreconditionError(self.name, f"--prune-layers {out} out of range for a {n}-layer model "
+                                    f"(valid: 0..{n - 1})")
 
     def run(self, config: CalibrateConfig, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
         import polars as pl
 
-        from harp_trt.data import token_windows
+        from harp_trt.data import model_max_length, prefix_token_id, rolling_windows, token_windows
         from harp_trt.device import resolve_placement
         from harp_trt.layerwise import LayerStack
         from harp_trt.models import load_tokenizer
@@ -121,17 +152,23 @@ class CalibrateStage(Stage[CalibrateConfig]):
         model, family = stack.model, stack.family
         phase(f"model on {placement.describe(stack.sequential)}")
         tok = load_tokenizer(inp.resolved.folder)
-        calib = token_windows(tok, inp.corpus, "calib", config.seq_len, config.tokens)
-        held = token_windows(tok, inp.corpus, "heldout", config.seq_len, config.tokens)
+        if config.objective == "paper":
+            max_len = config.seq_len or model_max_length(model.config)
+            calib, held = (rolling_windows(tok, inp.corpus, s, max_len, config.tokens) for s in ("calib", "heldout"))
+        else:
+            calib, held = (token_windows(tok, inp.corpus, s, config.seq_len, config.tokens) for s in ("calib", "heldout"))
         timings["load"] = time.perf_counter() - t
 
-        phase(f"scoring layers ({config.strategy})")
         t = time.perf_counter()
-        strategy = get_strategy(config.strategy)
-        ctx = ScoreContext(family=family, config=model.config, folder=inp.resolved.folder, stack=stack,
-                           windows=calib[: config.score_windows])
-        scores = strategy.score(ctx)
-        selected = strategy.select(scores, config.layers)
+        if config.prune_layers:
+            strategy_name, scores, selected = "explicit", [], sorted(config.prune_layers)
+        else:
+            phase(f"scoring layers ({config.strategy})")
+            strategy_name, strategy = config.strategy, get_strategy(config.strategy)
+            ctx = ScoreContext(family=family, config=model.config, folder=inp.resolved.folder, stack=stack,
+                               windows=calib[: config.score_windows], prefix_id=prefix_token_id(tok))
+            scores = strategy.score(ctx)
+            selected = strategy.select(scores, config.layers)
         timings["score"] = time.perf_counter() - t
 
         phase("dense perplexity")
@@ -140,9 +177,13 @@ class CalibrateStage(Stage[CalibrateConfig]):
         ppl_held_dense = stack.perplexity(held)
         timings["dense_ppl"] = time.perf_counter() - t
 
-        phase(f"alpha search over layers {selected}")
-        res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
-                            progress=inp.progress)
+        if config.alphas:
+            phase(f"given alphas on layers {selected}")
+            res = given_alphas(stack, family, calib, selected, config.alphas)
+        else:
+            phase(f"alpha search over layers {selected}")
+            res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
+                                progress=inp.progress)
         timings["search"] = res.seconds
 
         phase("held-out perplexity")
@@ -150,20 +191,27 @@ class CalibrateStage(Stage[CalibrateConfig]):
         ppl_held_searched = stack.perplexity(held)
         from harp_trt.harp import set_alpha
 
-        for l in selected:
-            set_alpha(model, l, 1.0, family)
-        ppl_held_alpha1 = stack.perplexity(held)
+        held_at = {}
+        for a in (1.0, 0.0):  # alpha = 1 (HARP unscaled) and 0 (the sublayer removed, as Gate-Norm does)
+            for l in selected:
+                set_alpha(model, l, a, family)
+            held_at[a] = stack.perplexity(held)
         timings["heldout_ppl"] = time.perf_counter() - t
 
         ppl = {"dense": ppl_dense, "alpha1": res.ppl_alpha1, "searched": res.ppl_searched,
-               "heldout_dense": ppl_held_dense, "heldout_alpha1": ppl_held_alpha1,
+               "heldout_dense": ppl_held_dense, "heldout_alpha1": held_at[1.0], "heldout_alpha0": held_at[0.0],
                "heldout_searched": ppl_held_searched}
+        real = lambda w: int((w != PAD).sum())  # noqa: E731  tokens, right padding excluded
+        scored = lambda w: int((w[:, 1:] >= 0).sum())  # noqa: E731  tokens predicted (ppl.window_nll)
         plan = Plan(model_ref=inp.resolved.ref, model_digest=inp.resolved.digest, family=family.name,
-                    num_layers=model.config.num_hidden_layers, strategy=config.strategy,
+                    num_layers=model.config.num_hidden_layers, strategy=strategy_name,
                     layers=tuple(selected), alphas=tuple(res.alphas[l] for l in selected),
-                    scores=tuple(scores), grid=tuple(float(a) for a in config.alpha_grid), ppl=ppl,
-                    extra={"tokens": int(calib.numel()), "heldout_tokens": int(held.numel()),
-                           "seq_len": config.seq_len, "corpus": inp.corpus.name,
+                    scores=tuple(scores), grid=() if config.alphas else tuple(float(a) for a in config.alpha_grid),
+                    ppl=ppl,
+                    extra={"tokens": real(calib), "heldout_tokens": real(held), "windows": int(calib.shape[0]),
+                           "scored_tokens": scored(calib), "heldout_scored_tokens": scored(held),
+                           "objective": config.objective, "alphas_given": bool(config.alphas),
+                           "seq_len": int(calib.shape[1]) - (config.objective == "paper"), "corpus": inp.corpus.name,
                            "corpus_digest": inp.corpus.digest, "naive_search": inp.naive,
                            "placement": _placement_record(placement, stack),
                            "timings": {k: round(v, 3) for k, v in timings.items()},

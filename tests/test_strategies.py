@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from calib.strategies import STRATEGIES, ScoreContext, get_strategy
-from calib.strategies.gate_norm import gate_norm_scores
+from calib.strategies.gate_norm import gate_norm_folded_scores, gate_norm_scores
+from calib.strategies.sink import with_prefix
 from conftest import make_tiny, save_tiny
 from harp_trt.errors import ConfigError, UnknownNameError
 from harp_trt.families import family_of
@@ -17,7 +18,7 @@ def _ctx(model, **kw):
                         windows=torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)), **kw)
 
 
-@pytest.mark.parametrize("name", ["top", "gate-norm", "sink", "bi", "attn-sim"])
+@pytest.mark.parametrize("name", ["top", "bottom", "gate-norm", "gate-norm-folded", "sink", "bi", "attn-sim"])
 def test_one_finite_score_per_layer(family, name):
     model = make_tiny(family, num_hidden_layers=5)
     strat = get_strategy(name)
@@ -34,7 +35,44 @@ def test_top_selects_highest_layers():
     assert s.select(s.score(_ctx(make_tiny("llama", num_hidden_layers=6))), 3) == [3, 4, 5]
 
 
-def test_gate_norm_matches_brute_force(family):
+def test_bottom_selects_lowest_layers():
+    """The HARP paper's Bottom-P ablation."""
+    s = get_strategy("bottom")
+    assert s.select(s.score(_ctx(make_tiny("llama", num_hidden_layers=6))), 3) == [0, 1, 2]
+
+
+def test_gate_norm_is_the_papers_m_l(family):
+    """m_l = ||W_q W_k^T||_F (arXiv 2512.20636) in the paper's x W convention, built explicitly
+    from the attention module: q = x W_q, k = x W_k with W = weight^T, GQA by repeating each KV
+    head for its query heads; no gain, no 1/sqrt(d)."""
+    model = make_tiny(family)
+    fam = family_of(model.config)
+    cfg = model.config
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    expected = []
+    for layer in fam.layers(model):
+        w_q = layer.self_attn.q_proj.weight.detach().double().T            # D x H d
+        w_k = layer.self_attn.k_proj.weight.detach().double().T            # D x KV d
+        cols = [w_k[:, (h // (heads // kv)) * d:(h // (heads // kv) + 1) * d] for h in range(heads)]
+        w_k = torch.cat(cols, dim=1)                                       # D x H d
+        expected.append(float(torch.sqrt(((w_q @ w_k.T) ** 2).sum())))
+    got = gate_norm_scores(ScoreContext(family=fam, config=cfg, stack=LayerStack.wrap(model)))
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_gate_norm_ignores_the_norm_gain_the_folded_variant_uses():
+    """Scaling a layer's input-norm gain changes gate-norm-folded, never the paper's score."""
+    model = make_tiny("llama")
+    before = (gate_norm_scores(_ctx(model)), gate_norm_folded_scores(_ctx(model)))
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.mul_(0.01)
+    after = (gate_norm_scores(_ctx(model)), gate_norm_folded_scores(_ctx(model)))
+    assert after[0] == pytest.approx(before[0], rel=1e-12)
+    assert after[1][0] == pytest.approx(before[1][0] * 1e-4, rel=1e-4)  # gain enters q and k: squared
+    assert after[1][1:] == pytest.approx(before[1][1:], rel=1e-12)
+
+
+def test_gate_norm_folded_matches_brute_force(family):
     """score_l = mean_h ||diag(g) W_q^(h)T W_k^(k(h)) diag(g)||_F / sqrt(d), built explicitly."""
     model = make_tiny(family)
     fam = family_of(model.config)
@@ -51,7 +89,7 @@ def test_gate_norm_matches_brute_force(family):
             m = wq[h * d:(h + 1) * d].T @ wk[k * d:(k + 1) * d]  # D x D bilinear form
             vals.append(torch.linalg.matrix_norm(m, "fro") / d ** 0.5)
         expected.append(float(torch.stack(vals).mean()))
-    got = gate_norm_scores(ScoreContext(family=fam, config=cfg, stack=LayerStack.wrap(model)))
+    got = gate_norm_folded_scores(ScoreContext(family=fam, config=cfg, stack=LayerStack.wrap(model)))
     assert got == pytest.approx(expected, rel=1e-5)
 
 
@@ -63,17 +101,40 @@ def test_gate_norm_streams_from_safetensors(tmp_path):
     assert from_disk == pytest.approx(from_model, rel=1e-6)
 
 
-def test_sink_scores_are_attention_mass_on_position_zero():
+def test_sink_scores_are_attention_mass_on_the_bos():
+    """arXiv 2601.06787: attention to <BOS> at position 0. Every window gets the BOS prepended."""
     model = make_tiny("llama", attn="eager")
-    ctx = _ctx(model)
+    bos = 1
+    ctx = _ctx(model, prefix_id=bos)
     scores = get_strategy("sink").score(ctx)
-    out = model(input_ids=ctx.windows[:1], output_attentions=True)
+    first = torch.cat([torch.tensor([[bos]]), ctx.windows[:1, :-1]], 1)
+    out = model(input_ids=first, output_attentions=True)
     assert 0.0 < scores[0] < 1.0
-    # one window: the score of layer 1 over the first window alone
+    # one window: the score of layer 1 over the first window alone, BOS first
     one = get_strategy("sink").score(ScoreContext(family=ctx.family, config=model.config, stack=LayerStack.wrap(model),
-                                                  windows=ctx.windows[:1]))
+                                                  windows=ctx.windows[:1], prefix_id=bos))
     assert one[1] == pytest.approx(float(out.attentions[1][0, :, 1:, 0].mean()), rel=1e-5)
     assert model.config._attn_implementation == "eager"
+
+
+def test_with_prefix_prepends_once():
+    w = torch.tensor([[5, 6, 7], [1, 8, 9]])
+    assert with_prefix(w, 1).tolist() == [[1, 5, 6], [1, 8, 9]]
+    assert with_prefix(w, None) is w
+
+
+def test_sink_uses_only_real_queries_of_padded_windows():
+    """Right padding (rolling document windows) does not change a window's sink score."""
+    from harp_trt.ppl import PAD
+
+    model = make_tiny("llama", attn="eager")
+    w = torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    w[0, 0] = 1  # starts with the BOS already: kept as is
+    padded = torch.cat([w, torch.full((1, 6), PAD)], 1)
+    a, b = (get_strategy("sink").score(ScoreContext(family=family_of(model.config), config=model.config,
+                                                    stack=LayerStack.wrap(model), windows=x, prefix_id=1))
+            for x in (w, padded))
+    assert b == pytest.approx(a, rel=1e-5)
 
 
 def test_selection_errors():

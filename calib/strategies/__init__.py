@@ -10,6 +10,8 @@ __all__ = ["STRATEGIES", "ScoreContext", "Strategy", "get_strategy"]
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
 STRATEGIES.register("top", "calib.strategies.top:TopStrategy")
 STRATEGIES.register("gate-norm", "calib.strategies.gate_norm:GateNormStrategy")
+STRATEGIES.register("gate-norm-folded", "calib.strategies.gate_norm:GateNormFoldedStrategy")
+STRATEGIES.register("bottom", "calib.strategies.top:BottomStrategy")
 STRATEGIES.register("sink", "calib.strategies.sink:SinkStrategy")
 STRATEGIES.register("bi", "calib.strategies.similarity:BlockInfluenceStrategy")
 STRATEGIES.register("attn-sim", "calib.strategies.similarity:AttnSimStrategy")

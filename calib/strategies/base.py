@@ -24,7 +24,8 @@ class ScoreContext:
     config: Any                          # HF config
     folder: Path | None = None           # safetensors folder, for streaming weight reads
     stack: Any = None                    # harp_trt.layerwise.LayerStack (resident or sequential)
-    windows: torch.Tensor | None = None  # calibration token windows [n, S]
+    windows: torch.Tensor | None = None  # calibration token windows [n, S] (may hold ppl.PAD)
+    prefix_id: int | None = None         # the BOS (else EOS) token: data.prefix_token_id
 
 
 class Strategy:

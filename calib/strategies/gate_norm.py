@@ -1,15 +1,23 @@
 """Gate-Norm (arXiv 2512.20636): data-free query-key coupling from W_q and W_k only.
 
-For layer l with input-norm gain g (Gemma: 1 + w) and query head h reading KV head k(h):
+``gate-norm`` is the paper's score. With the paper's row-vector convention (q = x W_q,
+k = x W_k, W in R^{D x H d}) the attention logits of a layer are the bilinear form
+x_i W_q W_k^T x_j^T, and the layer's score is its Frobenius norm
 
-    A_h = W_q^(h) diag(g)   (d x D),   B_k = W_k^(k) diag(g)   (d x D)
-    c_h = || A_h^T B_k ||_F / sqrt(d)          (the bilinear form x^T A^T B y of q.k / sqrt(d))
-    score_l = mean_h c_h
+    m_l = || W_q W_k^T ||_F            (one D x D product per layer, no norm gain, no 1/sqrt(d))
 
-computed as ||A^T B||_F^2 = trace((A A^T)(B B^T)), d x d products only. RoPE rotations and q/k
-biases are left out (rotations are orthogonal per position; biases do not couple tokens).
-Weights are streamed one tensor at a time from the safetensors files: no forward pass, no data.
-Prune the P *least* coupled layers."""
+and the N layers with the smallest m_l lose their attention. Under GQA, W_k has fewer columns
+than W_q; each query head reads its KV head, so W_k's heads are repeated to the query heads
+(``repeat_kv``) before the product, which keeps m_l the norm of exactly that bilinear form.
+In HF's [out, in] layout the product is ``Wq^T @ repeat_kv(Wk)``.
+
+``gate-norm-folded`` is an earlier variant kept for comparison: it folds the input-norm gain g
+into both matrices and averages per-head norms, mean_h ||(W_q^h diag g)^T (W_k^k(h) diag g)||_F
+/ sqrt(d). The gain makes it rank layers by their norm scale: on SmolLM2-135M layer 0's tiny
+gain alone makes it pick layers 0 and 1, which the paper's score does not (README).
+
+RoPE and q/k biases are left out by both (rotations are orthogonal per position; biases do not
+couple tokens). Weights are streamed one tensor at a time from the safetensors files."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,22 +49,37 @@ class _TensorSource:
         return self.reader.get(name, torch.float32)
 
 
-def gate_norm_scores(ctx: ScoreContext) -> list[float]:
-    cfg = ctx.config
+def _heads(cfg) -> tuple[int, int, int]:
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    rep = heads // kv
-    src = _TensorSource(ctx)
+    return heads, kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+
+
+def gate_norm_scores(ctx: ScoreContext) -> list[float]:
+    """m_l = ||W_q W_k^T||_F per layer (the paper's Gate-Norm)."""
+    heads, kv, d = _heads(ctx.config)
+    src, fam = _TensorSource(ctx), ctx.family
     scores = []
-    for layer in range(cfg.num_hidden_layers):
-        fam = ctx.family
+    for layer in range(ctx.config.num_hidden_layers):
+        wq = src.get(fam.weight_name("q", layer))                                   # [H d, D]
+        wk = src.get(fam.weight_name("k", layer)).view(kv, d, -1)
+        wk = wk.repeat_interleave(heads // kv, dim=0).reshape(heads * d, -1)         # repeat_kv
+        scores.append(float(torch.linalg.matrix_norm((wq.T @ wk).double())))       # ||D x D||_F
+    return scores
+
+
+def gate_norm_folded_scores(ctx: ScoreContext) -> list[float]:
+    """mean_h ||(W_q^h diag g)^T (W_k^k(h) diag g)||_F / sqrt(d), via trace((A A^T)(B B^T))."""
+    heads, kv, d = _heads(ctx.config)
+    src, fam = _TensorSource(ctx), ctx.family
+    scores = []
+    for layer in range(ctx.config.num_hidden_layers):
         gain = src.get(fam.weight_name("input_ln", layer)) + fam.norm_weight_offset
         wq = src.get(fam.weight_name("q", layer)) * gain      # [heads*d, D]
         wk = src.get(fam.weight_name("k", layer)) * gain      # [kv*d, D]
         gq = torch.einsum("hid,hjd->hij", wq.view(heads, d, -1), wq.view(heads, d, -1))  # A A^T
         gk = torch.einsum("kid,kjd->kij", wk.view(kv, d, -1), wk.view(kv, d, -1))        # B B^T
-        gk = gk.repeat_interleave(rep, dim=0)                        # KV head of each query head
+        gk = gk.repeat_interleave(heads // kv, dim=0)                # KV head of each query head
         fro2 = torch.einsum("hij,hji->h", gq.double(), gk.double()).clamp_min(0)
         scores.append(float((fro2.sqrt() / d ** 0.5).mean()))
     return scores
@@ -69,3 +92,12 @@ class GateNormStrategy(Strategy):
 
     def score(self, ctx: ScoreContext) -> list[float]:
         return gate_norm_scores(ctx)
+
+
+class GateNormFoldedStrategy(Strategy):
+    name = "gate-norm-folded"
+    needs_data = False
+    prune_high = False
+
+    def score(self, ctx: ScoreContext) -> list[float]:
+        return gate_norm_folded_scores(ctx)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from harp_trt.ppl import valid_length
+
 from .base import ScoreContext, Strategy
 
 
@@ -22,15 +24,16 @@ def similarity_scores(ctx: ScoreContext, attn_only: bool, max_windows: int = 8) 
     contribution, recomputed from the same input) while the layer is resident."""
     stack, family = ctx.stack, ctx.family
     windows = ctx.windows[:max_windows]
+    lengths = [valid_length(w) for w in windows]  # right padding is not scored
     cap = stack.capture(windows)
     scores = []
     for i, layer, h_in, h_out in stack.walk(cap.h0, cap):
         total = 0.0
-        for x, y in zip(h_in, h_out):
+        for x, y, n in zip(h_in, h_out, lengths):
             if attn_only:
                 attn = layer.self_attn(layer.input_layernorm(x), **cap.kwargs[i])[0]
                 y = x + family.attn_residual(layer, torch.zeros_like(x), attn)
-            total += _one_minus_cos(x, y)
+            total += _one_minus_cos(x[:, :n], y[:, :n])
         scores.append(total / len(h_in))
     return scores
 

@@ -8,7 +8,7 @@ from typing import Iterator
 from ..errors import ConfigError
 
 __all__ = ["add_model_argument", "add_calibrate_arguments", "calibrate_config_from_args",
-           "add_placement_arguments", "placement_from_args",
+           "add_placement_arguments", "placement_from_args", "parse_ints", "parse_tasks",
            "parse_grid", "progress_bar", "default_layers"]
 
 
@@ -18,12 +18,25 @@ def add_model_argument(p: argparse.ArgumentParser, required: bool = True) -> Non
                         "HF id, local HF folder or .gguf file")
 
 
-def parse_grid(text: str) -> tuple[float, ...]:
+def parse_grid(text: str, flag: str = "--alpha-grid") -> tuple[float, ...]:
     try:
         vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"--alpha-grid must be comma-separated numbers in [0, 1], got {text!r}") from None
+        raise ConfigError(f"{flag} must be comma-separated numbers in [0, 1], got {text!r}") from None
     return vals
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def parse_tasks(text: str) -> tuple[str, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = False) -> None:
@@ -33,12 +46,30 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
                    help="number of layers to prune (default: the preset's value, else "
                         f"{C.default('layers')})")
     p.add_argument("--strategy", default=C.default("strategy"),
-                   help="layer scoring: top, gate-norm, sink, bi, attn-sim (default %(default)s)")
+                   help="layer scoring: top, bottom, gate-norm, gate-norm-folded, sink, bi, attn-sim "
+                        "(default %(default)s)")
     p.add_argument("--alpha-grid", default=",".join(f"{a:g}" for a in C.default("alpha_grid")),
                    help="candidate alphas (default %(default)s)")
+    g = p.add_argument_group("given layers and alphas (no search)")
+    g.add_argument("--prune-layers", default=None,
+                   help="prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)")
+    g.add_argument("--alphas", default=None,
+                   help="use these alphas instead of searching, one per pruned layer, e.g. 0.8,0.2")
+    g.add_argument("--alpha-order", choices=("ascending", "top-down"), default="ascending",
+                   help="order of --alphas: ascending layer index, as plans store them (default), or "
+                        "top-down, as the HARP paper lists them (first = highest pruned layer)")
+    g.add_argument("--paper-alphas", action="store_true",
+                   help="the HARP paper's published layers and alphas of a preset (llama3.1-8b, "
+                        "mistral-7b-v0.3, qwen2-7b, gemma2-9b)")
+    p.add_argument("--objective", choices=("windows", "paper"), default=C.default("objective"),
+                   help="windows: fixed windows of --seq-len over the corpus (default); paper: the HARP "
+                        "paper's objective, lm-eval wikitext style: whole documents prefixed with BOS in "
+                        "rolling windows of the model's maximum length, bf16 unless --dtype")
     p.add_argument("--tokens", type=int, default=C.default("tokens"),
                    help="calibration tokens per split (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=C.default("seq_len"), help="window length (default %(default)s)")
+    p.add_argument("--seq-len", default=None,
+                   help=f"window length, or 'max' (the model's maximum length) (default {C.default('seq_len')}; "
+                        "with --objective paper: max)")
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (default %(default)s)")
     add_placement_arguments(p)
     p.add_argument("--naive", action="store_true", help="recompute the full model per candidate (reference search)")
@@ -56,10 +87,10 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
                         "when the weights exceed the free memory)")
 
 
-def placement_from_args(args):
+def placement_from_args(args, default_dtype: str | None = None):
     from ..device import resolve_placement
 
-    return resolve_placement(args.device, args.dtype, args.device_map, args.sequential)
+    return resolve_placement(args.device, args.dtype or default_dtype, args.device_map, args.sequential)
 
 
 def default_layers(model_ref: str) -> int:
@@ -69,16 +100,60 @@ def default_layers(model_ref: str) -> int:
     return PRESETS[model_ref].default_layers if model_ref in PRESETS else CalibrateConfig.default("layers")
 
 
+def given_layers_and_alphas(args) -> tuple[int | None, tuple[int, ...], tuple[float, ...]]:
+    """(P, explicit layers, alphas in ascending layer order) from --layers / --prune-layers /
+    --alphas / --alpha-order / --paper-alphas. P is None when nothing fixes it."""
+    from harp_trt.models import PRESETS
+
+    prune = tuple(sorted(parse_ints(args.prune_layers, "--prune-layers"))) if args.prune_layers else ()
+    if len(set(prune)) != len(prune):
+        raise ConfigError(f"--prune-layers repeats a layer: {args.prune_layers}")
+    alphas, order = (parse_grid(args.alphas, "--alphas") if args.alphas else ()), args.alpha_order
+    if args.paper_alphas:
+        if args.alphas:
+            raise ConfigError("--paper-alphas and --alphas both give the alphas; use one")
+        preset = PRESETS.get(args.model)
+        if preset is None or not preset.paper_alphas:
+            have = ", ".join(n for n, p in PRESETS.items() if p.paper_alphas)
+            raise ConfigError(f"--paper-alphas: the HARP paper publishes no alphas for {args.model!r}",
+                              f"presets with published alphas: {have}; or pass --alphas")
+        alphas, order = preset.paper_alphas, "top-down"
+    layers = args.layers
+    for what, n in (("--prune-layers", len(prune)), ("--alphas", len(alphas))):
+        if n and layers is not None and n != layers:
+            raise ConfigError(f"{what} gives {n} layers but --layers is {layers}")
+        layers = n or layers
+    if prune and alphas and len(prune) != len(alphas):
+        raise ConfigError(f"--alphas gives {len(alphas)} values for {len(prune)} --prune-layers")
+    if order == "top-down":
+        alphas = tuple(reversed(alphas))
+    return layers, prune, alphas
+
+
 def calibrate_config_from_args(args):
-    """(CalibrateConfig, Placement): the device kind and dtype go into the config (and the key)."""
+    """(CalibrateConfig, Placement): the device kind and dtype go into the config (and the key).
+    ``--objective paper`` defaults to bf16 and the model's maximum length."""
     from calib.stage import CalibrateConfig
 
-    placement = placement_from_args(args)
-    layers = args.layers if args.layers is not None else default_layers(args.model)
+    paper = args.objective == "paper"
+    placement = placement_from_args(args, "bfloat16" if paper else None)
+    layers, prune, alphas = given_layers_and_alphas(args)
+    if layers is None:
+        layers = default_layers(args.model)
+    seq = args.seq_len if args.seq_len is not None else ("max" if paper else str(CalibrateConfig.default("seq_len")))
+    if seq == "max":
+        seq_len = 0
+    else:
+        try:
+            seq_len = int(seq)
+        except ValueError:
+            raise ConfigError(f"--seq-len must be a number of tokens or 'max', got {seq!r}") from None
+        if seq_len < 1:
+            raise ConfigError(f"--seq-len must be >= 1 or 'max', got {seq!r}")
     config = CalibrateConfig.from_dict({
         "layers": layers, "strategy": args.strategy, "alpha_grid": parse_grid(args.alpha_grid),
-        "tokens": args.tokens, "seq_len": args.seq_len, "corpus": args.corpus, "dtype": placement.dtype,
-        "device": placement.kind,
+        "tokens": args.tokens, "seq_len": seq_len, "corpus": args.corpus, "dtype": placement.dtype,
+        "device": placement.kind, "prune_layers": prune, "alphas": alphas, "objective": args.objective,
     })
     return config, placement
 

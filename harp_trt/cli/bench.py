@@ -4,23 +4,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from ._common import parse_ints, parse_tasks
+
 NAME = "bench"
 HELP = "latency (prefill sweep, TTFT, decode, KV bytes) and accuracy (perplexity, lm-eval) of dense vs HARP"
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    from ..errors import ConfigError
-
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
-
-
-def _tasks(text: str) -> tuple[str, ...]:
-    if text.strip().lower() in ("", "none"):
-        return ()
-    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,9 +62,9 @@ def config_from_args(args):
 
     placement = resolve_placement(args.device, args.dtype)
     return BenchConfig.from_dict({
-        "engine": args.engine, "seq_lens": _ints(args.seq_lens, "--seq-lens"),
+        "engine": args.engine, "seq_lens": parse_ints(args.seq_lens, "--seq-lens"),
         "decode_context": args.decode_context, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
-        "repeats": args.repeats, "tasks": _tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
+        "repeats": args.repeats, "tasks": parse_tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
         "task_dir": args.task_dir, "eval_data": args.eval_data, "corpus": args.corpus,
         "ppl_tokens": args.ppl_tokens, "ppl_seq_len": args.ppl_seq_len, "dtype": placement.dtype,
         "device": placement.kind,

@@ -67,11 +67,11 @@ def run(args) -> dict:
 def _bench_config(args, placement):
     from bench.stage import BenchConfig
 
-    from .bench import _ints, _tasks
+    from ._common import parse_ints, parse_tasks
 
     return BenchConfig.from_dict({
         "engine": "ort" if args.backend in ("ort", "triton") else "torch",
-        "seq_lens": _ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": _tasks(args.bench_tasks),
+        "seq_lens": parse_ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": parse_tasks(args.bench_tasks),
         "limit": args.bench_limit, "repeats": args.bench_repeats, "corpus": args.corpus,
         "dtype": placement.dtype if args.backend == "trtllm" else "float32",
         "device": placement.kind if args.backend == "trtllm" else "cpu"})
