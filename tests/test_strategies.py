@@ -41,14 +41,17 @@ def test_bottom_selects_lowest_layers():
     assert s.select(s.score(_ctx(make_tiny("llama", num_hidden_layers=6))), 3) == [0, 1, 2]
 
 
+def _tiny_attention(family):
+    model = make_tiny(family)
+    cfg = model.config
+    return model, family_of(cfg), cfg, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+
+
 def test_gate_norm_is_the_papers_m_l(family):
     """m_l = ||W_q W_k^T||_F (arXiv 2512.20636) in the paper's x W convention, built explicitly
     from the attention module: q = x W_q, k = x W_k with W = weight^T, GQA by repeating each KV
     head for its query heads; no gain, no 1/sqrt(d)."""
-    model = make_tiny(family)
-    fam = family_of(model.config)
-    cfg = model.config
-    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    model, fam, cfg, (heads, kv, d) = _tiny_attention(family)
     expected = []
     for layer in fam.layers(model):
         w_q = layer.self_attn.q_proj.weight.detach().double().T            # D x H d
@@ -74,10 +77,7 @@ def test_gate_norm_ignores_the_norm_gain_the_folded_variant_uses():
 
 def test_gate_norm_folded_matches_brute_force(family):
     """score_l = mean_h ||diag(g) W_q^(h)T W_k^(k(h)) diag(g)||_F / sqrt(d), built explicitly."""
-    model = make_tiny(family)
-    fam = family_of(model.config)
-    cfg = model.config
-    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    model, fam, cfg, (heads, kv, d) = _tiny_attention(family)
     expected = []
     for layer in fam.layers(model):
         g = layer.input_layernorm.weight.detach() + fam.norm_weight_offset
