@@ -178,3 +178,16 @@ def test_paper_alphas_of_the_presets():
         assert layers == p.default_layers == len(p.paper_alphas) and prune == ()
         assert alphas == tuple(reversed(p.paper_alphas))  # ascending layer order
     assert PRESETS["llama3.1-8b"].paper_alphas == (0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0)
+
+
+def test_score_command_and_calibrate_agree_on_the_bos_sink(tiny, capsys):
+    """`harp-trt score --strategy sink` puts the BOS first exactly as calibrate does."""
+    folder, corpus, cache = tiny
+    code, res, err = run_json(capsys, *calib_args(folder, corpus, cache, "--strategy", "sink", "--alphas", "1,1",
+                                                  "--layers", "2"))
+    assert code == 0, err
+    plan = json.loads((Path(res["artifact"]) / "plan.json").read_text())
+    code, sc, err = run_json(capsys, "score", "--model", str(folder), "--strategy", "sink", "--tokens", "256",
+                             "--seq-len", "64", "--corpus", str(corpus), "--workdir", str(cache), "--json")
+    assert code == 0, err
+    assert sc["scores"] == pytest.approx(plan["scores"], rel=1e-6) and sc["selected"] == plan["layers"]

@@ -43,11 +43,13 @@ def run(args) -> dict:
     p = args.layers if args.layers is not None else default_layers(args.model)
     ctx = ScoreContext(family=family, config=cfg, folder=resolved.folder)
     if strategy.needs_data:  # data-free strategies stream weights and never load the model
-        from ..data import load_corpus, token_windows
+        from ..data import load_corpus, prefix_token_id, token_windows
 
         ctx.stack = LayerStack.open(resolved.folder, placement)
         corpus = load_corpus(args.corpus, store.root)
-        ctx.windows = token_windows(load_tokenizer(resolved.folder), corpus, "calib", args.seq_len, args.tokens)
+        tok = load_tokenizer(resolved.folder)
+        ctx.windows = token_windows(tok, corpus, "calib", args.seq_len, args.tokens)
+        ctx.prefix_id = prefix_token_id(tok)
     scores = strategy.score(ctx)
     selected = strategy.select(scores, p)
     df = pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
