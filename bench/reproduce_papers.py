@@ -4,7 +4,7 @@ removed, as Gate-Norm and the sink paper do), the HARP paper's Bottom-P ablation
 lm-eval accuracy of the dense model and of chosen searched plans, with standard errors.
 
     python bench/reproduce_papers.py [--model smollm2-135m] [--ps 2,4] [--tokens 2048]
-        [--strategies top,bottom,gate-norm,gate-norm-folded,sink,bi,attn-sim]
+        [--strategies top,bottom,gate-norm,gate-norm-folded,sink,bi,attn-sim]   (name@P: only at that P)
         [--eval-p 4] [--eval-strategies top,bottom,gate-norm,sink] [--tasks hellaswag,piqa,arc_easy,winogrande]
         [--limit 1000]
 
@@ -25,19 +25,24 @@ def _calibrate_rows(args, store, resolved) -> list[dict]:
     from harp_trt.plan import Plan
 
     rows = []
+    runs = []  # "name" runs at every P, "name@2" only at P = 2
     for p in (int(x) for x in args.ps.split(",")):
-        for strategy in (s for s in args.strategies.split(",") if s):
-            t = time.perf_counter()
-            cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len)
-            art = run_calibrate(resolved, cfg, store)
-            plan = Plan.load(art.path)
-            q = plan.ppl
-            rows.append({"strategy": strategy, "P": p, "layers": list(plan.layers), "alphas": list(plan.alphas),
-                         "heldout_dense": q["heldout_dense"], "heldout_alpha1": q["heldout_alpha1"],
-                         "heldout_searched": q["heldout_searched"], "heldout_alpha0": q["heldout_alpha0"],
-                         "plan": str(art.path / "plan.json"), "seconds": round(time.perf_counter() - t, 1)})
-            print(f"calibrated {strategy} P={p}: {rows[-1]['layers']} searched {q['heldout_searched']:.2f} "
-                  f"({rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
+        for entry in (s for s in args.strategies.split(",") if s):
+            name, _, only = entry.partition("@")
+            if not only or int(only) == p:
+                runs.append((p, name))
+    for p, strategy in runs:
+        t = time.perf_counter()
+        cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len)
+        art = run_calibrate(resolved, cfg, store)
+        plan = Plan.load(art.path)
+        q = plan.ppl
+        rows.append({"strategy": strategy, "P": p, "layers": list(plan.layers), "alphas": list(plan.alphas),
+                     "heldout_dense": q["heldout_dense"], "heldout_alpha1": q["heldout_alpha1"],
+                     "heldout_searched": q["heldout_searched"], "heldout_alpha0": q["heldout_alpha0"],
+                     "plan": str(art.path / "plan.json"), "seconds": round(time.perf_counter() - t, 1)})
+        print(f"calibrated {strategy} P={p}: {rows[-1]['layers']} searched {q['heldout_searched']:.2f} "
+              f"({rows[-1]['seconds']} s)", file=sys.stderr, flush=True)
     return rows
 
 
