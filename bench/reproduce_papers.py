@@ -33,7 +33,8 @@ def _calibrate_rows(args, store, resolved) -> list[dict]:
                 runs.append((p, name))
     for p, strategy in runs:
         t = time.perf_counter()
-        cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len)
+        cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len,
+                              corpus=args.corpus)
         art = run_calibrate(resolved, cfg, store)
         plan = Plan.load(art.path)
         q = plan.ppl
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", default="top,bottom,gate-norm,gate-norm-folded,sink,bi,attn-sim")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--corpus", default="wiki")
     ap.add_argument("--eval-p", type=int, default=4)
     ap.add_argument("--eval-strategies", default="top,bottom,gate-norm,sink")
     ap.add_argument("--tasks", default="hellaswag,piqa,arc_easy,winogrande")
