@@ -1,49 +1,67 @@
-"""Latency of a dense and a HARP engine measured side by side.
+"""Latency of a dense and a HARP engine measured side by side, with paired confidence intervals.
 
 Both engines run in this process on the same inputs, *interleaved*: every repeat times the dense
 and the HARP engine one after the other, alternating which goes first, so drift (thermal state,
 other processes on a shared machine, allocator growth) hits both alike. Each shape is warmed up
-before it is timed. Reported per shape: median, p90, p99, mean over the repeats.
+before it is timed. What is measured:
 
 * prefill: one forward pass over S prompt tokens (building the cache), per sequence length;
-* generation at a context C: time to first token (prefill of C tokens + the greedy pick) and the
-  ms of each following one-token decode step; tokens/s = 1000 / median ms per token;
-* KV cache: bytes measured on the cache tensors after the generation, per token of context."""
+* generation of ``decode_tokens + 1`` output tokens for a batch of B identical-length requests at a
+  context C (no padding needed), for B = 1 and every ``batch_sizes`` entry: time to first token
+  (the batched prefill + the greedy pick), the ms of each following one-token decode step (the
+  inter-token latency) and the end-to-end ms of the batch (``request``), from which output
+  tokens/s and requests/s follow;
+* KV cache: bytes measured on the cache tensors after the batch-1 generation, per token of context.
+
+Names and units follow genai-perf / trtllm-bench (``serving_figures``): ``time_to_first_token`` and
+``inter_token_latency`` in ms with avg/p50/p90/p99, ``output_token_throughput`` in tokens/sec and
+``request_throughput`` in requests/sec. Speed-ups carry a 95 % confidence interval from the
+interleaved pairs (``paired_speedup``)."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from .engines import EnginePair
 
-__all__ = ["LatencySettings", "measure_prefill", "measure_generation", "quantiles", "summarise"]
+__all__ = ["LatencySettings", "measure_prefill", "measure_generation", "quantiles", "summarise",
+           "latency_stats", "paired_speedup", "paired_speedups", "serving_figures", "BOOTSTRAP_RESAMPLES"]
 
 log = logging.getLogger(__name__)
+
+BOOTSTRAP_RESAMPLES = 10_000
 
 
 @dataclass(frozen=True)
 class LatencySettings:
+    """``batch_sizes``: request batches whose throughput is measured (batch 1 always runs: it gives
+    the time-to-first-token and inter-token-latency headline)."""
+
     seq_lens: tuple[int, ...]
     decode_context: int
     decode_tokens: int
     warmup: int
     repeats: int
     seed: int = 0
+    batch_sizes: tuple[int, ...] = ()
+
+    def generation_batches(self) -> list[int]:
+        return sorted({1, *(int(b) for b in self.batch_sizes)})
 
 
 def _order(r: int) -> tuple[str, str]:
     return ("dense", "harp") if r % 2 == 0 else ("harp", "dense")
 
 
-def _ids(vocab: int, n: int, seed: int) -> torch.Tensor:
+def _ids(vocab: int, n: int, seed: int, batch: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # ids from the lower half of the vocabulary: no special tokens at the top end of most vocabularies
-    return torch.randint(3, max(4, vocab // 2), (1, n), generator=g)
+    return torch.randint(3, max(4, vocab // 2), (batch, n), generator=g)
 
 
 def measure_prefill(pair: EnginePair, s: LatencySettings,
@@ -60,7 +78,7 @@ def measure_prefill(pair: EnginePair, s: LatencySettings,
             for v in _order(r):
                 t0 = time.perf_counter()
                 engines[v].prefill(ids)
-                rows.append({"measure": "prefill", "variant": v, "seq_len": seq, "repeat": r,
+                rows.append({"measure": "prefill", "variant": v, "seq_len": seq, "batch_size": 1, "repeat": r,
                              "step": 0, "ms": (time.perf_counter() - t0) * 1e3})
         if progress:
             progress(f"prefill {seq} tokens: dense {_median(rows, 'dense', seq):.1f} ms, "
@@ -72,8 +90,8 @@ def _median(rows, variant, seq) -> float:
     return float(np.median([r["ms"] for r in rows if r["variant"] == variant and r["seq_len"] == seq]))
 
 
-def _generate(engine, ids: torch.Tensor, steps: int) -> tuple[float, list[float], int]:
-    """(ms to first token, ms of each later step, cache bytes at the end). Greedy."""
+def _generate(engine, ids: torch.Tensor, steps: int) -> tuple[float, list[float], float, int]:
+    """(ms to first token, ms of each later step, end-to-end ms, cache bytes at the end). Greedy."""
     t0 = time.perf_counter()
     logits, state = engine.prefill(ids)
     tok = logits.argmax(-1, keepdim=True)
@@ -84,34 +102,38 @@ def _generate(engine, ids: torch.Tensor, steps: int) -> tuple[float, list[float]
         logits, state = engine.decode(tok, state)
         tok = logits.argmax(-1, keepdim=True)
         step_ms.append((time.perf_counter() - t) * 1e3)
-    return ttft, step_ms, engine.cache_bytes(state)
+    e2e = (time.perf_counter() - t0) * 1e3
+    return ttft, step_ms, e2e, engine.cache_bytes(state)
 
 
 def measure_generation(pair: EnginePair, s: LatencySettings,
                        progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict[str, dict]]:
-    """Raw samples (``ttft`` and ``decode`` rows) and per-variant cache figures
-    ``{variant: {"cache_bytes", "cache_tokens", "kv_bytes_per_token"}}``."""
+    """Raw samples (``ttft``, ``decode`` and ``request`` rows, per batch size) and per-variant
+    cache figures of the batch-1 run ``{variant: {"cache_bytes", "cache_tokens", "kv_bytes_per_token"}}``."""
     rows: list[dict] = []
     cache: dict[str, dict] = {}
     engines = pair.engines()
-    ids = _ids(pair.dims.vocab, s.decode_context, s.seed + 7)
-    for w in range(s.warmup):
-        for v in _order(w):
-            _generate(engines[v], ids, min(2, s.decode_tokens))
-    for r in range(s.repeats):
-        for v in _order(r):
-            ttft, steps, nbytes = _generate(engines[v], ids, s.decode_tokens)
-            rows.append({"measure": "ttft", "variant": v, "seq_len": s.decode_context, "repeat": r,
-                         "step": 0, "ms": ttft})
-            rows += [{"measure": "decode", "variant": v, "seq_len": s.decode_context, "repeat": r,
-                      "step": i + 1, "ms": ms} for i, ms in enumerate(steps)]
-            tokens = s.decode_context + s.decode_tokens
-            cache[v] = {"cache_bytes": nbytes, "cache_tokens": tokens, "kv_bytes_per_token": nbytes / tokens}
-    if progress:
-        med = {v: np.median([x["ms"] for x in rows if x["measure"] == "decode" and x["variant"] == v])
-               for v in ("dense", "harp")}
-        progress(f"decode at {s.decode_context} tokens: dense {med['dense']:.2f} ms/token, "
-                 f"harp {med['harp']:.2f} ms/token")
+    for b in s.generation_batches():
+        ids = _ids(pair.dims.vocab, s.decode_context, s.seed + 7, batch=b)
+        t_batch = time.perf_counter()
+        for w in range(s.warmup):
+            for v in _order(w):
+                _generate(engines[v], ids, min(2, s.decode_tokens))
+        for r in range(s.repeats):
+            for v in _order(r):
+                ttft, steps, e2e, nbytes = _generate(engines[v], ids, s.decode_tokens)
+                base = {"variant": v, "seq_len": s.decode_context, "batch_size": b, "repeat": r}
+                rows.append({"measure": "ttft", **base, "step": 0, "ms": ttft})
+                rows += [{"measure": "decode", **base, "step": i + 1, "ms": ms} for i, ms in enumerate(steps)]
+                rows.append({"measure": "request", **base, "step": 0, "ms": e2e})
+                if b == 1:
+                    tokens = s.decode_context + s.decode_tokens
+                    cache[v] = {"cache_bytes": nbytes, "cache_tokens": tokens, "kv_bytes_per_token": nbytes / tokens}
+        if progress:
+            med = {v: np.median([x["ms"] for x in rows if x["measure"] == "decode" and x["variant"] == v
+                                 and x["batch_size"] == b]) for v in ("dense", "harp")}
+            progress(f"decode at {s.decode_context} tokens, batch {b}: dense {med['dense']:.2f} ms/step, "
+                     f"harp {med['harp']:.2f} ms/step ({time.perf_counter() - t_batch:.1f} s)")
     return rows, cache
 
 
@@ -122,16 +144,138 @@ def quantiles(ms) -> dict[str, float]:
             "min_ms": float(a.min()), "n": int(a.size)}
 
 
+def _steps_per_request(samples: list[dict], seq: int, batch: int, variant: str) -> int:
+    """Decode steps of one generation (repeat 0): its output tokens are this + 1."""
+    return sum(1 for r in samples if r["measure"] == "decode" and r["seq_len"] == seq
+               and r.get("batch_size", 1) == batch and r["variant"] == variant and r["repeat"] == 0)
+
+
 def summarise(samples: list[dict]) -> list[dict]:
-    """One row per (measure, seq_len, variant) with the quantiles of its samples."""
+    """One row per (measure, seq_len, batch_size, variant) with the quantiles of its samples and
+    tokens/s: prompt tokens per second (prefill), output tokens per second of the batch (decode
+    steps and end-to-end requests)."""
     groups: dict[tuple, list[float]] = {}
     for r in samples:
-        groups.setdefault((r["measure"], r["seq_len"], r["variant"]), []).append(r["ms"])
+        groups.setdefault((r["measure"], r["seq_len"], r.get("batch_size", 1), r["variant"]), []).append(r["ms"])
     out = []
-    for (measure, seq, variant), ms in sorted(groups.items()):
+    for (measure, seq, batch, variant), ms in sorted(groups.items()):
         q = quantiles(ms)
-        row = {"measure": measure, "seq_len": seq, "variant": variant, **q}
-        row["tokens_per_s"] = (1e3 / q["median_ms"] if measure == "decode"
-                               else seq / (q["median_ms"] / 1e3) if measure == "prefill" else None)
+        row = {"measure": measure, "seq_len": seq, "batch_size": batch, "variant": variant, **q}
+        if measure == "prefill":
+            row["tokens_per_s"] = batch * seq / (q["median_ms"] / 1e3)
+        elif measure == "decode":
+            row["tokens_per_s"] = batch * 1e3 / q["median_ms"]
+        elif measure == "request":
+            tokens = batch * (_steps_per_request(samples, seq, batch, variant) + 1)
+            row["tokens_per_s"] = tokens / (q["median_ms"] / 1e3)
+        else:
+            row["tokens_per_s"] = None
         out.append(row)
     return out
+
+
+# ---- statistics -------------------------------------------------------------------------------
+def latency_stats(values: Iterable[float], unit: str = "ms") -> dict[str, object]:
+    """genai-perf's statistics of one metric: avg, p50/p90/p99 (numpy's linear interpolation, as
+    genai-perf), min, max, std, n."""
+    a = np.asarray(list(values), dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"unit": unit, "avg": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "min": float(a.min()), "max": float(a.max()), "std": float(a.std()), "n": int(a.size)}
+
+
+def paired_speedup(dense_ms: Iterable[float], harp_ms: Iterable[float], seed: int = 0,
+                   resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, float | int]:
+    """Speed-up dense/HARP with a 95 % confidence interval from interleaved pairs.
+
+    ``dense_ms[i]`` and ``harp_ms[i]`` are the times of pair i (one repeat, run back to back). The
+    statistic is the *geometric mean of the paired ratios* ``dense_ms[i] / harp_ms[i]``, and the
+    interval the 2.5/97.5 percentiles of a seeded bootstrap over pairs (``resamples`` resamples of
+    the pairs with replacement). Why this rather than a ratio of medians: a pair shares the machine
+    state of its moment, so its ratio cancels drift that a ratio of the dense and HARP medians keeps;
+    averaging logs makes a speed-up and the matching slow-down symmetric; and with the 3-5 pairs a
+    bench has, a median's bootstrap distribution takes only a few values while a mean of logs moves
+    with every resample. The interval covers repeat-to-repeat noise of this run only; with n pairs
+    it cannot be wider than the most extreme ratios (with 3 pairs it is about [min, max] ratio), and
+    with one pair it collapses to the point."""
+    d = np.asarray(list(dense_ms), dtype=np.float64)
+    h = np.asarray(list(harp_ms), dtype=np.float64)
+    if d.shape != h.shape or d.size == 0:
+        raise ValueError(f"paired_speedup needs equally many dense and HARP times, got {d.size} and {h.size}")
+    logs = np.log(d / h)
+    point = float(np.exp(logs.mean()))
+    if logs.size == 1:
+        return {"speedup": point, "speedup_ci95_low": point, "speedup_ci95_high": point, "pairs": 1}
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, logs.size, size=(resamples, logs.size))
+    lo, hi = np.exp(np.percentile(logs[idx].mean(axis=1), [2.5, 97.5]))
+    return {"speedup": point, "speedup_ci95_low": float(min(lo, point)), "speedup_ci95_high": float(max(hi, point)),
+            "pairs": int(logs.size)}
+
+
+def _per_repeat(samples: list[dict], measure: str) -> dict[tuple[int, int], dict[str, dict[int, float]]]:
+    """{(seq_len, batch_size): {variant: {repeat: ms}}}; decode steps reduce to their median per
+    repeat (one inter-token latency per generation)."""
+    acc: dict[tuple[int, int], dict[str, dict[int, list[float]]]] = {}
+    for r in samples:
+        if r["measure"] == measure:
+            acc.setdefault((r["seq_len"], r.get("batch_size", 1)), {}).setdefault(
+                r["variant"], {}).setdefault(r["repeat"], []).append(r["ms"])
+    return {k: {v: {rep: float(np.median(ms)) for rep, ms in reps.items()} for v, reps in by.items()}
+            for k, by in acc.items()}
+
+
+def paired_speedups(samples: list[dict], seed: int = 0) -> dict[tuple[str, int, int], dict]:
+    """``paired_speedup`` of every (measure, seq_len, batch_size) with dense and HARP samples,
+    pairing the two variants' runs of the same repeat."""
+    out = {}
+    for measure in sorted({r["measure"] for r in samples}):
+        for (seq, batch), by in sorted(_per_repeat(samples, measure).items()):
+            d, h = by.get("dense", {}), by.get("harp", {})
+            reps = sorted(set(d) & set(h))
+            if reps:
+                out[(measure, seq, batch)] = paired_speedup([d[r] for r in reps], [h[r] for r in reps], seed)
+    return out
+
+
+def serving_figures(samples: list[dict], batch_sizes: Iterable[int]) -> dict[str, dict]:
+    """Per-variant figures in genai-perf's names and units: ``time_to_first_token`` and
+    ``inter_token_latency`` (ms) of batch 1, and per batch size B in ``batch_sizes`` its
+    ``output_token_throughput`` (tokens/sec), ``request_throughput`` (requests/sec), TTFT, ITL and
+    ``request_latency`` (ms). Throughput ``avg`` is total output tokens (requests) over total time,
+    as genai-perf computes it; p50/min/max are over the timed runs (one batch each)."""
+    def pick(measure, batch, variant):
+        return [r for r in samples if r["measure"] == measure and r.get("batch_size", 1) == batch
+                and r["variant"] == variant]
+
+    out: dict[str, dict] = {"time_to_first_token": {}, "inter_token_latency": {}, "throughput": {}}
+    for v in ("dense", "harp"):
+        for key, measure in (("time_to_first_token", "ttft"), ("inter_token_latency", "decode")):
+            ms = [r["ms"] for r in pick(measure, 1, v)]
+            if ms:
+                out[key][v] = latency_stats(ms)
+    for b in sorted({int(x) for x in batch_sizes}):
+        entry: dict[str, object] = {}
+        for v in ("dense", "harp"):
+            req = pick("request", b, v)
+            if not req:
+                continue
+            seq = req[0]["seq_len"]
+            tokens = b * (_steps_per_request(samples, seq, b, v) + 1)
+            sec = np.asarray([r["ms"] for r in req]) / 1e3
+            entry.update({"batch_size": b, "input_tokens": seq, "output_tokens": tokens // b})
+            entry[v] = {
+                "output_token_throughput": _throughput(tokens / sec, tokens * sec.size / sec.sum(), "tokens/sec"),
+                "request_throughput": _throughput(b / sec, b * sec.size / sec.sum(), "requests/sec"),
+                "time_to_first_token": latency_stats(r["ms"] for r in pick("ttft", b, v)),
+                "inter_token_latency": latency_stats(r["ms"] for r in pick("decode", b, v)),
+                "request_latency": latency_stats(r["ms"] for r in req),
+            }
+        if "dense" in entry and "harp" in entry:
+            out["throughput"][str(b)] = entry
+    return out
+
+
+def _throughput(per_run: np.ndarray, avg: float, unit: str) -> dict[str, object]:
+    return {"unit": unit, "avg": float(avg), "p50": float(np.median(per_run)), "min": float(per_run.min()),
+            "max": float(per_run.max()), "n": int(per_run.size)}

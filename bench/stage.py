@@ -3,9 +3,11 @@
 inputs (``Stage.execute``): ``plan`` (a ``Plan``) and ``bench`` (``BenchInputs``: the engine
 source, the corpus, progress callbacks). Artifact ``bench-<key>/``:
 
-* ``latency.{parquet,csv}``      median/p90/p99/mean ms per (measure, seq_len, variant), tokens/s;
-* ``latency_samples.parquet``    every timed sample;
-* ``speedup.{parquet,csv}``      dense/HARP speed-up per measure next to the ideal from ``flops``;
+* ``latency.{parquet,csv}``      median/p90/p99/mean ms per (measure, seq_len, batch_size, variant),
+                                 tokens/s;
+* ``latency_samples.parquet``    every timed sample (with its repeat: the dense/HARP pairs);
+* ``speedup.{parquet,csv}``      dense/HARP speed-up per measure with its 95 % confidence interval
+                                 (``latency.paired_speedup``), next to the ideal from ``flops``;
 * ``accuracy.{parquet,csv}``     perplexity, agreement and lm-eval metrics, dense vs HARP;
 * ``report.md``, ``latency.png``, ``accuracy.png``, ``summary.json`` (what ``--json`` prints).
 
@@ -43,17 +45,19 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BenchConfig(StageConfig):
     """``seq_lens``: prefill lengths. ``decode_context``/``decode_tokens``: generation figures
-    (TTFT, ms/token, KV bytes). ``tasks``: lm-eval tasks (empty = none), ``limit`` documents per
+    (TTFT, ms/token, KV bytes). ``batch_sizes``: request batches (each ``decode_context`` prompt
+    tokens, ``decode_tokens`` + 1 output tokens) whose throughput is measured; empty = none. ``tasks``: lm-eval tasks (empty = none), ``limit`` documents per
     task (0 = all). ``ppl_tokens``/``ppl_seq_len``: held-out perplexity budget. ``threads``: 0 =
     the library default."""
 
-    VERSION = 1
+    VERSION = 2   # 2: batch_sizes, confidence intervals, genai-perf-named serving figures
     engine: str = "torch"
     seq_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
     decode_context: int = 512
     decode_tokens: int = 32
     warmup: int = 1
     repeats: int = 5
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
     tasks: tuple[str, ...] = DEFAULT_TASKS
     limit: int = 100
     batch_size: int = 8
@@ -81,6 +85,9 @@ class BenchConfig(StageConfig):
             raise ConfigError("--seq-lens is empty; give prompt lengths, e.g. 128,512,2048")
         if any(int(s) < 1 for s in self.seq_lens):
             raise ConfigError(f"--seq-lens must be positive token counts, got {list(self.seq_lens)}")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ConfigError(f"--batch-sizes must be positive request counts, got {list(self.batch_sizes)}",
+                              "e.g. --batch-sizes 1,4,16")
         for name in ("decode_context", "decode_tokens", "repeats", "batch_size", "ppl_seq_len",
                      "greedy_tokens"):
             if int(getattr(self, name)) < 1:
@@ -100,6 +107,7 @@ class BenchConfig(StageConfig):
         d.pop("eval_data")
         d["task_dir"] = _dir_digest(self.task_dir) if self.task_dir else ""
         d["seq_lens"] = [int(s) for s in self.seq_lens]
+        d["batch_sizes"] = [int(b) for b in self.batch_sizes]
         return d
 
 
@@ -219,7 +227,8 @@ class BenchStage(Stage[BenchConfig]):
 
         from .engines import ENGINES
         from .flops import ideal_speedups
-        from .latency import LatencySettings, measure_generation, measure_prefill, summarise
+        from .latency import (LatencySettings, measure_generation, measure_prefill, paired_speedups,
+                              serving_figures, summarise)
         from .report import plot_accuracy, plot_latency, write_report
 
         plan: Plan = inputs["plan"]
@@ -236,7 +245,8 @@ class BenchStage(Stage[BenchConfig]):
             cache: dict[str, dict] = {}
             if config.latency:
                 settings = LatencySettings(tuple(int(s) for s in config.seq_lens), config.decode_context,
-                                           config.decode_tokens, config.warmup, config.repeats, config.seed)
+                                           config.decode_tokens, config.warmup, config.repeats, config.seed,
+                                           tuple(int(b) for b in config.batch_sizes))
                 samples += measure_prefill(pair, settings, phase)
                 gen, cache = measure_generation(pair, settings, phase)
                 samples += gen
@@ -248,7 +258,8 @@ class BenchStage(Stage[BenchConfig]):
             ideal = ideal_speedups(pair.dims, pair.pruned, [int(s) for s in config.seq_lens],
                                    config.decode_context, pair.dense.prefill_logits,
                                    dtype_bytes=2 if config.dtype != "float32" else 4)
-            speed_rows = _speedups(lat_rows, ideal, config)
+            speed_rows = _speedups(lat_rows, paired_speedups(samples, config.seed), ideal, config)
+            serving = serving_figures(samples, config.batch_sizes)
 
             acc_rows: list[dict] = []
             ppl: dict[str, Any] = {}
@@ -278,25 +289,28 @@ class BenchStage(Stage[BenchConfig]):
                       "harp_stderr": pl.Float64, "n": pl.Int64, "higher_is_better": pl.Boolean}
             acc = pl.DataFrame(acc_rows, schema=schema)
             lat = pl.DataFrame(lat_rows, schema={
-                "engine": pl.String, "measure": pl.String, "seq_len": pl.Int64, "variant": pl.String,
+                "engine": pl.String, "measure": pl.String, "seq_len": pl.Int64, "batch_size": pl.Int64,
+                "variant": pl.String,
                 "median_ms": pl.Float64, "p90_ms": pl.Float64, "p99_ms": pl.Float64, "mean_ms": pl.Float64,
                 "min_ms": pl.Float64, "n": pl.Int64, "tokens_per_s": pl.Float64, "kv_bytes_per_token": pl.Float64})
             spd = pl.DataFrame(speed_rows, schema={
-                "measure": pl.String, "seq_len": pl.Int64, "dense_median_ms": pl.Float64,
-                "harp_median_ms": pl.Float64, "speedup": pl.Float64, "ideal_speedup": pl.Float64,
+                "measure": pl.String, "seq_len": pl.Int64, "batch_size": pl.Int64, "dense_median_ms": pl.Float64,
+                "harp_median_ms": pl.Float64, "speedup": pl.Float64, "speedup_ci95_low": pl.Float64,
+                "speedup_ci95_high": pl.Float64, "pairs": pl.Int64, "ideal_speedup": pl.Float64,
                 "ideal_speedup_bytes": pl.Float64, "realised": pl.Float64, "dense_gflops": pl.Float64,
                 "harp_gflops": pl.Float64})
             pl.DataFrame(samples, schema={"measure": pl.String, "variant": pl.String, "seq_len": pl.Int64,
-                                          "repeat": pl.Int64, "step": pl.Int64, "ms": pl.Float64}
+                                          "batch_size": pl.Int64, "repeat": pl.Int64, "step": pl.Int64,
+                                          "ms": pl.Float64}
                          ).write_parquet(out_dir / "latency_samples.parquet")
             for name, df in (("latency", lat), ("speedup", spd), ("accuracy", acc)):
                 df.write_parquet(out_dir / f"{name}.parquet")
                 df.write_csv(out_dir / f"{name}.csv")
 
-            summary = _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info)
+            summary = _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info, serving)
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
             title = f"{summary['model']} · {pair.backend} · layers {list(plan.layers)} · {machine['cpu']}"
-            plot_latency(spd, out_dir / "latency.png", title)
+            plot_latency(spd, out_dir / "latency.png", title, summary)
             tasks_only = acc.filter(pl.col("task") != "heldout")
             plot_accuracy(tasks_only, {"dense": ppl.get("dense", 0.0), "harp": ppl.get("harp", 0.0)} if ppl else {},
                           out_dir / "accuracy.png", title)
@@ -311,11 +325,12 @@ class BenchStage(Stage[BenchConfig]):
 
         if config.latency:
             lat = pl.read_parquet(Path(out_dir) / "latency.parquet")
-            for measure in ("prefill", "ttft", "decode"):
-                got = set(lat.filter(pl.col("measure") == measure)["variant"].to_list())
+            wanted = [("prefill", 1), ("ttft", 1), ("decode", 1)] + [("request", int(b)) for b in config.batch_sizes]
+            for measure, b in wanted:
+                got = set(lat.filter((pl.col("measure") == measure) & (pl.col("batch_size") == b))["variant"])
                 if got != {"dense", "harp"}:
                     raise PostconditionError(self.name, f"latency table lacks dense and HARP rows for {measure} "
-                                             f"(has {sorted(got)})")
+                                             f"at batch {b} (has {sorted(got)})")
 
 
 def check_source_matches_plan(plan: Plan, source: Any, engine: str) -> None:
@@ -394,12 +409,19 @@ def _find(d: Any, keys: tuple[str, ...]) -> Any:
     return None
 
 
-def _speedups(lat_rows: list[dict], ideal: dict[str, Any], config: BenchConfig) -> list[dict]:
-    med = {(r["measure"], r["seq_len"], r["variant"]): r["median_ms"] for r in lat_rows}
+def _speedups(lat_rows: list[dict], pairs: dict[tuple, dict], ideal: dict[str, Any],
+              config: BenchConfig) -> list[dict]:
+    """One row per speed-up: prefill per sequence length, TTFT and decode (inter-token latency) at
+    batch 1, and ``throughput`` per ``batch_sizes`` entry (end-to-end time of a batch of requests).
+    ``speedup`` and its interval come from the interleaved pairs (``latency.paired_speedup``); the
+    medians are for reading."""
+    med = {(r["measure"], r["seq_len"], r["batch_size"], r["variant"]): r["median_ms"] for r in lat_rows}
+    wanted = {"prefill": {1}, "ttft": {1}, "decode": {1}, "request": {int(b) for b in config.batch_sizes}}
     out = []
-    keys = sorted({(m, s) for m, s, _ in med})
-    for measure, seq in keys:
-        d, h = med.get((measure, seq, "dense")), med.get((measure, seq, "harp"))
+    for (measure, seq, batch), ci in sorted(pairs.items()):
+        if batch not in wanted.get(measure, ()):
+            continue
+        d, h = med.get((measure, seq, batch, "dense")), med.get((measure, seq, batch, "harp"))
         if d is None or h is None:
             continue
         bytes_ideal = None
@@ -407,17 +429,21 @@ def _speedups(lat_rows: list[dict], ideal: dict[str, Any], config: BenchConfig) 
             flops = ideal["prefill"].get(seq)
         elif measure == "ttft":
             flops = ideal["ttft"]
-        else:
+        elif measure == "decode":
             flops = ideal["decode"]
             bytes_ideal = ideal["decode_bytes"]["ideal"]
-        speed = d / h
+        else:
+            flops = None  # a request mixes prefill and decode: no single counted ideal
         idl = flops["ideal"] if flops else None
-        out.append({"measure": measure, "seq_len": seq, "dense_median_ms": d, "harp_median_ms": h,
-                    "speedup": speed, "ideal_speedup": idl, "ideal_speedup_bytes": bytes_ideal,
+        speed = ci["speedup"]
+        out.append({"measure": "throughput" if measure == "request" else measure, "seq_len": seq,
+                    "batch_size": batch, "dense_median_ms": d, "harp_median_ms": h, **ci,
+                    "ideal_speedup": idl, "ideal_speedup_bytes": bytes_ideal,
                     "realised": (speed - 1) / (idl - 1) if idl and idl > 1 else None,
                     "dense_gflops": flops["dense_flops"] / 1e9 if flops else None,
                     "harp_gflops": flops["harp_flops"] / 1e9 if flops else None})
-    return out
+    order = {"prefill": 0, "ttft": 1, "decode": 2, "throughput": 3}
+    return sorted(out, key=lambda r: (order[r["measure"]], r["seq_len"], r["batch_size"]))
 
 
 def _heldout(pair, inp: BenchInputs, config: BenchConfig, phase) -> tuple[dict, dict]:
@@ -474,21 +500,38 @@ def _lm_eval(pair, inp: BenchInputs, config: BenchConfig, out_dir: Path, phase) 
     return out, info
 
 
-def headline_speedup(summary: Mapping[str, Any]) -> tuple[str, float] | None:
-    """(label, value) of the speed-up the ``--min-speedup`` gate checks: prefill at the longest
-    measured prompt (the paper's figure), else decode."""
+def _label(measure: str, seq: int, batch: int) -> str:
+    """Key of a speed-up in the summary's ``speedups``."""
+    return {"prefill": f"prefill_{seq}", "ttft": "time_to_first_token", "decode": "inter_token_latency",
+            "throughput": f"throughput_bs{batch}"}[measure]
+
+
+def headline_speedup(summary: Mapping[str, Any]) -> tuple[str, float, float, float, int | None] | None:
+    """(label, speed-up, 95 % CI low, high, pairs) the ``--min-speedup`` gate checks: prefill at the
+    longest measured prompt (the paper's figure), else decode. A summary written before the
+    intervals existed (bench config version 1) has the point only: it stands for both bounds and
+    pairs is None."""
+    spd = summary.get("speedups") or {}
     pre = summary.get("prefill_speedup") or {}
     if pre:
         seq = max(pre, key=lambda s: int(s))
-        return f"prefill speed-up at {seq} tokens", float(pre[seq])
-    if summary.get("decode_speedup") is not None:
-        return f"decode speed-up at {summary['decode_context']} tokens", float(summary["decode_speedup"])
-    return None
+        label, point, ci = f"prefill_{seq}", float(pre[seq]), spd.get(f"prefill_{seq}")
+    elif summary.get("decode_speedup") is not None:
+        label = f"inter_token_latency at {summary['decode_context']} tokens"
+        point, ci = float(summary["decode_speedup"]), spd.get("inter_token_latency")
+    else:
+        return None
+    if not ci:
+        return label, point, point, point, None
+    return label, float(ci["speedup"]), float(ci["speedup_ci95_low"]), float(ci["speedup_ci95_high"]), ci["pairs"]
 
 
 def check_gates(summary: Mapping[str, Any], max_ppl_increase: float | None = None,
                 min_speedup: float | None = None) -> list[str]:
-    """Raise GateError naming each figure that fell short; return the gates that passed."""
+    """Raise GateError naming each figure that fell short; return the gates that passed.
+    ``--min-speedup`` fails only when the speed-up's 95 % confidence interval lies wholly below the
+    threshold (its upper bound is below it): a difference inside the noise does not fail a build.
+    A pass whose interval includes the threshold says "not resolved"."""
     failed, passed = [], []
     if max_ppl_increase is not None:
         p = summary.get("ppl") or {}
@@ -505,18 +548,29 @@ def check_gates(summary: Mapping[str, Any], max_ppl_increase: float | None = Non
         head = headline_speedup(summary)
         if head is None:
             failed.append("no speed-up was measured (run with latency on) but --min-speedup was given")
-        elif head[1] < min_speedup:
-            failed.append(f"{head[0]} {head[1]:.3f}x is below --min-speedup {min_speedup:g}x")
         else:
-            passed.append(f"{head[0]} {head[1]:.3f}x >= {min_speedup:g}x")
+            label, point, low, high, n = head
+            fig = f"{label} {point:.3f}x (95% CI {low:.3f}-{high:.3f})"
+            basis = (f"{n} interleaved pairs" if n is not None
+                     else "no interval in this summary: the point value stands for both bounds")
+            if high < min_speedup:
+                failed.append(f"{fig}: upper bound {high:.3f} below --min-speedup {min_speedup:g} ({basis})")
+            elif low >= min_speedup:
+                passed.append(f"{fig} >= {min_speedup:g}x, resolved: the whole interval is at or above it")
+            else:
+                passed.append(f"{fig} vs --min-speedup {min_speedup:g}x: not resolved, the interval includes "
+                              f"it ({basis}; more --repeats narrow it)")
     if failed:
         raise GateError("bench gate failed: " + "; ".join(failed),
                         "see report.md in the bench artifact for the full tables")
     return passed
 
 
-def _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info) -> dict[str, Any]:
+def _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info,
+             serving) -> dict[str, Any]:
     import polars as pl
+
+    from .latency import BOOTSTRAP_RESAMPLES
 
     def by(measure):
         return {str(r["seq_len"]): r for r in spd.filter(pl.col("measure") == measure).iter_rows(named=True)}
@@ -524,8 +578,12 @@ def _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task
     pre, dec, ttft = by("prefill"), by("decode"), by("ttft")
     dec_row = next(iter(dec.values()), None)
     ttft_row = next(iter(ttft.values()), None)
-    tps = {r["variant"]: r["tokens_per_s"] for r in lat.filter(pl.col("measure") == "decode").iter_rows(named=True)}
+    tps = {r["variant"]: r["tokens_per_s"] for r in lat.filter((pl.col("measure") == "decode")
+                                                               & (pl.col("batch_size") == 1)).iter_rows(named=True)}
     kv = {v: c["kv_bytes_per_token"] for v, c in cache.items()}
+    ci_keys = ("speedup", "speedup_ci95_low", "speedup_ci95_high", "pairs")
+    speedups = {_label(r["measure"], r["seq_len"], r["batch_size"]): {k: r[k] for k in ci_keys}
+                for r in spd.iter_rows(named=True)}
     tasks = {}
     for r in acc.filter(pl.col("task") != "heldout").iter_rows(named=True):
         tasks.setdefault(r["task"], {})[r["metric"]] = {"dense": r["dense"], "harp": r["harp"], "delta": r["delta"]}
@@ -533,14 +591,22 @@ def _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task
         "model": plan.model_ref, "model_digest": plan.model_digest, "engine": pair.backend,
         "layers": list(plan.layers), "alphas": list(plan.alphas), "machine": machine["cpu"],
         "threads": machine["threads"], "repeats": config.repeats, "warmup": config.warmup,
+        "speedups": speedups,
+        "speedup_ci": f"95 % percentile bootstrap ({BOOTSTRAP_RESAMPLES} resamples, seed {config.seed}) of the "
+                      f"geometric mean of per-repeat dense/HARP ratios",
         "prefill_speedup": {k: r["speedup"] for k, r in pre.items()},
         "prefill_ideal": {k: r["ideal_speedup"] for k, r in pre.items()},
         "prefill_ms": {k: {"dense": r["dense_median_ms"], "harp": r["harp_median_ms"]} for k, r in pre.items()},
         "decode_context": config.decode_context,
+        "decode_tokens": config.decode_tokens,
         "decode_speedup": dec_row["speedup"] if dec_row else None,
         "decode_ideal_flops": dec_row["ideal_speedup"] if dec_row else None,
         "decode_ideal_bytes": dec_row["ideal_speedup_bytes"] if dec_row else None,
         "ttft_speedup": ttft_row["speedup"] if ttft_row else None,
+        "time_to_first_token": serving["time_to_first_token"],
+        "inter_token_latency": serving["inter_token_latency"],
+        "batch_sizes": [int(b) for b in config.batch_sizes],
+        "throughput": serving["throughput"],
         "tokens_per_s": tps,
         "kv_bytes_per_token": kv,
         "kv_reduction": (kv["dense"] / kv["harp"]) if kv.get("harp") else None,

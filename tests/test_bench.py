@@ -1,11 +1,13 @@
 """Bench stage on a tiny llama: tables, units, dense and HARP rows, ideal speed-up (hand-counted),
-gates, caching, and every bad-input path (unknown task, too-long sequence, missing eval data,
+paired bootstrap confidence intervals, genai-perf-named serving figures per batch size, gates on the
+interval, caching, and every bad-input path (unknown task, too-long sequence, missing eval data,
 weights from another model)."""
 from __future__ import annotations
 
 import json
 import random
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -102,7 +104,8 @@ def test_tables_columns_units_and_rows(bench_art, setup):
     lat = pl.read_parquet(art.path / "latency.parquet")
     assert {"engine", "measure", "seq_len", "variant", "median_ms", "p90_ms", "p99_ms", "mean_ms", "n",
             "tokens_per_s", "kv_bytes_per_token"} <= set(lat.columns)
-    for measure, seqs in (("prefill", {16, 48}), ("ttft", {24}), ("decode", {24})):
+    assert {"batch_size"} <= set(lat.columns)
+    for measure, seqs in (("prefill", {16, 48}), ("ttft", {24}), ("decode", {24}), ("request", {24})):
         sub = lat.filter(pl.col("measure") == measure)
         assert set(sub["seq_len"]) == seqs
         for s in seqs:
@@ -110,16 +113,24 @@ def test_tables_columns_units_and_rows(bench_art, setup):
     pre = lat.filter(pl.col("measure") == "prefill")
     assert (pre["n"] == cfg.repeats).all()
     assert (lat.filter(pl.col("measure") == "decode")["n"] == cfg.repeats * cfg.decode_tokens).all()
+    # batch 1 always runs (TTFT / ITL headline), then every --batch-sizes entry
+    for measure in ("ttft", "decode", "request"):
+        assert set(lat.filter(pl.col("measure") == measure)["batch_size"]) == {1, 4, 16}
+    assert set(lat.filter(pl.col("measure") == "prefill")["batch_size"]) == {1}
     assert (lat["p90_ms"] >= lat["median_ms"]).all() and (lat["p99_ms"] >= lat["p90_ms"]).all()
     assert (lat["median_ms"] > 0).all()
-    # tokens/s is tokens over the median time: prefill seq / s, decode 1000 / ms
+    # tokens/s is tokens over the median time: prefill seq / s, decode batch * 1000 / ms, a request
+    # batch * (decode_tokens + 1) output tokens / s
     for r in lat.iter_rows(named=True):
         if r["measure"] == "prefill":
             assert r["tokens_per_s"] == pytest.approx(r["seq_len"] / (r["median_ms"] / 1e3))
         if r["measure"] == "decode":
-            assert r["tokens_per_s"] == pytest.approx(1e3 / r["median_ms"])
+            assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * 1e3 / r["median_ms"])
+        if r["measure"] == "request":
+            assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * (cfg.decode_tokens + 1) / (r["median_ms"] / 1e3))
     # KV bytes measured on the cache: 4 layers (dense) vs 2 kept, K+V, 2 heads x 16, fp32
-    dec = {r["variant"]: r for r in lat.filter(pl.col("measure") == "decode").iter_rows(named=True)}
+    dec = {r["variant"]: r for r in lat.filter((pl.col("measure") == "decode")
+                                               & (pl.col("batch_size") == 1)).iter_rows(named=True)}
     assert dec["dense"]["kv_bytes_per_token"] == 4 * 2 * 32 * 4
     assert dec["harp"]["kv_bytes_per_token"] == 2 * 2 * 32 * 4
 
@@ -130,12 +141,30 @@ def test_speedup_table_uses_the_flop_count(bench_art, setup):
 
     art, cfg = bench_art
     spd = pl.read_parquet(art.path / "speedup.parquet")
-    assert {"measure", "seq_len", "dense_median_ms", "harp_median_ms", "speedup", "ideal_speedup",
-            "ideal_speedup_bytes", "realised"} <= set(spd.columns)
+    assert {"measure", "seq_len", "batch_size", "dense_median_ms", "harp_median_ms", "speedup", "speedup_ci95_low",
+            "speedup_ci95_high", "pairs", "ideal_speedup", "ideal_speedup_bytes", "realised"} <= set(spd.columns)
+    assert sorted(spd.select("measure", "seq_len", "batch_size").iter_rows()) == sorted(
+        [("prefill", 16, 1), ("prefill", 48, 1), ("ttft", 24, 1), ("decode", 24, 1),
+         ("throughput", 24, 1), ("throughput", 24, 4), ("throughput", 24, 16)])
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
     ideal = ideal_speedups(d, dict(zip(PLAN_LAYERS, PLAN_ALPHAS)), [16, 48], 24)
+    # the speed-up is the geometric mean of the per-repeat dense/HARP ratios, recomputed here from
+    # the raw samples (decode: the median step of each repeat; throughput: the end-to-end request)
+    samples = pl.read_parquet(art.path / "latency_samples.parquet")
+    measure_of = {"throughput": "request"}
     for r in spd.iter_rows(named=True):
-        assert r["speedup"] == pytest.approx(r["dense_median_ms"] / r["harp_median_ms"])
+        per = (samples.filter((pl.col("measure") == measure_of.get(r["measure"], r["measure"]))
+                              & (pl.col("seq_len") == r["seq_len"]) & (pl.col("batch_size") == r["batch_size"]))
+               .group_by("variant", "repeat").agg(pl.col("ms").median()).sort("repeat"))
+        dense = per.filter(pl.col("variant") == "dense")["ms"].to_numpy()
+        harp = per.filter(pl.col("variant") == "harp")["ms"].to_numpy()
+        assert r["pairs"] == cfg.repeats == len(dense) == len(harp)
+        assert r["speedup"] == pytest.approx(float(np.exp(np.mean(np.log(dense / harp)))), rel=1e-9)
+        assert r["speedup_ci95_low"] <= r["speedup"] <= r["speedup_ci95_high"]
+        assert r["speedup_ci95_low"] >= (dense / harp).min() - 1e-12 and r["speedup_ci95_high"] <= (dense / harp).max() + 1e-12
+        if r["measure"] == "throughput":
+            assert r["ideal_speedup"] is None and r["realised"] is None
+            continue
         if r["measure"] == "prefill":
             assert r["ideal_speedup"] == pytest.approx(ideal["prefill"][r["seq_len"]]["ideal"])
         if r["measure"] == "decode":
@@ -188,7 +217,9 @@ def test_cli_json_and_gates(bench_art, setup, capsys):
 
     assert main(_cli_args(setup, "--min-speedup", "1000")) == 1
     err = capsys.readouterr().err
-    assert "prefill speed-up at 48 tokens" in err and "--min-speedup 1000" in err
+    pre = out["speedups"]["prefill_48"]
+    assert (f"prefill_48 {pre['speedup']:.3f}x (95% CI {pre['speedup_ci95_low']:.3f}-{pre['speedup_ci95_high']:.3f}): "
+            f"upper bound {pre['speedup_ci95_high']:.3f} below --min-speedup 1000 (3 interleaved pairs)") in err
 
     assert main(_cli_args(setup, "--max-ppl-increase", "-0.99")) == 1
     err = capsys.readouterr().err
@@ -196,7 +227,11 @@ def test_cli_json_and_gates(bench_art, setup, capsys):
 
     assert main(_cli_args(setup, "--min-speedup", "0.0001", "--max-ppl-increase", "1000")) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["gates"]) == 2
+    assert len(out["gates"]) == 2 and "resolved: the whole interval is at or above it" in out["gates"][1]
+
+
+def _ci(point, low, high, pairs=5):
+    return {"speedup": point, "speedup_ci95_low": low, "speedup_ci95_high": high, "pairs": pairs}
 
 
 def test_check_gates_names_each_figure():
@@ -204,15 +239,160 @@ def test_check_gates_names_each_figure():
     from harp_trt.errors import GateError
 
     s = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "ppl": {"dense": 10.0, "harp": 10.4, "increase": 0.04},
-         "decode_speedup": 1.2, "decode_context": 512}
-    assert len(check_gates(s, max_ppl_increase=0.05, min_speedup=1.02)) == 2
+         "decode_speedup": 1.2, "decode_context": 512,
+         "speedups": {"prefill_128": _ci(1.3, 1.2, 1.4), "prefill_4096": _ci(1.05, 0.99, 1.09),
+                      "inter_token_latency": _ci(1.2, 1.1, 1.3)}}
+    assert len(check_gates(s, max_ppl_increase=0.05, min_speedup=0.98)) == 2
     with pytest.raises(GateError) as e:
         check_gates(s, max_ppl_increase=0.03, min_speedup=1.1)
     msg = str(e.value)
-    assert "prefill speed-up at 4096 tokens 1.050x is below --min-speedup 1.1x" in msg
+    assert ("prefill_4096 1.050x (95% CI 0.990-1.090): upper bound 1.090 below --min-speedup 1.1 "
+            "(5 interleaved pairs)") in msg
     assert "held-out perplexity increase 4.00 %" in msg and e.value.exit_code == 1
-    with pytest.raises(GateError, match="decode speed-up at 512 tokens"):
-        check_gates({"decode_speedup": 1.2, "decode_context": 512}, min_speedup=1.5)
+    with pytest.raises(GateError, match="inter_token_latency at 512 tokens 1.200x .95% CI 1.100-1.300.: upper bound"):
+        check_gates({"decode_speedup": 1.2, "decode_context": 512,
+                     "speedups": {"inter_token_latency": _ci(1.2, 1.1, 1.3)}}, min_speedup=1.5)
+
+
+def test_min_speedup_gate_fails_only_below_the_upper_bound():
+    """The point estimate under the threshold is not a failure while the interval reaches it."""
+    from bench.stage import check_gates
+    from harp_trt.errors import GateError
+
+    s = {"prefill_speedup": {"2048": 1.031}, "speedups": {"prefill_2048": _ci(1.031, 0.992, 1.071)}}
+    # point 1.031 < 1.05 <= upper 1.071: passes, says the comparison is not resolved
+    (line,) = check_gates(s, min_speedup=1.05)
+    assert line.startswith("prefill_2048 1.031x (95% CI 0.992-1.071) vs --min-speedup 1.05x: not resolved")
+    (line,) = check_gates(s, min_speedup=1.071)  # threshold at the upper bound: still inside
+    assert "not resolved" in line
+    (line,) = check_gates(s, min_speedup=1.0)   # point above, lower bound below: not resolved either
+    assert "not resolved" in line
+    (line,) = check_gates(s, min_speedup=0.99)
+    assert "resolved: the whole interval is at or above it" in line
+    with pytest.raises(GateError) as e:
+        check_gates(s, min_speedup=1.1)
+    assert ("prefill_2048 1.031x (95% CI 0.992-1.071): upper bound 1.071 below --min-speedup 1.1 "
+            "(5 interleaved pairs)") in str(e.value)
+
+
+def test_min_speedup_gate_reads_summaries_without_intervals():
+    """A cached summary from bench config version 1 (no ``speedups``): the point is both bounds."""
+    from bench.stage import check_gates, headline_speedup
+    from harp_trt.errors import GateError
+
+    old = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "decode_speedup": 1.2, "decode_context": 512}
+    assert headline_speedup(old) == ("prefill_4096", 1.05, 1.05, 1.05, None)
+    with pytest.raises(GateError) as e:
+        check_gates(old, min_speedup=1.1)
+    assert ("prefill_4096 1.050x (95% CI 1.050-1.050): upper bound 1.050 below --min-speedup 1.1 (no interval "
+            "in this summary: the point value stands for both bounds)") in str(e.value)
+    (line,) = check_gates(old, min_speedup=1.02)
+    assert "1.050x" in line and "resolved" in line and "not resolved" not in line
+    assert headline_speedup({"decode_speedup": 1.2, "decode_context": 512}) == (
+        "inter_token_latency at 512 tokens", 1.2, 1.2, 1.2, None)
+    assert headline_speedup({"prefill_speedup": {}}) is None
+
+
+# ---- the paired bootstrap -----------------------------------------------------------------------
+def _pairs(rng, n, ratio, noise, drift=0.0):
+    """Dense and HARP times of n interleaved pairs with a known dense/HARP ratio: lognormal noise per
+    run, and a shared per-pair load factor (drift) that pairing must cancel."""
+    load = np.exp(rng.normal(0.0, drift, n))
+    dense = 100.0 * load * np.exp(rng.normal(0.0, noise, n))
+    harp = 100.0 / ratio * load * np.exp(rng.normal(0.0, noise, n))
+    return dense, harp
+
+
+def test_paired_speedup_point_and_degenerate_cases():
+    from bench.latency import paired_speedup
+
+    r = paired_speedup([2.0, 8.0], [1.0, 2.0])  # ratios 2 and 4: geometric mean sqrt(8)
+    assert r["speedup"] == pytest.approx(8 ** 0.5) and r["pairs"] == 2
+    assert 2.0 <= r["speedup_ci95_low"] < r["speedup"] < r["speedup_ci95_high"] <= 4.0
+    assert paired_speedup([3.0], [2.0]) == {"speedup": 1.5, "speedup_ci95_low": 1.5, "speedup_ci95_high": 1.5,
+                                            "pairs": 1}
+    d, h = _pairs(np.random.default_rng(3), 7, 1.1, 0.05)
+    assert paired_speedup(d, h, seed=5) == paired_speedup(d, h, seed=5)  # seeded: reproducible
+    with pytest.raises(ValueError, match="equally many"):
+        paired_speedup([1.0, 2.0], [1.0])
+
+
+def test_paired_speedup_ci_contains_the_true_ratio_and_scales_with_noise():
+    from bench.latency import paired_speedup
+
+    rng = np.random.default_rng(0)
+    # the same standardised noise at two scales, centred so that the sample's geometric mean ratio
+    # is the true one: the interval must sit around it, and its width must follow the noise
+    z = rng.normal(0.0, 1.0, 10)
+    z = (z - z.mean()) / z.std()
+    low_noise = paired_speedup(100.0 * np.exp(0.002 * z), np.full(10, 100.0 / 1.05))
+    high_noise = paired_speedup(100.0 * np.exp(0.10 * z), np.full(10, 100.0 / 1.05))
+    for r in (low_noise, high_noise):
+        assert r["speedup"] == pytest.approx(1.05, rel=1e-12)
+        assert r["speedup_ci95_low"] < 1.05 < r["speedup_ci95_high"]
+    width = {k: r["speedup_ci95_high"] - r["speedup_ci95_low"] for k, r in (("low", low_noise), ("high", high_noise))}
+    assert width["low"] < 0.005 and width["high"] > 0.05 and width["high"] > 20 * width["low"]
+    # coverage over many synthetic runs: near the nominal 95 % (percentile bootstrap, 12 pairs)
+    hits = 0
+    for _ in range(200):
+        r = paired_speedup(*_pairs(rng, 12, 1.03, 0.05), seed=int(rng.integers(1 << 30)), resamples=2000)
+        hits += r["speedup_ci95_low"] <= 1.03 <= r["speedup_ci95_high"]
+    assert 0.85 <= hits / 200 <= 0.99
+
+
+def test_pairing_cancels_shared_drift():
+    """Load that hits both runs of a pair (the reason the bench interleaves) leaves the paired
+    interval narrow; the same times unpaired would spread over the load's range."""
+    from bench.latency import paired_speedup
+
+    d, h = _pairs(np.random.default_rng(1), 8, 1.05, 0.002, drift=0.3)
+    r = paired_speedup(d, h)
+    assert r["speedup_ci95_low"] < 1.05 < r["speedup_ci95_high"] < 1.06
+    shuffled = paired_speedup(d, np.roll(h, 3))
+    assert shuffled["speedup_ci95_high"] - shuffled["speedup_ci95_low"] > 10 * (
+        r["speedup_ci95_high"] - r["speedup_ci95_low"])
+
+
+# ---- serving figures of a real run ---------------------------------------------------------------
+def test_summary_serving_figures(bench_art):
+    """genai-perf names and units for TTFT / ITL (batch 1) and throughput at batch 1, 4, 16."""
+    art, cfg = bench_art
+    s = json.loads((art.path / "summary.json").read_text())
+    assert s == art.manifest["summary"]
+    assert s["batch_sizes"] == [1, 4, 16] and set(s["throughput"]) == {"1", "4", "16"}
+    assert {"prefill_16", "prefill_48", "time_to_first_token", "inter_token_latency", "throughput_bs1",
+            "throughput_bs4", "throughput_bs16"} == set(s["speedups"])
+    for ci in s["speedups"].values():
+        assert ci["pairs"] == cfg.repeats and 0 < ci["speedup_ci95_low"] <= ci["speedup"] <= ci["speedup_ci95_high"]
+    assert s["prefill_speedup"]["48"] == s["speedups"]["prefill_48"]["speedup"]
+    assert s["decode_speedup"] == s["speedups"]["inter_token_latency"]["speedup"]
+
+    def ordered(st, n, unit="ms"):
+        assert st["unit"] == unit and st["n"] == n
+        assert 0 < st["min"] <= st["p50"] <= st["p90"] <= st["p99"] <= st["max"]
+        assert st["min"] <= st["avg"] <= st["max"]
+
+    for v in ("dense", "harp"):
+        ordered(s["time_to_first_token"][v], cfg.repeats)
+        ordered(s["inter_token_latency"][v], cfg.repeats * cfg.decode_tokens)
+        for b in (1, 4, 16):
+            e = s["throughput"][str(b)]
+            assert (e["batch_size"], e["input_tokens"], e["output_tokens"]) == (b, 24, cfg.decode_tokens + 1)
+            f = e[v]
+            ordered(f["time_to_first_token"], cfg.repeats)
+            ordered(f["inter_token_latency"], cfg.repeats * cfg.decode_tokens)
+            ordered(f["request_latency"], cfg.repeats)
+            tok, req = f["output_token_throughput"], f["request_throughput"]
+            assert tok["unit"] == "tokens/sec" and req["unit"] == "requests/sec"
+            # avg = total over total time (genai-perf): tokens = requests x output tokens per request
+            total_s = f["request_latency"]["avg"] * cfg.repeats / 1e3
+            assert req["avg"] == pytest.approx(b * cfg.repeats / total_s, rel=1e-9)
+            assert tok["avg"] == pytest.approx(req["avg"] * (cfg.decode_tokens + 1), rel=1e-9)
+            assert 0 < tok["min"] <= tok["p50"] <= tok["max"]
+    report = (art.path / "report.md").read_text()
+    for name in ("time_to_first_token", "inter_token_latency", "output tokens/sec", "requests/sec", "speedup_ci95_low",
+                 "not resolved"):
+        assert name in report, name
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -276,6 +456,22 @@ def test_bad_config_values(setup, capsys):
     args[args.index("--seq-lens") + 1] = "16,abc"
     assert main(args) == 2
     assert "--seq-lens must be comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"--batch-sizes must be positive request counts, got \[4, 0\]"):
+        BenchConfig.from_dict({"batch_sizes": [4, 0]})
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "--batch-sizes must be positive request counts, got '0'"),
+    ("1,-4", "--batch-sizes must be positive request counts, got '1,-4'"),
+    ("1,4.5", "--batch-sizes must be comma-separated integers, got '1,4.5'"),
+    ("four", "--batch-sizes must be comma-separated integers, got 'four'"),
+])
+def test_bad_batch_sizes_exit_2(setup, capsys, value, message):
+    from harp_trt.cli import main
+
+    assert main(_cli_args(setup, "--batch-sizes", value)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 # ---- the ORT engine -----------------------------------------------------------------------------
@@ -306,13 +502,17 @@ def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     from bench.stage import run_bench
 
     art_t, cfg = bench_art
-    cfg = cfg.replace(engine="ort", repeats=2, seq_lens=(16,))
+    cfg = cfg.replace(engine="ort", repeats=2, seq_lens=(16,), batch_sizes=(4,))
     art = run_bench(setup["plan"], {"dense": ort_engines[0], "harp": ort_engines[1]}, cfg, setup["store"])
     s, st = art.manifest["summary"], art_t.manifest["summary"]
     assert s["engine"] == "ort"
     assert s["ppl"]["dense"] == pytest.approx(st["ppl"]["dense"], rel=1e-4)
     assert s["ppl"]["harp"] == pytest.approx(st["ppl"]["harp"], rel=1e-4)
     assert s["kv_bytes_per_token"] == st["kv_bytes_per_token"]
+    # the ORT engine batches too: 4 requests of 24 prompt tokens, decode_tokens + 1 output tokens each
+    assert set(s["throughput"]) == {"4"} and s["speedups"]["throughput_bs4"]["pairs"] == 2
+    assert s["throughput"]["4"]["output_tokens"] == cfg.decode_tokens + 1
+    assert s["throughput"]["4"]["harp"]["output_token_throughput"]["avg"] > 0
     spd = pl.read_parquet(art.path / "speedup.parquet")
     # the ORT graph computes logits for every prompt position: the ideal counts them
     from bench.flops import ModelDims, prefill_flops

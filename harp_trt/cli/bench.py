@@ -7,7 +7,8 @@ import time
 from ._common import parse_ints, parse_tasks
 
 NAME = "bench"
-HELP = "latency (prefill sweep, TTFT, decode, KV bytes) and accuracy (perplexity, lm-eval) of dense vs HARP"
+HELP = ("latency (prefill sweep, TTFT, ITL, throughput per batch size, KV bytes; speed-ups with 95% CIs) and "
+        "accuracy (perplexity, lm-eval) of dense vs HARP")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context for TTFT / decode ms per token (default %(default)s)")
     p.add_argument("--decode-tokens", type=int, default=C.default("decode_tokens"),
                    help="decode steps timed per repeat (default %(default)s)")
+    p.add_argument("--batch-sizes", default=",".join(str(b) for b in C.default("batch_sizes")),
+                   help="request batches whose output tokens/s and requests/s are measured, each request "
+                        "--decode-context prompt tokens and --decode-tokens + 1 output tokens; 'none' = no "
+                        "throughput runs (default %(default)s)")
     p.add_argument("--warmup", type=int, default=C.default("warmup"), help="warm-up runs per shape (default %(default)s)")
     p.add_argument("--repeats", type=int, default=C.default("repeats"), help="timed runs per shape (default %(default)s)")
     p.add_argument("--tasks", default=",".join(C.default("tasks")),
@@ -51,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gate: fail (exit 1) if HARP's held-out perplexity exceeds dense by more than this "
                         "fraction (0.05 = 5 %%)")
     p.add_argument("--min-speedup", type=float, default=None,
-                   help="gate: fail (exit 1) if the prefill speed-up at the longest --seq-lens is below this")
+                   help="gate: fail (exit 1) if the prefill speed-up at the longest --seq-lens is below this "
+                        "beyond the noise, i.e. its 95%% confidence interval's upper bound is below it")
     p.add_argument("--force", action="store_true", help="re-measure even if the artifact is cached")
 
 
@@ -64,11 +70,23 @@ def config_from_args(args):
     return BenchConfig.from_dict({
         "engine": args.engine, "seq_lens": parse_ints(args.seq_lens, "--seq-lens"),
         "decode_context": args.decode_context, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
-        "repeats": args.repeats, "tasks": parse_tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
+        "repeats": args.repeats, "batch_sizes": _batch_sizes(args.batch_sizes), "tasks": parse_tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
         "task_dir": args.task_dir, "eval_data": args.eval_data, "corpus": args.corpus,
         "ppl_tokens": args.ppl_tokens, "ppl_seq_len": args.ppl_seq_len, "dtype": placement.dtype,
         "device": placement.kind,
         "threads": args.threads, "latency": not args.no_latency, "accuracy": not args.no_accuracy})
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    from ..errors import ConfigError
+
+    if text.strip().lower() == "none":
+        return ()
+    sizes = parse_ints(text, "--batch-sizes")
+    if not sizes or any(b < 1 for b in sizes):
+        raise ConfigError(f"--batch-sizes must be positive request counts, got {text!r}",
+                          "e.g. --batch-sizes 1,4,16, or 'none' to skip the throughput runs")
+    return sizes
 
 
 def _open(ref: str, store):
@@ -104,6 +122,8 @@ def run(args) -> dict:
            "engine": s["engine"], "model": s["model"], "layers": s["layers"],
            "prefill_speedup": s["prefill_speedup"], "prefill_ideal": s["prefill_ideal"],
            "ttft_speedup": s["ttft_speedup"], "decode_speedup": s["decode_speedup"],
+           "speedups": s.get("speedups"), "time_to_first_token": s.get("time_to_first_token"),
+           "inter_token_latency": s.get("inter_token_latency"), "throughput": s.get("throughput"),
            "decode_ideal_flops": s["decode_ideal_flops"], "decode_ideal_bytes": s["decode_ideal_bytes"],
            "tokens_per_s": s["tokens_per_s"], "kv_bytes_per_token": s["kv_bytes_per_token"],
            "kv_reduction": s["kv_reduction"], "ppl": s["ppl"], "top1_agreement": s["top1_agreement"],
@@ -112,9 +132,16 @@ def run(args) -> dict:
            "gates": gates, "seconds": round(time.perf_counter() - t0, 3)}
     import polars as pl
 
+    from bench.report import serving_rows
+
     spd = pl.read_csv(art.path / "speedup.csv")
+    lat, thr = serving_rows(s, wide=False)
     out["_tables"] = {"speed-up vs ideal": [
-        {"measure": r["measure"], "tokens": r["seq_len"], "dense ms": r["dense_median_ms"],
-         "HARP ms": r["harp_median_ms"], "speed-up": r["speedup"], "ideal": r["ideal_speedup"],
-         "realised": r["realised"]} for r in spd.iter_rows(named=True)]}
+        {"measure": r["measure"], "tokens": r["seq_len"], "batch": r["batch_size"], "dense ms": r["dense_median_ms"],
+         "HARP ms": r["harp_median_ms"], "speed-up": r["speedup"],
+         "95% CI": f"{r['speedup_ci95_low']:.3f}-{r['speedup_ci95_high']:.3f}", "pairs": r["pairs"],
+         "ideal": r["ideal_speedup"] if r["ideal_speedup"] is not None else "–"} for r in spd.iter_rows(named=True)],
+        "latency (ms), batch 1": lat, "throughput": thr, "gates": [{"gate": g} for g in gates]}
+    # shown by the tables above (and the gate lines hold brackets that rich would read as markup)
+    out["_hide"] = ["speedups", "time_to_first_token", "inter_token_latency", "throughput", "gates"]
     return out
