@@ -58,9 +58,10 @@ def _forced(stage: str, force: str | None) -> bool:
 
 
 def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str = "ort",
-              force: str | None = None, bench_config=None, trtllm_config=None,
+              force: str | None = None, bench_config=None, trtllm_config=None, ort_config=None,
               on_phase: Callable[[str], None] | None = None, progress=None, placement=None) -> BuildResult:
-    """Run the pipeline; returns the per-stage records (cached or built) and the plan."""
+    """Run the pipeline; returns the per-stage records (cached or built) and the plan.
+    ``ort_config`` (an ``OrtBuildConfig``, e.g. ``quant="int4"``) builds both ORT engines alike."""
     if backend not in BACKEND_NAMES:
         import difflib
 
@@ -95,14 +96,15 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
         from .rewrite.export import ExportConfig, ExportStage
         from .rewrite.stage import RewriteConfig, RewriteStage
 
+        ort_config = ort_config or OrtBuildConfig()
         export = step("export", lambda f: ExportStage().execute(store, ExportConfig(), {"model": resolved}, force=f))
         rewrite = step("rewrite", lambda f: RewriteStage().execute(
             store, RewriteConfig(), {"plan": plan, "export": export, "model": resolved}, force=f))
         engines["harp"] = step("build", lambda f: OrtBuildStage().execute(
-            store, OrtBuildConfig(), {"onnx": rewrite}, force=f))
+            store, ort_config, {"onnx": rewrite}, force=f))
         if bench_config is not None and bench_config.engine == "ort":
             engines["dense"] = step("build:dense", lambda f: OrtBuildStage().execute(
-                store, OrtBuildConfig(), {"onnx": export}, force=f))
+                store, ort_config, {"onnx": export}, force=f))
         if backend == "triton":
             from builders.triton import TritonRepoConfig, TritonRepoStage
 

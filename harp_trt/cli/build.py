@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bench lm-eval tasks, comma-separated, or 'none' (default %(default)s)")
     p.add_argument("--bench-limit", type=int, default=100, help="documents per lm-eval task (default %(default)s)")
     p.add_argument("--bench-repeats", type=int, default=3, help="timed repeats per shape (default %(default)s)")
+    q = p.add_argument_group("ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
+    q.add_argument("--quant", default="none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
+    q.add_argument("--quant-block-size", type=int, default=32, help="weights per scale along K (default %(default)s)")
+    q.add_argument("--quant-asymmetric", action="store_true", help="zero points per block (default: symmetric)")
+    q.add_argument("--quant-accuracy-level", type=int, default=4,
+                   help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 (default %(default)s, fastest on CPU)")
     p.add_argument("--tp", type=int, default=1, help="trtllm: tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="trtllm: pipeline-parallel size")
 
@@ -37,13 +43,15 @@ def run(args) -> dict:
     calib_config, placement = calibrate_config_from_args(args)
     bench_config = _bench_config(args, placement) if args.bench else None
     trtllm_config = None
+    ort_config = _ort_config(args)
     if args.backend == "trtllm":
         from builders.trtllm.stage import TrtllmCheckpointConfig
 
         trtllm_config = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
-                        bench_config=bench_config, trtllm_config=trtllm_config, on_phase=on_phase,
+                        bench_config=bench_config, trtllm_config=trtllm_config, ort_config=ort_config,
+                        on_phase=on_phase,
                         progress=on_candidate, placement=placement)
     plan = res.plan
     out = {"model": args.model, "backend": args.backend, "layers": list(plan.layers), "alphas": list(plan.alphas),
@@ -58,10 +66,24 @@ def run(args) -> dict:
         kv = (engine.manifest.get("engine") or {}).get("kv") or {}
         if "bytes_per_token" in kv:
             out["kv_bytes_per_token"] = {"harp": kv["bytes_per_token"], "dense": kv.get("dense_bytes_per_token")}
+        quant = (engine.manifest.get("engine") or {}).get("quant")
+        if quant:
+            out["quant"] = quant
     bench = res.artifact("bench")
     if bench is not None:
         out["bench"] = bench.manifest.get("summary", {})
     return out
+
+
+def _ort_config(args):
+    from builders.ort.builder import OrtBuildConfig
+
+    if args.quant != "none" and args.backend == "trtllm":
+        from ..errors import ConfigError
+
+        raise ConfigError("--quant applies to the ORT engine (backends ort and triton), not trtllm")
+    return OrtBuildConfig(quant=args.quant, quant_block_size=args.quant_block_size,
+                          quant_symmetric=not args.quant_asymmetric, quant_accuracy_level=args.quant_accuracy_level)
 
 
 def _bench_config(args, placement):
