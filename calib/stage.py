@@ -21,7 +21,7 @@ from harp_trt.versions import library_versions
 
 from harp_trt.ppl import PAD
 
-from .search import DEFAULT_GRID, Progress, given_alphas, search_alphas
+from .search import DEFAULT_GRID, METHODS, Progress, given_alphas, search_alphas
 from .strategies import STRATEGIES, ScoreContext, get_strategy
 
 __all__ = ["CalibrateConfig", "CalibrateStage", "CalibrateInputs"]
@@ -36,12 +36,14 @@ class CalibrateConfig(StageConfig):
     ``prune_layers`` fixes the layers (no scoring); ``alphas`` (ascending layer order, as plans
     store them) fixes the alphas (no search). ``objective``: ``windows`` = fixed windows of
     ``seq_len`` tokens over the corpus; ``paper`` = lm-eval ``wikitext``-style rolling windows over
-    whole BOS-prefixed documents, ``seq_len`` 0 = the model's maximum length."""
+    whole BOS-prefixed documents, ``seq_len`` 0 = the model's maximum length. ``search``:
+    ``exhaustive`` (Algorithm 1 over every grid value) or ``golden`` (``calib.search.golden_search``)."""
 
-    VERSION = 2
+    VERSION = 3
     layers: int = 2
     strategy: str = "top"
     alpha_grid: tuple[float, ...] = DEFAULT_GRID
+    search: str = "exhaustive"
     tokens: int = 8192
     seq_len: int = 512
     corpus: str = "wiki"
@@ -61,6 +63,8 @@ class CalibrateConfig(StageConfig):
         bad = [a for a in self.alpha_grid if not 0.0 <= float(a) <= 1.0]
         if bad:
             raise ConfigError(f"--alpha-grid values must lie in [0, 1]; got {bad}")
+        if self.search not in METHODS:
+            raise ConfigError(f"--search must be one of {', '.join(METHODS)}, got {self.search!r}")
         if self.objective not in ("windows", "paper"):
             raise ConfigError(f"--objective must be windows or paper, got {self.objective!r}")
         if self.objective == "windows":
@@ -183,7 +187,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
         else:
             phase(f"alpha search over layers {selected}")
             res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
-                                progress=inp.progress)
+                                progress=inp.progress, method=config.search)
         timings["search"] = res.seconds
 
         phase("held-out perplexity")
@@ -211,6 +215,8 @@ class CalibrateStage(Stage[CalibrateConfig]):
                     extra={"tokens": real(calib), "heldout_tokens": real(held), "windows": int(calib.shape[0]),
                            "scored_tokens": scored(calib), "heldout_scored_tokens": scored(held),
                            "objective": config.objective, "alphas_given": bool(config.alphas),
+                           "search": {"method": res.method, "evaluations": {str(l): n for l, n in res.evaluations.items()},
+                                      "grid_size": len(config.alpha_grid), "fallback_layers": res.fallbacks},
                            "seq_len": int(calib.shape[1]) - (config.objective == "paper"), "corpus": inp.corpus.name,
                            "corpus_digest": inp.corpus.digest, "naive_search": inp.naive,
                            "placement": _placement_record(placement, stack),

@@ -287,6 +287,29 @@ class LayerStack:
             total, count = total + s, count + n
         return total, count
 
+    @torch.inference_mode()
+    def nll_each(self, x: torch.Tensor, window: torch.Tensor, budget_bytes: int = 768 << 20) -> tuple[torch.Tensor, int]:
+        """Summed NLL (float64, one per batch row) and the token count of final hidden states
+        ``x [B, S, D]`` that all read the same ``window [1, S]`` (the candidates of one window).
+        Rows go through the head in chunks whose logits fit in ``budget_bytes`` (at most 768 MiB)."""
+        ids = window.reshape(1, -1).to(x.device)
+        labels = ids[0, 1:]
+        scored = labels >= 0
+        target = labels.where(scored, -100)
+        b, s = x.shape[0], x.shape[1]
+        vocab = int(self.model.config.vocab_size)
+        per_row = max(1, s * vocab * 4)
+        chunk = max(1, min(b, min(768 << 20, budget_bytes) // per_row))
+        out = []
+        for c0 in range(0, b, chunk):
+            logits = self.logits(x[c0: c0 + chunk, :-1]).float()  # the last position predicts nothing
+            n = logits.shape[0]
+            lp = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.repeat(n), reduction="none",
+                                                   ignore_index=-100)
+            out.append(lp.view(n, -1).double().sum(1))
+            del logits, lp
+        return torch.cat(out).cpu(), int(scored.sum())
+
     def perplexity(self, windows: torch.Tensor) -> float:
         cap = self.capture(windows)
         total, count = self.nll(self.run(cap.h0, cap), windows)

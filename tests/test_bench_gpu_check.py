@@ -33,7 +33,7 @@ def test_gpu_check_dry_run_covers_every_stage():
     assert nc["identical_alphas"] and nc["ppl_rel_diff"] < 1e-6 and nc["naive_s"] > 0 and nc["cached_s"] > 0
     s = out["alpha_search"]
     assert len(s["grid"]) == 11 and len(s["alphas"]) == len(s["layers"]) == 2
-    assert s["ppl_searched"] <= s["ppl_alpha1"] + 1e-9
+    assert s["ppl_searched"] <= s["ppl_alpha1"] * (1 + 1e-6)  # candidates run batched: rounding differs
     assert set(out["prefill"]) == {"16", "32"} and set(out["prefill"]["16"]) == {"dense", "harp"}
     assert out["decode"]["kv_bytes_per_token"]["harp"] < out["decode"]["kv_bytes_per_token"]["dense"]
 

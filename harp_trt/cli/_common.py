@@ -50,6 +50,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
                         "(default %(default)s)")
     p.add_argument("--alpha-grid", default=",".join(f"{a:g}" for a in C.default("alpha_grid")),
                    help="candidate alphas (default %(default)s)")
+    p.add_argument("--search", default=C.default("search"), choices=("exhaustive", "golden"),
+                   help="exhaustive: every grid value (the paper's Algorithm 1); golden: golden-section over "
+                        "the sorted grid assuming unimodal perplexity, falling back to the full grid when a "
+                        "probe contradicts it (default %(default)s)")
     g = p.add_argument_group("given layers and alphas (no search)")
     g.add_argument("--prune-layers", default=None,
                    help="prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)")
@@ -154,6 +158,7 @@ def calibrate_config_from_args(args):
         "layers": layers, "strategy": args.strategy, "alpha_grid": parse_grid(args.alpha_grid),
         "tokens": args.tokens, "seq_len": seq_len, "corpus": args.corpus, "dtype": placement.dtype,
         "device": placement.kind, "prune_layers": prune, "alphas": alphas, "objective": args.objective,
+        "search": args.search,
     })
     return config, placement
 
