@@ -275,6 +275,9 @@ class BenchStage(Stage[BenchConfig]):
                      "harp": agree["top1_agreement"], "dense_stderr": None, "harp_stderr": None,
                      "n": ppl["tokens"], "higher_is_better": True},
                 ]
+                for ref in _reference_ppl(pair, inp, config, phase):
+                    acc_rows.append(ref)
+                    ppl[f"{ref['metric']}_dense"], ppl[f"{ref['metric']}_harp"] = ref["dense"], ref["harp"]
                 if "greedy_match" in agree:
                     acc_rows.append({"task": "heldout", "metric": "greedy_match", "split": "heldout", "dense": 1.0,
                                      "harp": agree["greedy_match"], "dense_stderr": None, "harp_stderr": None,
@@ -347,10 +350,10 @@ def check_source_matches_plan(plan: Plan, source: Any, engine: str) -> None:
                 raise PreconditionError("bench", f"{variant} engine {folder} was built from other weights "
                                         f"(digest {digest[:12]}) than the plan's model (digest "
                                         f"{plan.model_digest[:12]})", "bench engines built from the plan's model")
-            if variant == "harp" and layers is not None and sorted(layers) != sorted(plan.layers):
+            if variant in ("harp", "harp_fp32") and layers is not None and sorted(layers) != sorted(plan.layers):
                 raise PreconditionError("bench", f"HARP engine {folder} prunes layers {sorted(layers)}, the plan "
                                         f"prunes {list(plan.layers)}", "rebuild the engine from this plan")
-            if variant == "dense" and layers:
+            if variant in ("dense", "dense_fp32") and layers:
                 raise PreconditionError("bench", f"dense engine {folder} already prunes layers {sorted(layers)}",
                                         "pass the dense (unrewritten) export as --dense-engine")
         return
@@ -466,6 +469,41 @@ def _heldout(pair, inp: BenchInputs, config: BenchConfig, phase) -> tuple[dict, 
         prompts = windows[: config.greedy_prompts, :prompt_len]
         agree.update(greedy_match(pair, prompts, config.greedy_tokens))
     return ppl, agree
+
+
+def _reference_ppl(pair, inp: BenchInputs, config: BenchConfig, phase) -> list[dict]:
+    """Held-out perplexity of the unquantized engines (source keys ``dense_fp32`` / ``harp_fp32``,
+    given next to quantized ``dense`` / ``harp`` engines) on the same windows: one row, metric
+    ``perplexity_fp32``, so a report shows what quantization costs beside what HARP costs."""
+    names = ("dense_fp32", "harp_fp32")
+    if pair.backend != "ort" or not isinstance(inp.source, Mapping) or not all(k in inp.source for k in names):
+        return []
+    refs = {k: inp.source[k] for k in names}
+    import math
+
+    import numpy as np
+    import torch
+
+    from harp_trt.data import token_windows
+    from harp_trt.ort_session import OrtCausalLM
+    from harp_trt.ppl import window_nll
+
+    windows = token_windows(pair.tokenizer, inp.corpus, "heldout", config.ppl_seq_len, config.ppl_tokens)
+    out = {}
+    for name, src in refs.items():
+        folder = src.path if isinstance(src, Artifact) else Path(src)
+        lm = OrtCausalLM.from_engine(folder, intra_op_threads=config.threads or None)
+        total, count = 0.0, 0
+        for i in range(windows.shape[0]):
+            ids = windows[i: i + 1]
+            logits, _ = lm.forward(ids.numpy(), np.ones(ids.shape, np.int64), np.arange(ids.shape[1])[None])
+            s_, n_ = window_nll(torch.from_numpy(logits), ids)
+            total, count = total + s_, count + n_
+        out[name] = math.exp(total / count)
+    phase(f"held-out perplexity of the fp32 engines: dense {out['dense_fp32']:.3f}, harp {out['harp_fp32']:.3f}")
+    return [{"task": "heldout", "metric": "perplexity_fp32", "split": "heldout", "dense": out["dense_fp32"],
+             "harp": out["harp_fp32"], "dense_stderr": None, "harp_stderr": None, "n": count,
+             "higher_is_better": False}]
 
 
 def _lm_eval(pair, inp: BenchInputs, config: BenchConfig, out_dir: Path, phase) -> tuple[list[dict], dict]:

@@ -11,6 +11,7 @@ and every stage after it. Backends:
 - ``triton`` the ``ort`` engine wrapped as a Triton model repository (``builders/triton``)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,12 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
         if bench_config is not None and bench_config.engine == "ort":
             engines["dense"] = step("build:dense", lambda f: OrtBuildStage().execute(
                 store, ort_config, {"onnx": export}, force=f))
+            if ort_config.quant != "none":  # the exact fp32 engines, for the bench's perplexity_fp32 row
+                fp32 = dataclasses.replace(ort_config, quant="none")
+                engines["dense_fp32"] = step("build:dense-fp32", lambda f: OrtBuildStage().execute(
+                    store, fp32, {"onnx": export}, force=f))
+                engines["harp_fp32"] = step("build:harp-fp32", lambda f: OrtBuildStage().execute(
+                    store, fp32, {"onnx": rewrite}, force=f))
         if backend == "triton":
             from builders.triton import TritonRepoConfig, TritonRepoStage
 
@@ -119,8 +126,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
     if bench_config is not None:
         from bench.stage import run_bench
 
-        source = ({"dense": engines["dense"], "harp": engines["harp"]} if bench_config.engine == "ort"
-                  else resolved)
+        source = engines if bench_config.engine == "ort" else resolved
         step("bench", lambda f: run_bench(calib, source, bench_config, store, force=f, on_phase=on_phase))
     return out
 

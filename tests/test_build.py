@@ -65,3 +65,21 @@ def test_build_triton_wraps_the_ort_engine(tiny_build, capsys):
     assert list(res["stages"]) == ["calibrate", "export", "rewrite", "build", "build:triton"]
     repo = Path(res["stages"]["build:triton"]["artifact"])
     assert (repo / "client.py").is_file() and list(repo.glob("*/config.pbtxt"))
+
+
+def test_build_quant_int8_benches_against_the_fp32_engines(tiny_build, capsys):
+    """--quant int8: both bench engines quantized alike, the exact fp32 engines built beside them
+    and their held-out perplexity reported next to the quantized ones."""
+    code, res, _ = run_json(capsys, *tiny_build, "--quant", "int8", "--bench", "--bench-seq-lens", "16",
+                            "--bench-repeats", "1", "--bench-batch-sizes", "1")
+    assert code == 0, res
+    assert list(res["stages"]) == ["calibrate", "export", "rewrite", "build", "build:dense", "build:dense-fp32",
+                                   "build:harp-fp32", "bench"]
+    assert res["stages"]["calibrate"]["cached"] and res["stages"]["rewrite"]["cached"]
+    assert res["quant"]["mode"] == "int8" and res["quant"]["bits"] == 8
+    ppl = res["bench"]["ppl"]
+    for k in ("dense", "harp", "perplexity_fp32_dense", "perplexity_fp32_harp"):
+        assert ppl[k] > 1
+    # int8 costs little: within 2 % of the fp32 engine's perplexity (tiny random model)
+    assert abs(ppl["harp"] / ppl["perplexity_fp32_harp"] - 1) < 0.02
+    assert ppl["dense"] != ppl["perplexity_fp32_dense"]  # it is a different (quantized) engine

@@ -187,3 +187,14 @@ def progress_bar(enabled: bool = True) -> Iterator[tuple]:
             console.log(text)
 
         yield on_candidate, on_phase
+
+
+def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> tuple[int, ...]:
+    """Request batch sizes for the bench's throughput runs; ``none`` = no throughput runs."""
+    if text.strip().lower() == "none":
+        return ()
+    sizes = parse_ints(text, flag)
+    if not sizes or any(b < 1 for b in sizes):
+        raise ConfigError(f"{flag} must be positive request counts, got {text!r}",
+                          f"e.g. {flag} 1,4,16, or 'none' to skip the throughput runs")
+    return sizes

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ._common import parse_ints, parse_tasks
+from ._common import parse_batch_sizes, parse_ints, parse_tasks
 
 NAME = "bench"
 HELP = ("latency (prefill sweep, TTFT, ITL, throughput per batch size, KV bytes; speed-ups with 95% CIs) and "
@@ -70,23 +70,11 @@ def config_from_args(args):
     return BenchConfig.from_dict({
         "engine": args.engine, "seq_lens": parse_ints(args.seq_lens, "--seq-lens"),
         "decode_context": args.decode_context, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
-        "repeats": args.repeats, "batch_sizes": _batch_sizes(args.batch_sizes), "tasks": parse_tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
+        "repeats": args.repeats, "batch_sizes": parse_batch_sizes(args.batch_sizes), "tasks": parse_tasks(args.tasks), "limit": args.limit, "batch_size": args.batch_size,
         "task_dir": args.task_dir, "eval_data": args.eval_data, "corpus": args.corpus,
         "ppl_tokens": args.ppl_tokens, "ppl_seq_len": args.ppl_seq_len, "dtype": placement.dtype,
         "device": placement.kind,
         "threads": args.threads, "latency": not args.no_latency, "accuracy": not args.no_accuracy})
-
-
-def _batch_sizes(text: str) -> tuple[int, ...]:
-    from ..errors import ConfigError
-
-    if text.strip().lower() == "none":
-        return ()
-    sizes = parse_ints(text, "--batch-sizes")
-    if not sizes or any(b < 1 for b in sizes):
-        raise ConfigError(f"--batch-sizes must be positive request counts, got {text!r}",
-                          "e.g. --batch-sizes 1,4,16, or 'none' to skip the throughput runs")
-    return sizes
 
 
 def _open(ref: str, store):

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bench lm-eval tasks, comma-separated, or 'none' (default %(default)s)")
     p.add_argument("--bench-limit", type=int, default=100, help="documents per lm-eval task (default %(default)s)")
     p.add_argument("--bench-repeats", type=int, default=3, help="timed repeats per shape (default %(default)s)")
+    p.add_argument("--bench-batch-sizes", default="1,4,16",
+                   help="bench throughput request batches, or 'none' (default %(default)s)")
     q = p.add_argument_group("ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
     q.add_argument("--quant", default="none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
     q.add_argument("--quant-block-size", type=int, default=32, help="weights per scale along K (default %(default)s)")
@@ -89,11 +91,12 @@ def _ort_config(args):
 def _bench_config(args, placement):
     from bench.stage import BenchConfig
 
-    from ._common import parse_ints, parse_tasks
+    from ._common import parse_batch_sizes, parse_ints, parse_tasks
 
     return BenchConfig.from_dict({
         "engine": "ort" if args.backend in ("ort", "triton") else "torch",
         "seq_lens": parse_ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": parse_tasks(args.bench_tasks),
-        "limit": args.bench_limit, "repeats": args.bench_repeats, "corpus": args.corpus,
+        "limit": args.bench_limit, "repeats": args.bench_repeats,
+        "batch_sizes": parse_batch_sizes(args.bench_batch_sizes, "--bench-batch-sizes"), "corpus": args.corpus,
         "dtype": placement.dtype if args.backend == "trtllm" else "float32",
         "device": placement.kind if args.backend == "trtllm" else "cpu"})
