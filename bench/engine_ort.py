@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from harp_trt.errors import PreconditionError
+from harp_trt.ort_session import StaticCache
 from harp_trt.store import Artifact
 
 from .engines import Engine, EnginePair
@@ -46,11 +47,17 @@ class OrtEngine(Engine):
         return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (present, s)
 
     def decode(self, token: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
+        """One step; on a GroupQueryAttention engine the first decode moves the prefill's cache
+        into a ``StaticCache`` (in-place appends, as ``OrtCausalLM.generate`` decodes)."""
         past, p = state
         x = token.numpy().astype(np.int64)
         b = x.shape[0]
-        logits, present = self.session.forward(x, np.ones((b, p + 1), np.int64),
-                                               np.full((b, 1), p, np.int64), past)
+        mask, pos = np.ones((b, p + 1), np.int64), np.full((b, 1), p, np.int64)
+        if isinstance(past, StaticCache) or self.session.shares_kv_buffer:
+            cache = past if isinstance(past, StaticCache) else self.session.static_cache(past, min(self._max, p + 257))
+            logits = self.session.decode_step(cache, x, mask, pos)
+            return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (cache, p + 1)
+        logits, present = self.session.forward(x, mask, pos, past)
         return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (present, p + 1)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -62,6 +69,8 @@ class OrtEngine(Engine):
 
     def cache_bytes(self, state: Any) -> int:
         past, _ = state
+        if isinstance(past, StaticCache):
+            return past.nbytes()
         return int(sum(k.nbytes + v.nbytes for k, v in past.values()))
 
     def close(self) -> None:

@@ -217,3 +217,36 @@ def test_smollm2_engine_generates_like_hf(smollm2, test_cache):
                              attention_mask=torch.from_numpy(batch["attention_mask"]),
                              max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id or 0).numpy()
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_static_cache_decode_equals_the_growing_past(family):
+    """In-place KV (GQA past/present buffer sharing): the same logits as a growing numpy past,
+    step by step, with left padding, through a buffer that has to grow twice."""
+    from harp_trt.ort_session import StaticCache
+
+    lm = OrtCausalLM(engine(family, harp=True), intra_op_threads=2)
+    if family == "gemma2":  # its sliding-window layers keep the opset-23 Attention (no GQA)
+        assert not lm.shares_kv_buffer
+        with pytest.raises(ConfigError, match="GroupQueryAttention on every KV layer"):
+            lm.static_cache(lm.empty_past(1), 4)
+        return
+    assert lm.shares_kv_buffer
+    mask, pos = MASK.copy(), np.clip(np.cumsum(MASK, 1) - 1, 0, None)
+    logits, past = lm.forward(IDS, mask, pos)
+    cache = lm.static_cache(past, capacity=IDS.shape[1] + 1)   # full after one step
+    assert isinstance(cache, StaticCache) and cache.length == IDS.shape[1]
+    tok, pos = logits[:, -1].argmax(-1)[:, None], pos[:, -1:] + 1
+    for step in range(6):
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        ref, past = lm.forward(tok, mask, pos, past)
+        got = lm.decode_step(cache, tok, mask, pos)
+        assert np.abs(got - ref).max() <= 1e-5, f"step {step}"
+        tok, pos = ref[:, -1].argmax(-1)[:, None], pos + 1
+    assert cache.capacity >= cache.length == IDS.shape[1] + 6 > IDS.shape[1] + 1  # it grew
+    for i, (k, v) in cache.past().items():
+        np.testing.assert_allclose(k, past[i][0], atol=1e-6)
+        np.testing.assert_allclose(v, past[i][1], atol=1e-6)
+    assert cache.nbytes() == sum(k.nbytes + v.nbytes for k, v in past.values())
+    with pytest.raises(ConfigError, match="decode_step takes"):
+        lm.decode_step(cache, tok, mask, pos)  # mask one token short
