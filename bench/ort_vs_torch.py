@@ -85,15 +85,22 @@ class OrtSide:
         return self.lm.forward(ids, np.ones((b, s), np.int64), np.arange(s)[None].repeat(b, 0))
 
     def decode(self, ids: np.ndarray, steps: int) -> list[float]:
+        """Per-step seconds of the runtime's decode: in place through a ``StaticCache`` on a
+        GroupQueryAttention engine (as ``OrtCausalLM.generate``), else a growing past."""
         b, s = ids.shape
         mask = np.ones((b, s), np.int64)
         logits, past = self.lm.forward(ids, mask, np.arange(s)[None].repeat(b, 0))
+        cache = self.lm.static_cache(past, s + steps) if self.lm.shares_kv_buffer else None
         times = []
         for i in range(steps):
             tok = logits[:, -1].argmax(-1)[:, None]
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], 1)
+            pos = np.full((b, 1), s + i)
             t0 = time.perf_counter()
-            logits, past = self.lm.forward(tok, mask, np.full((b, 1), s + i), past)
+            if cache is not None:
+                logits = self.lm.decode_step(cache, tok, mask, pos)
+            else:
+                logits, past = self.lm.forward(tok, mask, pos, past)
             times.append(time.perf_counter() - t0)
         return times
 
