@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from tests.conftest import save_tiny
+from conftest import save_tiny
 
 PLAN_LAYERS = (2, 3)
 PLAN_ALPHAS = (1.0, 0.5)

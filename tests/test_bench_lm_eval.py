@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import _tiny_tokenizer, make_tiny
+from conftest import _tiny_tokenizer, make_tiny
 
 DOCS = [
     {"question": "the cat sat on the", "choices": ["mat", "sky", "dog"], "label": 0},

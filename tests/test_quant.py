@@ -41,8 +41,8 @@ def _weight_matmuls(onnx_path) -> int:
     return n
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_int8_harp_engine_quantizes_every_weight_and_stays_close(family, tmp_path):
+def test_int8_harp_engine_quantizes_every_weight_and_stays_close(tmp_path):
+    family = "llama"  # GroupQueryAttention layers; gemma2's fusion skips are covered by test_ort_engine
     src = exported(family, harp=True)
     spec = OrtBuilder().build(src, tmp_path, OrtBuildConfig(quant="int8", quant_accuracy_level=0, intra_op_threads=2))
     ops = _ops(tmp_path)
