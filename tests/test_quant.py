@@ -100,3 +100,15 @@ def test_build_cli_rejects_bad_quant(argv, message, tmp_path, capsys):
     rc = main(["build", "--model", str(tmp_path / "absent"), "--workdir", str(tmp_path), *argv])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_build_cli_quant_defaults_are_the_config_defaults():
+    """The parser keeps torch out of `--help`, so it states the defaults itself: keep them equal."""
+    import argparse
+
+    from harp_trt.cli.build import _ort_config, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", "x"])
+    assert _ort_config(args) == OrtBuildConfig()
