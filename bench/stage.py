@@ -479,27 +479,19 @@ def _reference_ppl(pair, inp: BenchInputs, config: BenchConfig, phase) -> list[d
     if pair.backend != "ort" or not isinstance(inp.source, Mapping) or not all(k in inp.source for k in names):
         return []
     refs = {k: inp.source[k] for k in names}
-    import math
-
-    import numpy as np
-    import torch
-
     from harp_trt.data import token_windows
     from harp_trt.ort_session import OrtCausalLM
-    from harp_trt.ppl import window_nll
+    from harp_trt.ppl import perplexity_from_logits_fn
+
+    from .engine_ort import OrtEngine
 
     windows = token_windows(pair.tokenizer, inp.corpus, "heldout", config.ppl_seq_len, config.ppl_tokens)
+    count = int((windows[:, 1:] >= 0).sum())  # tokens predicted (ppl.window_nll)
     out = {}
     for name, src in refs.items():
-        folder = src.path if isinstance(src, Artifact) else Path(src)
-        lm = OrtCausalLM.from_engine(folder, intra_op_threads=config.threads or None)
-        total, count = 0.0, 0
-        for i in range(windows.shape[0]):
-            ids = windows[i: i + 1]
-            logits, _ = lm.forward(ids.numpy(), np.ones(ids.shape, np.int64), np.arange(ids.shape[1])[None])
-            s_, n_ = window_nll(torch.from_numpy(logits), ids)
-            total, count = total + s_, count + n_
-        out[name] = math.exp(total / count)
+        lm = OrtEngine(OrtCausalLM.from_engine(src.path if isinstance(src, Artifact) else Path(src),
+                                               intra_op_threads=config.threads or None), name, 1 << 30)
+        out[name] = perplexity_from_logits_fn(lambda i, ids: lm.logits(ids), windows)
     phase(f"held-out perplexity of the fp32 engines: dense {out['dense_fp32']:.3f}, harp {out['harp_fp32']:.3f}")
     return [{"task": "heldout", "metric": "perplexity_fp32", "split": "heldout", "dense": out["dense_fp32"],
              "harp": out["harp_fp32"], "dense_stderr": None, "harp_stderr": None, "n": count,

@@ -38,7 +38,6 @@ DECODE_CONTEXT = 512
 def _graph_bytes(folder: Path) -> int:
     """Bytes of the MatMulNBits weights (packed values, scales, zero points) of an engine graph."""
     import onnx
-    from onnx import numpy_helper  # noqa: F401  (sizes come from the tensor protos)
 
     m = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     sizes = {}
