@@ -19,7 +19,7 @@ class ModelDims:
     head_dim: int
     intermediate: int
     vocab: int
-    windows: tuple[int | None, ...] = field(default=())  # per layer: None = full attention
+    windows: tuple[int | None, ...] = field(default=())  # per layer: None = full (FamilySpec.layer_windows)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ModelDims":
@@ -27,14 +27,7 @@ class ModelDims:
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         n = cfg.num_hidden_layers
-        window = getattr(cfg, "sliding_window", None)
-        types = list(getattr(cfg, "layer_types", None) or [])
-        if window and types:
-            windows = tuple(window if t == "sliding_attention" else None for t in types)
-        elif window and _uniform_window(cfg):
-            windows = (window,) * n
-        else:
-            windows = (None,) * n
+        windows = tuple(_family(cfg).layer_windows(cfg))
         return cls(n, cfg.hidden_size, heads, kv, hd, cfg.intermediate_size, cfg.vocab_size, windows)
 
     @property
@@ -49,12 +42,13 @@ class ModelDims:
         return self.windows[layer] if layer < len(self.windows) else None
 
 
-def _uniform_window(cfg: Any) -> bool:
-    """Families whose ``sliding_window`` applies to every layer when set (Mistral), from the table."""
-    from .families import FAMILIES
+def _family(cfg: Any):
+    """The config's family, whose ``layer_windows`` is the one sliding-window rule; a model type no
+    family serves gets the default rule (``config.layer_types``)."""
+    from .errors import UnsupportedArchitectureError
+    from .families import FamilySpec, family_of
 
-    for name in FAMILIES:
-        spec = FAMILIES.get(name)
-        if getattr(cfg, "model_type", None) in spec.model_types:
-            return spec.uniform_sliding_window
-    return False
+    try:
+        return family_of(cfg)
+    except UnsupportedArchitectureError:
+        return FamilySpec()

@@ -274,7 +274,8 @@ def load_model(resolved: ResolvedModel, dtype: str = "float32", attn_implementat
 def load_model_folder(folder: Path, dtype: str = "float32", attn_implementation: str | None = None,
                       device_map: str | None = None, ref: str | None = None):
     """An HF ``*ForCausalLM`` from a local folder (safetensors only, no remote code), in eval mode.
-    ``attn_implementation`` defaults to the family's (eager for Gemma2's soft-capping)."""
+    ``attn_implementation`` defaults to the family's, which a family may require (Gemma2's
+    soft-capping runs in eager only: ``FamilySpec.attn_implementation_for``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -284,8 +285,7 @@ def load_model_folder(folder: Path, dtype: str = "float32", attn_implementation:
     except (ValueError, OSError) as e:
         raise ModelError(f"cannot read config of {ref}: {e}") from None
     family = family_of(cfg)
-    if attn_implementation is None or family.attn_implementation == "eager":
-        attn_implementation = family.attn_implementation
+    attn_implementation = family.attn_implementation_for(attn_implementation)
     extra = {"device_map": device_map} if device_map else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(

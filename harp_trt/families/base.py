@@ -23,8 +23,8 @@ class FamilySpec:
     # that norm: h <- h + alpha * post_attention_layernorm(o_proj(...)) (see README, "Gemma2").
     alpha_after_post_attn_norm: ClassVar[bool] = False
     norm_weight_offset: ClassVar[float] = 0.0   # RMSNorm gain is (offset + w): Gemma uses 1 + w
-    uniform_sliding_window: ClassVar[bool] = False  # config.sliding_window applies to all layers (Mistral)
     attn_implementation: ClassVar[str] = "sdpa"  # Gemma2 needs eager (sdpa cannot soft-cap)
+    attn_implementation_required: ClassVar[bool] = False  # a caller's choice cannot override it (Gemma2)
     extra_layer_norms: ClassVar[tuple[str, ...]] = ()  # norms beyond input/post-attention (Gemma2)
 
     # ---- checkpoint names (Hugging Face safetensors) ---------------------------------------
@@ -45,6 +45,30 @@ class FamilySpec:
         """Checkpoint name of a tensor role (``"q"``, ``"embed"``...) in layer ``layer``."""
         name = self.weight_names[role]
         return name if layer is None else self.layer_prefix.format(i=layer) + name
+
+    def attn_implementation_for(self, requested: str | None = None) -> str:
+        """The transformers attention implementation to load with: the caller's, unless the family
+        requires its own (Gemma2's soft-capping runs in eager only)."""
+        if requested is None or self.attn_implementation_required:
+            return self.attn_implementation
+        return requested
+
+    # ---- attention windows ----------------------------------------------------------------
+    def layer_windows(self, hf_config) -> tuple[int | None, ...]:
+        """Per decoder layer, the attention window transformers runs it with (None: full attention).
+
+        The one rule every stage reads (``ModelDims.windows``). Default: ``config.sliding_window`` on
+        the layers ``config.layer_types`` marks ``"sliding_attention"``, as the attention modules do
+        (``modeling_qwen2.py`` / ``modeling_gemma2.py``: ``self.sliding_window = config.sliding_window
+        if self.layer_type == "sliding_attention" else None``). The configs derive ``layer_types``:
+        Qwen2 slides layers ``i >= max_window_layers`` only when ``use_sliding_window`` (otherwise
+        ``sliding_window`` is set to None), Gemma2 slides the even layers 0, 2, 4..."""
+        n = hf_config.num_hidden_layers
+        window = getattr(hf_config, "sliding_window", None)
+        types = list(getattr(hf_config, "layer_types", None) or [])
+        if not window or not types:
+            return (None,) * n
+        return tuple(window if t == "sliding_attention" else None for t in types)
 
     # ---- module access --------------------------------------------------------------------
     @staticmethod

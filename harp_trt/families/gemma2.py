@@ -19,6 +19,7 @@ class Gemma2Family(FamilySpec):
     alpha_after_post_attn_norm = True
     norm_weight_offset = 1.0
     attn_implementation = "eager"
+    attn_implementation_required = True
     extra_layer_norms = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     weight_names = {**FamilySpec.weight_names,
                     "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",

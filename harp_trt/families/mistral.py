@@ -9,4 +9,9 @@ class MistralFamily(LlamaFamily):
     name = "mistral"
     model_types = ("mistral",)
     hf_config_class = "MistralConfig"
-    uniform_sliding_window = True  # v0.1's 4096-token window on every layer; v0.3 has none
+
+    def layer_windows(self, hf_config) -> tuple[int | None, ...]:
+        """``config.sliding_window`` on every layer when set (v0.1: 4096; v0.3: None), whatever
+        ``layer_types`` says: ``modeling_mistral.py`` ``MistralAttention.forward`` passes
+        ``sliding_window=config.sliding_window`` for all layers and ``MistralConfig`` has no layer types."""
+        return (getattr(hf_config, "sliding_window", None) or None,) * hf_config.num_hidden_layers

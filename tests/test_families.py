@@ -1,0 +1,81 @@
+"""Family tables: the one sliding-window rule (``FamilySpec.layer_windows``) equals the windows
+transformers' own models run with, per family; a family may require its attention implementation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harp_trt.dims import ModelDims
+from harp_trt.families import FAMILIES
+
+from conftest import FAMILY_NAMES
+
+T, W = 12, 3  # sequence length, sliding window (< T, so a window shows in the mask)
+
+# family -> (config overrides, the windows transformers runs each of the 4 layers with)
+WINDOW_CASES = {
+    "llama": ({}, (None,) * 4),
+    "mistral": ({"sliding_window": W}, (W,) * 4),                               # every layer
+    "qwen2": ({"use_sliding_window": True, "sliding_window": W, "max_window_layers": 2},
+              (None, None, W, W)),                                              # layers >= max_window_layers
+    "gemma2": ({"sliding_window": W}, (W, None, W, None)),                      # even layers
+}
+
+
+def _transformers_windows(family: str, **overrides) -> tuple[int | None, ...]:
+    """Per layer, how many keys the last query may see in the mask transformers hands the
+    layer's attention (eager, so the mask is materialised); None when it sees all T."""
+    from transformers import AutoModelForCausalLM
+
+    spec = FAMILIES.get(family)()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(spec.tiny_config(**overrides), attn_implementation="eager").eval()
+    seen: dict[int, int | None] = {}
+
+    def hook(i):
+        def capture(_module, args, kwargs):
+            mask = kwargs["attention_mask"][0, 0, -1]
+            allowed = int(mask.sum()) if mask.dtype == torch.bool else int((mask == 0).sum())
+            seen[i] = None if allowed == T else allowed
+        return capture
+
+    for i, layer in enumerate(spec.layers(model)):
+        layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.arange(T)[None])
+    return tuple(seen[i] for i in range(len(seen)))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_layer_windows_equal_the_masks_transformers_builds(family):
+    overrides, want = WINDOW_CASES[family]
+    spec = FAMILIES.get(family)()
+    cfg = spec.tiny_config(**overrides)
+    assert _transformers_windows(family, **overrides) == want
+    assert spec.layer_windows(cfg) == want
+    assert ModelDims.from_config(cfg).windows == want  # every stage reads this one rule
+    types = getattr(cfg, "layer_types", None)
+    if types and family != "mistral":  # where the config has layer types, they say the same
+        assert [t == "sliding_attention" for t in types] == [w is not None for w in want]
+
+
+def test_qwen2_without_use_sliding_window_has_no_window():
+    overrides = {"use_sliding_window": False, "sliding_window": W, "max_window_layers": 2}
+    spec = FAMILIES.get("qwen2")()
+    assert _transformers_windows("qwen2", **overrides) == (None,) * 4
+    assert spec.layer_windows(spec.tiny_config(**overrides)) == (None,) * 4
+
+
+def test_mistral_window_applies_to_every_layer_whatever_layer_types_say():
+    spec = FAMILIES.get("mistral")()
+    cfg = spec.tiny_config(sliding_window=W)
+    cfg.layer_types = ["full_attention", "sliding_attention"] * 2  # MistralAttention ignores them
+    assert spec.layer_windows(cfg) == (W,) * 4
+    assert spec.tiny_config(sliding_window=None).num_hidden_layers == 4
+    assert spec.layer_windows(spec.tiny_config(sliding_window=None)) == (None,) * 4
+
+
+def test_attn_implementation_is_the_callers_unless_the_family_requires_its_own():
+    llama, gemma2 = FAMILIES.get("llama")(), FAMILIES.get("gemma2")()
+    assert llama.attn_implementation_for(None) == "sdpa" and llama.attn_implementation_for("eager") == "eager"
+    assert gemma2.attn_implementation_for(None) == "eager" and gemma2.attn_implementation_for("sdpa") == "eager"
