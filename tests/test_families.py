@@ -1,15 +1,20 @@
 """Family tables: the one sliding-window rule (``FamilySpec.layer_windows``) equals the windows
-transformers' own models run with, per family; a family may require its attention implementation."""
+transformers' own models run with, per family; the TensorRT-LLM facts are plain data the builders
+read; and the modules that consume the tables never branch on family or architecture names."""
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
 from harp_trt.dims import ModelDims
-from harp_trt.families import FAMILIES
+from harp_trt.families import FAMILIES, ROUTE_LINEAR, TrtllmTarget
 
 from conftest import FAMILY_NAMES
 
+ROOT = Path(__file__).resolve().parents[1]
 T, W = 12, 3  # sequence length, sliding window (< T, so a window shows in the mask)
 
 # family -> (config overrides, the windows transformers runs each of the 4 layers with)
@@ -79,3 +84,47 @@ def test_attn_implementation_is_the_callers_unless_the_family_requires_its_own()
     llama, gemma2 = FAMILIES.get("llama")(), FAMILIES.get("gemma2")()
     assert llama.attn_implementation_for(None) == "sdpa" and llama.attn_implementation_for("eager") == "eager"
     assert gemma2.attn_implementation_for(None) == "eager" and gemma2.attn_implementation_for("sdpa") == "eager"
+
+
+# ---- TensorRT-LLM facts -------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_trtllm_facts_are_plain_data_the_builders_read(family):
+    from builders.trtllm.reader import ARCHITECTURES
+    from builders.trtllm.targets import target_for
+
+    spec = FAMILIES.get(family)()
+    t = spec.trtllm
+    assert isinstance(t, TrtllmTarget) and target_for(family) is t
+    assert t.layer_configs == (t.route == ROUTE_LINEAR) == t.hf_heterogeneous
+    assert t.inter_layernorms == bool(spec.extra_layer_norms)
+    r = ARCHITECTURES[t.architecture]  # the reader runs what the writer writes
+    assert (r.embedding_scale, r.inter_layernorms, r.softcapping, r.heterogeneous, r.mlp_prefix) == (
+        t.embedding_scale, t.inter_layernorms, t.softcapping, t.layer_configs, t.mlp_prefix)
+
+
+def test_family_tables_import_no_builder():
+    for f in (ROOT / "harp_trt" / "families").glob("*.py"):
+        tree = ast.parse(f.read_text())
+        mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in mods if m.startswith("builders")], f.name
+
+
+TABLE_READERS = ["harp_trt/models.py", "harp_trt/dims.py", "builders/trtllm/checkpoint.py",
+                 "builders/trtllm/reader.py", "builders/trtllm/hf_format.py", "builders/trtllm/targets.py",
+                 "calib/strategies/gate_norm.py"]
+
+
+@pytest.mark.parametrize("path", TABLE_READERS)
+def test_no_branch_on_family_or_architecture_names(path):
+    names = set(FAMILY_NAMES) | {FAMILIES.get(f).trtllm.architecture for f in FAMILY_NAMES}
+    names |= {"eager", "sdpa", "LlamaForCausalLM", "MistralForCausalLM"}
+    tree = ast.parse((ROOT / path).read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                consts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                bad += [(node.lineno, c.value) for c in consts
+                        if isinstance(c, ast.Constant) and c.value in names]
+    assert not bad, f"{path} compares against family / architecture names: {bad}"

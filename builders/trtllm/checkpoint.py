@@ -39,7 +39,7 @@ from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
 
 from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
-__all__ = ["DTYPES", "ModelDims", "write_checkpoint", "pp_layers", "valid_tp_sizes", "check_layout",
+__all__ = ["DTYPES", "write_checkpoint", "pp_layers", "valid_tp_sizes", "check_layout",
            "rank_of", "STAGE_NAME", "fold_vo", "LayerKinds", "layer_kinds", "hf_config"]
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def layer_kinds(plan: Plan, target: TrtllmTarget, dims: ModelDims, max_seq_len: 
 def _global_tensors(src: _Source, target: TrtllmTarget) -> Iterator[tuple[str, int, _Logical]]:
     """(name, owning pp stage: 0 first / -1 last, tensor), read one at a time (embedding tables
     are the largest tensors of a model; a tied head is read again rather than held)."""
-    off = target.norm_offset
+    off = src.family.norm_weight_offset  # TensorRT-LLM stores the folded gain
     split = "vocab_split" if target.parallel_embedding else None
     yield "transformer.vocab_embedding.weight", 0, _Logical(split or "rep", src.get("embed"))
     yield "transformer.ln_f.weight", -1, _Logical("rep", _gain(off, src.get("final_norm")))
@@ -286,11 +286,12 @@ def _global_tensors(src: _Source, target: TrtllmTarget) -> Iterator[tuple[str, i
 
 def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, i: int) -> dict[str, _Logical]:
     """The logical tensors of decoder layer ``i`` (global names), read from ``src`` on demand."""
-    off = target.norm_offset
+    fam = src.family
+    off = fam.norm_weight_offset  # TensorRT-LLM stores the folded gain
     p = f"transformer.layers.{i}."
     kind, alpha = lk.kinds[i], lk.alphas.get(i, 1.0)
     W: dict[str, _Logical] = {}
-    mlp = "ffn" if target.architecture == "DeciLMForCausalLM" else "mlp"
+    mlp = target.mlp_prefix
     if kind != "no_op":
         W[p + "input_layernorm.weight"] = _Logical("rep", _gain(off, src.get("input_ln", i)))
     if kind == "linear":
@@ -302,23 +303,22 @@ def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: Mod
             qb, kb = src.zeros(q_rows), src.zeros(kv_rows)
         else:
             q, k = src.get("q", i), src.get("k", i)
-            qb = src.get("qb", i) if target.qkv_bias else None
-            kb = src.get("kb", i) if target.qkv_bias else None
+            qb = src.get("qb", i) if fam.qkv_bias else None
+            kb = src.get("kb", i) if fam.qkv_bias else None
         v = src.get("v", i)
         W[p + "attention.qkv.weight"] = _Logical("qkv", (q, k.to(q.dtype), v.to(q.dtype)))
-        if target.qkv_bias:
+        if fam.qkv_bias:
             vb = src.get("vb", i) if src.has("vb", i) else src.zeros(kv_rows)
             W[p + "attention.qkv.bias"] = _Logical("qkv_bias", (qb.to(vb.dtype), kb.to(vb.dtype), vb))
-        dense_alpha = alpha if kind == "window1" and not target.alpha_in_post_norm else 1.0
+        dense_alpha = alpha if kind == "window1" and not fam.alpha_after_post_attn_norm else 1.0
         W[p + "attention.dense.weight"] = _Logical("row", _gain(0.0, src.get("o", i), dense_alpha))
-    post_scale = alpha if kind == "window1" and target.alpha_in_post_norm else 1.0
-    if target.inter_layernorms:
-        # Gemma2: post_layernorm is the post-attention norm; alpha scales its gain (HARP, Gemma2)
-        W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, src.get("post_attn_ln", i), post_scale))
-        for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+    # post_layernorm is HF's post_attention_layernorm; with inter_layernorms (Gemma2) it is the
+    # post-attention norm and alpha scales its gain (HARP, Gemma2)
+    post_scale = alpha if kind == "window1" and fam.alpha_after_post_attn_norm else 1.0
+    W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, src.get("post_attn_ln", i), post_scale))
+    if target.inter_layernorms:  # Gemma2's pre/post feed-forward norms keep their HF names
+        for n in fam.extra_layer_norms:
             W[p + f"{n}.weight"] = _Logical("rep", _gain(off, src.get(n, i)))
-    else:
-        W[p + "post_layernorm.weight"] = _Logical("rep", _gain(off, src.get("post_attn_ln", i)))
     W[p + f"{mlp}.fc.weight"] = _Logical("col", src.get("gate", i))
     W[p + f"{mlp}.gate.weight"] = _Logical("col", src.get("up", i))
     W[p + f"{mlp}.proj.weight"] = _Logical("row", src.get("down", i))
@@ -368,11 +368,11 @@ def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims
         cfg["seq_length"] = int(config.max_position_embeddings)
     if target.share_embedding:
         cfg["share_embedding_table"] = True
-    if target.architecture == "DeciLMForCausalLM":
+    if target.layer_configs:
         cfg["layer_configs"] = [
             {"attention": {"impl": k, "num_key_value_heads": dims.kv_heads if k == "attention" else None},
              "ffn": {"impl": "mlp", "intermediate_size": dims.intermediate}} for k in lk.kinds]
-    if target.inter_layernorms:  # Gemma2 config group
+    if target.softcapping:  # Gemma2 config group
         cfg["query_pre_attn_scalar"] = config.query_pre_attn_scalar
         cfg["attn_logit_softcapping"] = getattr(config, "attn_logit_softcapping", None)
         cfg["final_logit_softcapping"] = getattr(config, "final_logit_softcapping", None)

@@ -2,7 +2,9 @@
 ``rank{N}.safetensors`` and runs the forward pass the config describes, so a written checkpoint can
 be checked against the PyTorch HARP reference on a machine without TensorRT-LLM or a GPU.
 
-The reader knows nothing about Hugging Face models or HARP plans: everything comes from the files.
+The reader knows nothing about Hugging Face models or HARP plans: everything comes from the files,
+plus what each architecture's TensorRT-LLM model adds to the Llama layout (the family tables'
+``TrtllmTarget``, the writer's own source of those facts).
 Tensors are read from disk when a layer needs them and dropped after it (embedding rows for the
 tokens at hand, the LM head in row chunks), so checking a 7B checkpoint holds one layer in fp32.
 It simulates the parallel execution rather than undoing it: each tensor-parallel rank computes its
@@ -26,24 +28,36 @@ import torch
 import torch.nn.functional as F
 
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
+from harp_trt.families import FAMILIES, TrtllmTarget
 
 __all__ = ["TrtllmCheckpoint", "read_checkpoint", "read_hf_decilm", "SUPPORTED_ARCHITECTURES"]
 
 @dataclass(frozen=True)
 class _Arch:
-    """What an architecture's TensorRT-LLM model does beyond the Llama layout."""
+    """What an architecture's TensorRT-LLM model does beyond the Llama layout (from its ``TrtllmTarget``)."""
     embedding_scale: bool = False   # hidden states start as embedding * sqrt(hidden) (Gemma)
     inter_layernorms: bool = False  # post-attention, pre/post feed-forward norms (Gemma2)
     softcapping: bool = False       # attention / final logit soft-capping, query_pre_attn_scalar (Gemma2)
     heterogeneous: bool = False     # per-layer layer_configs (DeciLM)
     mlp_prefix: str = "mlp"
 
+    @classmethod
+    def of(cls, t: TrtllmTarget) -> "_Arch":
+        return cls(t.embedding_scale, t.inter_layernorms, t.softcapping, t.layer_configs, t.mlp_prefix)
 
-ARCHITECTURES: dict[str, _Arch] = {
-    "DeciLMForCausalLM": _Arch(heterogeneous=True, mlp_prefix="ffn"),
-    "LlamaForCausalLM": _Arch(), "MistralForCausalLM": _Arch(), "Qwen2ForCausalLM": _Arch(),
-    "Gemma2ForCausalLM": _Arch(embedding_scale=True, inter_layernorms=True, softcapping=True),
-}
+
+def _architectures() -> dict[str, _Arch]:
+    """Every architecture a family is written as (the family tables), plus the stock Llama-layout
+    ones, which need nothing beyond the defaults."""
+    out = {"LlamaForCausalLM": _Arch(), "MistralForCausalLM": _Arch()}
+    for name in FAMILIES:
+        t = FAMILIES.get(name).trtllm
+        if t is not None:
+            out[t.architecture] = _Arch.of(t)
+    return out
+
+
+ARCHITECTURES: dict[str, _Arch] = _architectures()
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 HEAD_CHUNK_BYTES = 64 << 20  # LM head rows read at once (fp32)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..errors import UnsupportedArchitectureError
 from ..registry import Registry
-from .base import FamilySpec
+from .base import ROUTE_LINEAR, ROUTE_WINDOW1, FamilySpec, TrtllmTarget
 
-__all__ = ["FAMILIES", "FamilySpec", "family_of", "family_for_model_type"]
+__all__ = ["FAMILIES", "FamilySpec", "TrtllmTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "family_of",
+           "family_for_model_type"]
 
 FAMILIES: Registry[type[FamilySpec]] = Registry("model family")
 FAMILIES.register("llama", "harp_trt.families.llama:LlamaFamily")

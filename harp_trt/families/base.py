@@ -1,16 +1,42 @@
 """``FamilySpec``: everything harp-trt needs to know about one decoder family, in one place.
 
 A new family is one file with a ``FamilySpec`` subclass plus one line in ``families/__init__.py``.
-Module names follow Hugging Face ``*ForCausalLM`` models (``model.layers[i].self_attn.q_proj``...)."""
+Module names follow Hugging Face ``*ForCausalLM`` models (``model.layers[i].self_attn.q_proj``...).
+How the family lands in TensorRT-LLM is plain data here too (``TrtllmTarget``); ``builders/trtllm``
+reads it and never branches on family or architecture names (this package imports no builder)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["FamilySpec"]
+__all__ = ["FamilySpec", "TrtllmTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1"]
+
+# How a HARP-pruned layer is written for TensorRT-LLM (builders/trtllm/targets.py explains both).
+ROUTE_LINEAR = "linear"    # DeciLM linear attention: alpha * W_O . repeat_kv(W_V), no KV cache
+ROUTE_WINDOW1 = "window1"  # the family's own architecture, Q/K zeroed, a one-token attention window
+
+
+@dataclass(frozen=True)
+class TrtllmTarget:
+    """What a family's TensorRT-LLM (1.x, TensorRT backend) model is, as plain data. Facts about
+    the Hugging Face side (q/k/v biases, the ``1 + w`` norm gain, where alpha goes, the extra norms)
+    are the ``FamilySpec``'s own fields; the writer folds them in."""
+
+    architecture: str                 # TensorRT-LLM ``MODEL_MAP`` key written to config.json
+    route: str                        # ROUTE_LINEAR or ROUTE_WINDOW1
+    layer_configs: bool = False       # per-layer ``layer_configs`` (attention impl) in config.json (DeciLM)
+    mlp_prefix: str = "mlp"           # tensor prefix of the MLP (DeciLM: ``ffn``)
+    inter_layernorms: bool = False    # Gemma2: post-attention, pre/post feed-forward norms
+    embedding_scale: bool = False     # Gemma: the model scales embeddings by sqrt(hidden) itself
+    softcapping: bool = False         # Gemma2: query_pre_attn_scalar, attention / final logit soft-capping
+    parallel_embedding: bool = False  # Gemma forces use_parallel_embedding when tp > 1
+    share_embedding: bool = False     # Gemma ties lm_head to the embedding table
+    hf_heterogeneous: bool = False    # an HF DeciLM (block_configs) checkpoint can be written
+    seq_length_field: bool = False    # config.json carries seq_length (Qwen: QWenConfig.from_hugging_face)
+    extra_config: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
 
 
 @dataclass(frozen=True)
@@ -26,6 +52,7 @@ class FamilySpec:
     attn_implementation: ClassVar[str] = "sdpa"  # Gemma2 needs eager (sdpa cannot soft-cap)
     attn_implementation_required: ClassVar[bool] = False  # a caller's choice cannot override it (Gemma2)
     extra_layer_norms: ClassVar[tuple[str, ...]] = ()  # norms beyond input/post-attention (Gemma2)
+    trtllm: ClassVar[TrtllmTarget | None] = None  # how the family lands in TensorRT-LLM (None: it does not)
 
     # ---- checkpoint names (Hugging Face safetensors) ---------------------------------------
     layers_module_path: ClassVar[str] = "model.layers"

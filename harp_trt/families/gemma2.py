@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilySpec
+from .base import ROUTE_WINDOW1, FamilySpec, TrtllmTarget
 
 
 class Gemma2Family(FamilySpec):
@@ -24,6 +24,12 @@ class Gemma2Family(FamilySpec):
     weight_names = {**FamilySpec.weight_names,
                     "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
                     "post_feedforward_layernorm": "post_feedforward_layernorm.weight"}
+    # TensorRT-LLM's Gemma2ForCausalLM: norms are stored as 1 + w (tensorrt_llm/models/gemma/convert.py)
+    # and the model scales embeddings by sqrt(hidden) itself (tensorrt_llm/models/gemma/model.py
+    # GemmaForCausalLM); docs/trtllm-contract.md row gemma-norm
+    trtllm = TrtllmTarget("Gemma2ForCausalLM", ROUTE_WINDOW1, inter_layernorms=True, embedding_scale=True,
+                          softcapping=True, parallel_embedding=True, share_embedding=True,
+                          extra_config={"attn_bias": False, "mlp_bias": False, "inter_layernorms": True})
 
     def attn_residual(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         return h + layer.post_attention_layernorm(attn_out)

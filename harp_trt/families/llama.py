@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from .base import FamilySpec
+from .base import ROUTE_LINEAR, FamilySpec, TrtllmTarget
 
 
 class LlamaFamily(FamilySpec):
@@ -9,3 +9,7 @@ class LlamaFamily(FamilySpec):
     name = "llama"
     model_types = ("llama",)
     hf_config_class = "LlamaConfig"
+    # TensorRT-LLM's DeciLMForCausalLM (Nemotron-NAS): a pruned layer is a linear attention
+    # (tensorrt_llm/models/nemotron_nas/model.py DeciLMDecoderLayer); docs/trtllm-contract.md decilm-*
+    trtllm = TrtllmTarget("DeciLMForCausalLM", ROUTE_LINEAR, layer_configs=True, mlp_prefix="ffn",
+                          hf_heterogeneous=True)
