@@ -9,6 +9,10 @@ __all__ = ["run_bench", "BenchConfig", "check_gates"]
 
 
 def __getattr__(name):
+    if name == "BenchConfig":
+        from .config import BenchConfig
+
+        return BenchConfig
     if name in __all__:
         from . import stage
 

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from calib import run_calibrate
-    from calib.stage import CalibrateConfig
+    from calib.config import CalibrateConfig
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore
 

@@ -2,22 +2,21 @@
 
 An ``Engine`` is the minimum the bench needs from a backend: a prefill that returns the last
 token's logits and a cache, a one-token decode step, teacher-forced logits for perplexity and
-lm-eval, and the size of its cache. Backends register a loader in ``ENGINES`` (lazy: ``"torch"``
+lm-eval, and the size of its cache. Backends register a loader in ``bench.config.ENGINES`` (lazy: ``"torch"``
 imports only PyTorch/transformers, ``"ort"`` only ONNX Runtime); a loader returns an
 ``EnginePair`` so both engines share one tokenizer, one set of dimensions and one process."""
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from harp_trt.registry import Registry
 
 from .flops import ModelDims
 
-__all__ = ["Engine", "EnginePair", "ENGINES", "engine_names"]
+__all__ = ["Engine", "EnginePair"]
 
 
 class Engine(abc.ABC):
@@ -79,10 +78,4 @@ class EnginePair:
 
 # name -> loader(plan, source, config) -> EnginePair; ``source`` is a ResolvedModel (torch) or a
 # mapping {"dense": folder, "harp": folder} of built engines (ort).
-ENGINES: Registry[Callable[..., EnginePair]] = Registry("bench engine")
-ENGINES.register("torch", "bench.engine_torch:load_torch_pair")
-ENGINES.register("ort", "bench.engine_ort:load_ort_pair")
 
-
-def engine_names() -> list[str]:
-    return ENGINES.names()

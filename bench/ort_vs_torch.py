@@ -27,9 +27,11 @@ log = logging.getLogger("bench.ort_vs_torch")
 
 
 def build_engine(model_ref: str, workdir: str | None, threads: int, attention: str):
-    from builders.ort.builder import OrtBuildConfig, OrtBuildStage
+    from builders.ort.builder import OrtBuildStage
+    from builders.ort.config import OrtBuildConfig
     from harp_trt.models import resolve_model
-    from harp_trt.rewrite.export import ExportConfig, ExportStage
+    from harp_trt.rewrite.config import ExportConfig
+    from harp_trt.rewrite.export import ExportStage
     from harp_trt.store import ArtifactStore
 
     store = ArtifactStore(workdir)

@@ -21,7 +21,7 @@ import time
 
 def _calibrate_rows(args, store, resolved) -> list[dict]:
     from calib import run_calibrate
-    from calib.stage import CalibrateConfig
+    from calib.config import CalibrateConfig
     from harp_trt.plan import Plan
 
     rows = []

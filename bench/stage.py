@@ -22,100 +22,24 @@ import logging
 import os
 import platform
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import harp_trt
-from harp_trt.config import StageConfig, digest_of
-from harp_trt.errors import ConfigError, GateError, HarpError, PostconditionError, PreconditionError
+from harp_trt.config import digest_of
+from harp_trt.errors import GateError, HarpError, PostconditionError, PreconditionError
+from harp_trt.onnx_io import MODEL_FILE, check_plan_weights, file_digest, read_export_meta
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 from harp_trt.versions import library_versions
 from harp_trt.store import Artifact, ArtifactStore
 
-from .tasks import DEFAULT_TASKS
+from .config import BenchConfig
 
-__all__ = ["BenchConfig", "BenchInputs", "BenchStage", "run_bench", "check_gates", "headline_speedup",
+__all__ = ["BenchInputs", "BenchStage", "run_bench", "check_gates", "headline_speedup",
            "machine_fingerprint"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BenchConfig(StageConfig):
-    """``seq_lens``: prefill lengths. ``decode_context``/``decode_tokens``: generation figures
-    (TTFT, ms/token, KV bytes). ``batch_sizes``: request batches (each ``decode_context`` prompt
-    tokens, ``decode_tokens`` + 1 output tokens) whose throughput is measured; empty = none. ``tasks``: lm-eval tasks (empty = none), ``limit`` documents per
-    task (0 = all). ``ppl_tokens``/``ppl_seq_len``: held-out perplexity budget. ``threads``: 0 =
-    the library default."""
-
-    VERSION = 2   # 2: batch_sizes, confidence intervals, genai-perf-named serving figures
-    engine: str = "torch"
-    seq_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
-    decode_context: int = 512
-    decode_tokens: int = 32
-    warmup: int = 1
-    repeats: int = 5
-    batch_sizes: tuple[int, ...] = (1, 4, 16)
-    tasks: tuple[str, ...] = DEFAULT_TASKS
-    limit: int = 100
-    batch_size: int = 8
-    task_dir: str = ""
-    eval_data: str = ""
-    corpus: str = "wiki"
-    ppl_tokens: int = 8192
-    ppl_seq_len: int = 512
-    greedy_prompts: int = 4
-    greedy_tokens: int = 32
-    dtype: str = "float32"
-    device: str = "cpu"      # torch engine: device kind (cpu | cuda); results differ between kinds
-    threads: int = 0
-    latency: bool = True
-    accuracy: bool = True
-    seed: int = 0
-
-    def validate(self) -> None:
-        from .engines import ENGINES
-
-        ENGINES.get(self.engine)  # "did you mean"
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"BenchConfig.device is a device kind (cpu or cuda), got {self.device!r}")
-        if self.latency and not self.seq_lens:
-            raise ConfigError("--seq-lens is empty; give prompt lengths, e.g. 128,512,2048")
-        if any(int(s) < 1 for s in self.seq_lens):
-            raise ConfigError(f"--seq-lens must be positive token counts, got {list(self.seq_lens)}")
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
-            raise ConfigError(f"--batch-sizes must be positive request counts, got {list(self.batch_sizes)}",
-                              "e.g. --batch-sizes 1,4,16")
-        for name in ("decode_context", "decode_tokens", "repeats", "batch_size", "ppl_seq_len",
-                     "greedy_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "limit", "threads", "greedy_prompts"):
-            if int(getattr(self, name)) < 0:
-                raise ConfigError(f"BenchConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.ppl_tokens < self.ppl_seq_len:
-            raise ConfigError(f"--ppl-tokens ({self.ppl_tokens}) must be at least one window "
-                              f"(--ppl-seq-len {self.ppl_seq_len})")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
-
-    def key_material(self) -> dict[str, Any]:
-        d = super().key_material()
-        # paths are not content: the eval wheel is pinned, a task folder is hashed by content
-        d.pop("eval_data")
-        d["task_dir"] = _dir_digest(self.task_dir) if self.task_dir else ""
-        d["seq_lens"] = [int(s) for s in self.seq_lens]
-        d["batch_sizes"] = [int(b) for b in self.batch_sizes]
-        return d
-
-
-def _dir_digest(folder: str) -> str:
-    p = Path(folder)
-    if not p.is_dir():
-        return f"missing:{folder}"
-    return digest_of({str(f.relative_to(p)): f.read_text(errors="replace") for f in sorted(p.rglob("*.yaml"))})
 
 
 @dataclass
@@ -127,7 +51,6 @@ class BenchInputs:
     corpus: Any = None
     cache_root: Path | None = None
     on_phase: Callable[[str], None] | None = None
-    extra: dict = field(default_factory=dict)
 
     def source_key(self) -> Any:
         if isinstance(self.source, Mapping):
@@ -136,9 +59,7 @@ class BenchInputs:
                 if isinstance(s, Artifact):
                     out[v] = s.key
                 else:
-                    from harp_trt.rewrite.stage import file_digest
-
-                    out[v] = file_digest(Path(s) / "model.onnx")
+                    out[v] = file_digest(Path(s) / MODEL_FILE)
             return out
         return {"weights": getattr(self.source, "digest", None)}
 
@@ -183,14 +104,36 @@ def _model_limits(source: Any) -> tuple[int, str]:
 
 class BenchStage(Stage[BenchConfig]):
     name = "bench"
+    code = ("bench.stage", "bench.config", "bench.engines", "bench.engine_ort", "bench.engine_torch", "bench.latency",
+            "bench.report", "bench.tasks", "bench.lm_eval_adapter", "bench.accuracy", "bench.flops",
+            "harp_trt.harp", "harp_trt.ort_session", "harp_trt.ppl", "harp_trt.data", "harp_trt.layerwise")
     version = 1
     outputs = ("latency.parquet", "latency.csv", "latency_samples.parquet", "speedup.parquet", "speedup.csv",
                "accuracy.parquet", "accuracy.csv", "report.md", "latency.png", "accuracy.png", "summary.json")
 
+    def prepare(self, store: ArtifactStore, config: BenchConfig, inputs: Mapping[str, Any], hooks) -> dict[str, Any]:
+        """``{"calibrate": Artifact | folder | plan.json | Plan, "source": model ref | ResolvedModel |
+        {"dense": ..., "harp": ...}}`` -> ``{"plan", "bench"[, "calibrate"]}``."""
+        from harp_trt.data import load_corpus
+        from harp_trt.models import ResolvedModel, resolve_model
+
+        plan_artifact, source = inputs["calibrate"], inputs.get("source")
+        if isinstance(plan_artifact, Plan):
+            plan = plan_artifact
+        else:
+            plan = Plan.load(plan_artifact.path if isinstance(plan_artifact, Artifact) else Path(plan_artifact))
+        if not isinstance(source, (Mapping, ResolvedModel)):
+            source = resolve_model(str(source or plan.model_ref), store.root)
+        corpus = load_corpus(config.corpus, store.root) if config.accuracy else None
+        out: dict[str, Any] = {"plan": plan, "bench": BenchInputs(source, corpus, store.root, hooks.on_phase)}
+        if isinstance(plan_artifact, Artifact):
+            out["calibrate"] = plan_artifact
+        return out
+
     def key_material(self, config: BenchConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
         plan: Plan = inputs["plan"]
         inp: BenchInputs = inputs["bench"]
-        return {"stage_version": self.version, "code": harp_trt.__version__, "config": config.key_material(),
+        return {"stage_version": self.version, "code": self.code_version(), "config": config.key_material(),
                 "plan": digest_of(plan.to_dict()), "source": inp.source_key(),
                 "corpus": getattr(inp.corpus, "digest", None), "versions": _versions(),
                 "machine": machine_fingerprint(config.threads)}
@@ -225,7 +168,7 @@ class BenchStage(Stage[BenchConfig]):
         import polars as pl
         import torch
 
-        from .engines import ENGINES
+        from .config import ENGINES
         from .flops import ideal_speedups
         from .latency import (LatencySettings, measure_generation, measure_prefill, paired_speedups,
                               serving_figures, summarise)
@@ -346,10 +289,8 @@ def check_source_matches_plan(plan: Plan, source: Any, engine: str) -> None:
         for variant, s in source.items():
             folder = s.path if isinstance(s, Artifact) else Path(s)
             digest, layers = _engine_identity(folder)
-            if digest is not None and digest != plan.model_digest:
-                raise PreconditionError("bench", f"{variant} engine {folder} was built from other weights "
-                                        f"(digest {digest[:12]}) than the plan's model (digest "
-                                        f"{plan.model_digest[:12]})", "bench engines built from the plan's model")
+            check_plan_weights(plan.model_digest, digest, "bench", f"the {variant} engine {folder}",
+                               "bench engines built from the plan's model")
             if variant in ("harp", "harp_fp32") and layers is not None and sorted(layers) != sorted(plan.layers):
                 raise PreconditionError("bench", f"HARP engine {folder} prunes layers {sorted(layers)}, the plan "
                                         f"prunes {list(plan.layers)}", "rebuild the engine from this plan")
@@ -358,10 +299,10 @@ def check_source_matches_plan(plan: Plan, source: Any, engine: str) -> None:
                                         "pass the dense (unrewritten) export as --dense-engine")
         return
     digest = getattr(source, "digest", None)
-    if digest != plan.model_digest:
-        raise PreconditionError("bench", f"model {getattr(source, 'ref', source)!r} (weights {str(digest)[:12]}) "
-                                f"is not the model the plan was calibrated on (weights {plan.model_digest[:12]})",
-                                "pass --model with the plan's weights, or calibrate this model first")
+    if not digest:
+        raise PreconditionError("bench", f"model {getattr(source, 'ref', source)!r} has no weights digest",
+                                "pass a model resolved by harp_trt.models.resolve_model")
+    check_plan_weights(plan.model_digest, digest, "bench", f"model {getattr(source, 'ref', source)!r}")
 
 
 def _engine_identity(folder: Path) -> tuple[str | None, list[int] | None]:
@@ -387,11 +328,9 @@ def _engine_identity(folder: Path) -> tuple[str | None, list[int] | None]:
         layers = sorted(set(range(int(kv["num_layers"]))) - {int(i) for i in kv["layers"]})
     elif plan is not None and isinstance(plan.get("layers"), list):
         layers = [int(i) for i in plan["layers"]]
-    elif (folder / "model.onnx").is_file():
+    elif (folder / MODEL_FILE).is_file():
         try:
-            from harp_trt.rewrite.export import read_export_meta
-
-            meta = read_export_meta(folder / "model.onnx")
+            meta = read_export_meta(folder / MODEL_FILE, "bench")
             if isinstance(meta.get("kv_layers"), list) and meta.get("num_layers"):
                 layers = sorted(set(range(int(meta["num_layers"]))) - {int(i) for i in meta["kv_layers"]})
         except HarpError as e:  # a user's graph without our metadata: nothing to check against
@@ -651,18 +590,9 @@ def run_bench(plan_artifact: Any, source: Any, config: BenchConfig, store: Artif
     ``Plan``; ``source`` is a model reference / ``ResolvedModel`` (engine "torch") or
     ``{"dense": ..., "harp": ...}`` engine folders or artifacts (engine "ort"). Returns the
     (cached or new) bench ``Artifact``; its manifest's ``summary`` is what ``--json`` prints."""
-    from harp_trt.data import load_corpus
-    from harp_trt.models import ResolvedModel, resolve_model
+    from harp_trt.stage import Hooks
 
     store = store or ArtifactStore()
-    if isinstance(plan_artifact, Plan):
-        plan = plan_artifact
-    else:
-        plan = Plan.load(plan_artifact.path if isinstance(plan_artifact, Artifact) else Path(plan_artifact))
-    if not isinstance(source, (Mapping, ResolvedModel)):
-        source = resolve_model(str(source or plan.model_ref), store.root)
-    corpus = load_corpus(config.corpus, store.root) if config.accuracy else None
-    inputs: dict[str, Any] = {"plan": plan, "bench": BenchInputs(source, corpus, store.root, on_phase)}
-    if isinstance(plan_artifact, Artifact):
-        inputs["calibrate"] = plan_artifact
-    return BenchStage().execute(store, config, inputs, force=force)
+    stage = BenchStage()
+    inputs = stage.prepare(store, config, {"calibrate": plan_artifact, "source": source}, Hooks(on_phase=on_phase))
+    return stage.execute(store, config, inputs, force=force)

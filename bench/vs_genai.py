@@ -94,8 +94,9 @@ class _Ours:
 def _engines(args, store):
     """(plan, dense int4 engine folder, HARP int4 engine folder, genai folder, build facts)."""
     from bench.genai_engine import build_genai_int4, genai_graph_facts
-    from builders.ort.builder import OrtBuildConfig, OrtBuildStage
-    from calib.stage import CalibrateConfig
+    from builders.ort.builder import OrtBuildStage
+    from builders.ort.config import OrtBuildConfig
+    from calib.config import CalibrateConfig
     from harp_trt.models import resolve_model
     from harp_trt.pipeline import run_build
 
@@ -103,7 +104,7 @@ def _engines(args, store):
     calib = CalibrateConfig.from_dict({"layers": args.layers, "tokens": args.tokens, "seq_len": args.seq_len,
                                        "alpha_grid": tuple(float(a) for a in args.alpha_grid.split(","))})
     quant = OrtBuildConfig(quant="int4", quant_block_size=32, quant_symmetric=True, quant_accuracy_level=4)
-    res = run_build(args.model, calib, store, backend="ort", ort_config=quant)
+    res = run_build(args.model, calib, store, backend="ort", configs={"build-ort": quant})
     harp = res.artifact("build")
     dense = OrtBuildStage().execute(store, quant, {"onnx": res.artifact("export")})
     genai_dir = store.root / f"genai-int4-{resolved.digest[:16]}"

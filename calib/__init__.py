@@ -11,13 +11,12 @@ def run_calibrate(model_ref, config, store, naive: bool = False, force: bool = F
                   progress=None, on_phase: Callable[[str], None] | None = None, placement=None):
     """Resolve the model (a reference, or an already ``ResolvedModel``) and the corpus, then
     return the (cached or new) calibrate ``Artifact``."""
-    from harp_trt.data import load_corpus
     from harp_trt.models import resolve_model
+    from harp_trt.stage import Hooks
 
-    from .stage import CalibrateInputs, CalibrateStage
+    from .stage import CalibrateStage
 
     resolved = model_ref if hasattr(model_ref, "digest") else resolve_model(model_ref, store.root)
-    corpus = load_corpus(config.corpus, store.root)
-    inputs = {"calibrate": CalibrateInputs(resolved, corpus, naive=naive, progress=progress, on_phase=on_phase,
-                                           placement=placement)}
-    return CalibrateStage().execute(store, config, inputs, force=force)
+    stage = CalibrateStage()
+    inputs = stage.prepare(store, config, {"model": resolved, "naive": naive}, Hooks(progress, on_phase, placement))
+    return stage.execute(store, config, inputs, force=force)

@@ -34,16 +34,16 @@ from typing import Callable, Sequence
 import torch
 
 from harp_trt.errors import ConfigError
+
+from .config import DEFAULT_GRID, METHODS
 from harp_trt.families import FamilySpec
 from harp_trt.harp import apply_harp, set_alpha, vo_output
 from harp_trt.layerwise import LayerStack
 
-__all__ = ["SearchResult", "search_alphas", "given_alphas", "golden_search", "DEFAULT_GRID", "METHODS"]
+__all__ = ["SearchResult", "search_alphas", "given_alphas", "golden_search"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
-METHODS = ("exhaustive", "golden")
 
 # progress(layer, candidate_index, n_candidates, alpha, ppl)
 Progress = Callable[[int, int, int, float, float], None]

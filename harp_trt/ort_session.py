@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -25,13 +24,13 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ConfigError, GraphError
+from .onnx_io import EXPORT_META_KEY, kv_layers_of_names, past_name, present_name
 
 __all__ = ["OrtCausalLM", "StaticCache", "default_providers", "sample_next"]
 
 log = logging.getLogger(__name__)
 
 STAGE = "ort"
-_PAST = re.compile(r"^past_key_values\.(\d+)\.key$")
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}
 
 Past = dict[int, tuple[np.ndarray, np.ndarray]]
@@ -95,16 +94,15 @@ class OrtCausalLM:
             raise GraphError(STAGE, f"{path.name} does not follow the causal-LM I/O contract "
                              f"(missing {', '.join(missing + ([] if 'logits' in outs else ['logits']))})",
                              "export it with harp_trt.rewrite.export.export_dense")
-        self.kv_layers: list[int] = sorted(int(m.group(1)) for n in ins if (m := _PAST.match(n)))
+        self.kv_layers: list[int] = kv_layers_of_names(ins)
         for i in self.kv_layers:
-            for name in (f"past_key_values.{i}.value", f"present.{i}.key", f"present.{i}.value"):
+            for name in (past_name(i, "value"), present_name(i, "key"), present_name(i, "value")):
                 if name not in ins and name not in outs:
-                    raise GraphError(STAGE, f"{path.name} has past_key_values.{i}.key but no {name}")
+                    raise GraphError(STAGE, f"{path.name} has {past_name(i, 'key')} but no {name}")
         meta = _export_meta(self.session)
         self.num_layers: int = int(meta.get("num_layers") or (max(self.kv_layers) + 1 if self.kv_layers else 0))
         self.kv_heads, self.head_dim, self.kv_dtype = self._kv_layout(ins, meta)
         self.vocab_size = _static(self.session.get_outputs()[0].shape, 2) or meta.get("vocab_size")
-        self._input_names = list(ins)
         self._output_names = outs
         self._rowwise = False  # set when the kernel (GQA on CPU) refuses batch>1 chunks with a past
         self.static_cache_enabled = True  # decode through a StaticCache where the graph allows it
@@ -125,7 +123,7 @@ class OrtCausalLM:
     def _kv_layout(self, ins, meta) -> tuple[int, int, type]:
         if not self.kv_layers:
             return int(meta.get("kv_heads") or 0), int(meta.get("head_dim") or 0), np.float32
-        arg = ins[f"past_key_values.{self.kv_layers[0]}.key"]
+        arg = ins[past_name(self.kv_layers[0], "key")]
         heads = _static(arg.shape, 1) or meta.get("kv_heads")
         hd = _static(arg.shape, 3) or meta.get("head_dim")
         if not heads or not hd:
@@ -161,8 +159,8 @@ class OrtCausalLM:
             return self._forward_rows(input_ids, attention_mask, position_ids, past)
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         for i, (k, v) in past.items():
-            feed[f"past_key_values.{i}.key"] = k
-            feed[f"past_key_values.{i}.value"] = v
+            feed[past_name(i, "key")] = k
+            feed[past_name(i, "value")] = v
         try:
             outs = self.session.run(self._output_names, feed)
         except Exception as e:
@@ -172,7 +170,7 @@ class OrtCausalLM:
                 return self._forward_rows(input_ids, attention_mask, position_ids, past)
             raise
         res = dict(zip(self._output_names, outs))
-        present = {i: (res[f"present.{i}.key"], res[f"present.{i}.value"]) for i in self.kv_layers}
+        present = {i: (res[present_name(i, "key")], res[present_name(i, "value")]) for i in self.kv_layers}
         return res["logits"], present
 
     def _forward_rows(self, ids, mask, pos, past):
@@ -197,7 +195,7 @@ class OrtCausalLM:
             if ok:
                 g = onnx.load(str(self.path), load_external_data=False).graph
                 producer = {o: n for n in g.node for o in n.output}
-                ok = all((n := producer.get(f"present.{i}.{kv}")) is not None and n.op_type == "GroupQueryAttention"
+                ok = all((n := producer.get(present_name(i, kv))) is not None and n.op_type == "GroupQueryAttention"
                          and n.domain == "com.microsoft" for i in self.kv_layers for kv in ("key", "value"))
             self._gqa_kv = ok
         return self._gqa_kv and self.static_cache_enabled
@@ -331,8 +329,8 @@ class StaticCache:
         for i, (kb, vb) in self.buffers.items():  # numpy owns the memory; the OrtValues view it
             for kind, buf in (("key", kb), ("value", vb)):
                 val = ort.OrtValue.ortvalue_from_numpy(buf)
-                self.binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", val)
-                self.binding.bind_ortvalue_output(f"present.{i}.{kind}", val)
+                self.binding.bind_ortvalue_input(past_name(i, kind), val)
+                self.binding.bind_ortvalue_output(present_name(i, kind), val)
 
     def reserve(self, tokens: int) -> None:
         if tokens > self.capacity:
@@ -386,7 +384,7 @@ def _static(shape, dim: int) -> int | None:
 
 def _export_meta(session) -> dict:
     try:
-        raw = session.get_modelmeta().custom_metadata_map.get("harp_trt.export")
+        raw = session.get_modelmeta().custom_metadata_map.get(EXPORT_META_KEY)
         return json.loads(raw) if raw else {}
     except (ValueError, AttributeError):
         return {}

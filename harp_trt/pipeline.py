@@ -1,11 +1,14 @@
 """``harp-trt build``: calibrate -> export -> rewrite -> build (-> bench), every stage cached.
 
-Each stage's artifact key depends only on its config and its upstream keys/digests, so a rerun
-with nothing changed is all cache hits (no model is loaded). ``force="rewrite"`` reruns that stage
-and every stage after it. Backends:
+The pipeline walks the registry (``harp_trt.registry``): ``BACKENDS[backend].steps`` name the
+stages to run after calibrate and wire each stage's inputs to earlier steps' artifacts; every stage
+class is imported from its ``"module:Class"`` entry only when its step runs. Each stage's artifact
+key depends only on its config, its code version and its upstream keys/digests, so a rerun with
+nothing changed is all cache hits (no model is loaded). ``force="rewrite"`` reruns that phase and
+every later one. Backends:
 
-- ``ort``    export + rewrite, then the ONNX Runtime engine (``builders/ort``); with bench, the
-             dense engine is built too so both are measured on the same backend.
+- ``ort``    export + rewrite, then the ONNX Runtime engine (``builders/ort``); with an ORT bench,
+             the dense engine is built too so both are measured on the same backend.
 - ``trtllm`` TensorRT-LLM checkpoint + build_engine.sh from the plan (``builders/trtllm``); the
              engine itself is built only where ``tensorrt_llm`` imports and a GPU exists.
 - ``triton`` the ``ort`` engine wrapped as a Triton model repository (``builders/triton``)."""
@@ -15,18 +18,18 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
+from .config import StageConfig
 from .errors import ConfigError
 from .plan import Plan
+from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step
+from .stage import Hooks
 from .store import Artifact, ArtifactStore
 
-__all__ = ["STAGES", "BACKEND_NAMES", "StageRecord", "BuildResult", "run_build"]
+__all__ = ["StageRecord", "BuildResult", "run_build"]
 
 log = logging.getLogger(__name__)
-
-STAGES = ("calibrate", "export", "rewrite", "build", "bench")
-BACKEND_NAMES = ("ort", "trtllm", "triton")
 
 
 @dataclass
@@ -53,81 +56,73 @@ class BuildResult:
         return None
 
 
-def _forced(stage: str, force: str | None) -> bool:
-    base = stage.split(":")[0]
-    return force is not None and STAGES.index(base) >= STAGES.index(force)
+def _forced(phase: str, force: str | None) -> bool:
+    return force is not None and PHASES.index(phase) >= PHASES.index(force)
+
+
+def _wanted(step: Step, bench_config, configs: Mapping[str, StageConfig]) -> bool:
+    ort_bench = bench_config is not None and bench_config.engine == "ort"
+    if step.when == "bench":
+        return ort_bench
+    if step.when == "bench-quant":
+        return ort_bench and getattr(configs.get(step.stage), "quant", "none") != "none"
+    return True
 
 
 def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str = "ort",
-              force: str | None = None, bench_config=None, trtllm_config=None, ort_config=None,
+              force: str | None = None, bench_config=None, configs: Mapping[str, StageConfig] | None = None,
               on_phase: Callable[[str], None] | None = None, progress=None, placement=None) -> BuildResult:
-    """Run the pipeline; returns the per-stage records (cached or built) and the plan.
-    ``ort_config`` (an ``OrtBuildConfig``, e.g. ``quant="int4"``) builds both ORT engines alike."""
-    if backend not in BACKEND_NAMES:
-        import difflib
-
-        close = difflib.get_close_matches(backend, BACKEND_NAMES, n=1)
-        raise ConfigError(f"unknown backend {backend!r}; valid: {', '.join(BACKEND_NAMES)}",
-                          f"did you mean {close[0]!r}?" if close else None)
-    if force is not None and force not in STAGES:
-        raise ConfigError(f"--force takes a stage name; valid: {', '.join(STAGES)}, got {force!r}")
+    """Run the pipeline; returns the per-stage records (cached or built) and the plan. ``configs``
+    maps registry stage names (``"build-ort"``, ``"trtllm"``...) to their configs; a stage not
+    named runs with its config class's defaults. The ORT config (e.g. ``quant="int4"``) builds
+    every ORT engine of the run alike."""
+    spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
+    if force is not None and force not in PHASES:
+        raise ConfigError(f"--force takes a stage name; valid: {', '.join(PHASES)}, got {force!r}")
+    configs = dict(configs or {})
+    for name in configs:
+        STAGES.check(name)
+    hooks = Hooks(progress=progress, on_phase=on_phase, placement=placement)
     phase = on_phase or (lambda s: log.info(s))
     out = BuildResult()
 
-    def step(name: str, fn: Callable[[bool], Artifact]) -> Artifact:
-        phase(f"{name} ...")
+    def run(record: str, stage_name: str, config: StageConfig, inputs: dict[str, Any]) -> Artifact:
+        entry = STAGES.get(stage_name)
+        phase(f"{record} ...")
         t = time.perf_counter()
-        art = fn(_forced(name, force))
-        out.records.append(StageRecord(name, art, time.perf_counter() - t))
+        stage = entry.stage_class()()
+        art = stage.execute(store, config, stage.prepare(store, config, inputs, hooks),
+                            force=_forced(entry.phase, force))
+        out.records.append(StageRecord(record, art, time.perf_counter() - t))
         return art
 
-    from calib import run_calibrate
+    def config_of(stage_name: str) -> StageConfig:
+        if stage_name not in configs:
+            configs[stage_name] = STAGES.get(stage_name).config_class()()
+        return configs[stage_name]
 
     from .models import resolve_model
 
     resolved = resolve_model(model_ref, store.root)  # once: a GGUF or new folder is hashed here
-    calib = step("calibrate", lambda f: run_calibrate(resolved, calib_config, store, force=f,
-                                                      progress=progress, on_phase=on_phase, placement=placement))
-    plan = out.plan = Plan.load(calib.path)
+    ctx: dict[str, Any] = {"model": resolved}
+    ctx["calibrate"] = run("calibrate", "calibrate", calib_config, {"model": resolved})
+    out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
-    engines: dict[str, Artifact] = {}
-    if backend in ("ort", "triton"):
-        from builders.ort.builder import OrtBuildConfig, OrtBuildStage
-
-        from .rewrite.export import ExportConfig, ExportStage
-        from .rewrite.stage import RewriteConfig, RewriteStage
-
-        ort_config = ort_config or OrtBuildConfig()
-        export = step("export", lambda f: ExportStage().execute(store, ExportConfig(), {"model": resolved}, force=f))
-        rewrite = step("rewrite", lambda f: RewriteStage().execute(
-            store, RewriteConfig(), {"plan": plan, "export": export, "model": resolved}, force=f))
-        engines["harp"] = step("build", lambda f: OrtBuildStage().execute(
-            store, ort_config, {"onnx": rewrite}, force=f))
-        if bench_config is not None and bench_config.engine == "ort":
-            engines["dense"] = step("build:dense", lambda f: OrtBuildStage().execute(
-                store, ort_config, {"onnx": export}, force=f))
-            if ort_config.quant != "none":  # the exact fp32 engines, for the bench's perplexity_fp32 row
-                fp32 = dataclasses.replace(ort_config, quant="none")
-                engines["dense_fp32"] = step("build:dense-fp32", lambda f: OrtBuildStage().execute(
-                    store, fp32, {"onnx": export}, force=f))
-                engines["harp_fp32"] = step("build:harp-fp32", lambda f: OrtBuildStage().execute(
-                    store, fp32, {"onnx": rewrite}, force=f))
-        if backend == "triton":
-            from builders.triton import TritonRepoConfig, TritonRepoStage
-
-            step("build:triton", lambda f: TritonRepoStage().execute(
-                store, TritonRepoConfig(), {"engine": engines["harp"]}, force=f))
-    else:
-        step("build", lambda f: _trtllm(store, plan, resolved, trtllm_config, f))
-        if not _trtllm_importable():
-            out.notes.append("TensorRT-LLM is not importable here: stopped after the checkpoint; run "
-                             f"{out.artifact('build').path / 'build_engine.sh'} on a GPU host")
+    for step in spec.steps:
+        if not _wanted(step, bench_config, configs):
+            continue
+        config = config_of(step.stage)
+        if step.fp32:  # the exact engines behind the bench's perplexity_fp32 row
+            config = dataclasses.replace(config, quant="none")
+        ctx[step.name] = run(step.name, step.stage, config, {k: ctx[src] for k, src in step.inputs})
+    if backend == "trtllm" and not _trtllm_importable():
+        out.notes.append("TensorRT-LLM is not importable here: stopped after the checkpoint; run "
+                         f"{out.artifact('build').path / 'build_engine.sh'} on a GPU host")
 
     if bench_config is not None:
-        from bench.stage import run_bench
-
-        source = engines if bench_config.engine == "ort" else resolved
-        step("bench", lambda f: run_bench(calib, source, bench_config, store, force=f, on_phase=on_phase))
+        source = ({variant: ctx[name] for variant, name in spec.engines if name in ctx}
+                  if bench_config.engine == "ort" else resolved)
+        run("bench", "bench", bench_config, {"calibrate": ctx["calibrate"], "source": source})
     return out
 
 
@@ -135,11 +130,3 @@ def _trtllm_importable() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tensorrt_llm") is not None
-
-
-def _trtllm(store: ArtifactStore, plan: Plan, resolved, config, force: bool) -> Artifact:
-    """The checkpoint stage reads weights from the resolved model's files only on a cache miss."""
-    from builders.trtllm.stage import TrtllmCheckpointConfig, TrtllmCheckpointStage
-
-    return TrtllmCheckpointStage().execute(store, config or TrtllmCheckpointConfig(),
-                                           {"plan": plan, "model": resolved}, force=force)

@@ -45,10 +45,6 @@ class Plan:
     def alpha_map(self) -> dict[int, float]:
         return dict(zip(self.layers, self.alphas))
 
-    @property
-    def kept_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if i not in set(self.layers)]
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {"format": PLAN_FORMAT, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}}

@@ -1,23 +1,32 @@
-"""Lazy registries with "did you mean" errors (pattern of lm-evaluation-harness' registry).
+"""Lazy registries with "did you mean" errors (after lm-evaluation-harness' ``lm_eval/api/registry.py``).
 
-Entries are either objects or ``"module:attr"`` strings imported on first use, so heavy backends
-load only when chosen."""
+Entries are objects or ``"module:attr"`` strings imported on first ``get``, so listing names, checking
+a name or building the CLI's parser imports nothing heavy; a backend's runtime loads only when chosen.
+A registry built with ``base`` (a class or ``"module:attr"``) checks every entry it imports against it."""
 from __future__ import annotations
 
 import difflib
 import importlib
+from dataclasses import dataclass
 from typing import Any, Generic, Iterator, TypeVar
 
 from .errors import UnknownNameError
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "load_object", "StageSpec", "Step", "BackendSpec", "STAGES", "BACKENDS", "PHASES"]
 
 T = TypeVar("T")
 
 
+def load_object(target: str) -> Any:
+    """``"package.module:attr"`` -> the object (imports the module)."""
+    mod, _, attr = target.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, base: type | str | None = None):
         self.kind = kind
+        self._base = base
         self._entries: dict[str, Any] = {}
 
     def register(self, name: str, target: Any = None):
@@ -46,16 +55,115 @@ class Registry(Generic[T]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
-    def get(self, name: str) -> T:
+    def check(self, name: str) -> str:
+        """``name`` if registered, else ``UnknownNameError`` listing the valid names with a "did you
+        mean"; imports nothing."""
         if name not in self._entries:
             close = difflib.get_close_matches(name, self.names(), n=1)
             hint = f"did you mean {close[0]!r}?" if close else None
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}", hint
-            )
-        target = self._entries[name]
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}", hint)
+        return name
+
+    def get(self, name: str) -> T:
+        target = self._entries[self.check(name)]
         if isinstance(target, str):
-            mod, _, attr = target.partition(":")
-            target = getattr(importlib.import_module(mod), attr)
+            target = load_object(target)
+            base = load_object(self._base) if isinstance(self._base, str) else self._base
+            if base is not None and not (isinstance(target, type) and issubclass(target, base)):
+                raise TypeError(f"{self.kind} {name!r} is {target!r}, not a subclass of {base.__name__}")
             self._entries[name] = target
         return target
+
+
+# ---- the pipeline's stages and backends: the one registry the pipeline and the CLI walk ---------
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage, named as its ``Stage.name``. ``stage``: ``"module:Class"`` of the ``harp_trt.stage.Stage``
+    subclass (importing it loads the stage's runtime); ``config``: ``"module:Class"`` of its
+    ``StageConfig``, in a light module (no torch/onnx) so the CLI can read defaults; ``phase``: the
+    pipeline phase it belongs to (``--force PHASE`` reruns it and every later phase)."""
+
+    stage: str
+    config: str
+    phase: str
+    help: str
+
+    def stage_class(self) -> type:
+        from .stage import Stage
+
+        cls = load_object(self.stage)
+        if not (isinstance(cls, type) and issubclass(cls, Stage)):
+            raise TypeError(f"{self.stage} is not a harp_trt.stage.Stage subclass")
+        return cls
+
+    def config_class(self) -> type:
+        from .config import StageConfig
+
+        cls = load_object(self.config)
+        if not (isinstance(cls, type) and issubclass(cls, StageConfig)):
+            raise TypeError(f"{self.config} is not a harp_trt.config.StageConfig subclass")
+        return cls
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pipeline step: run stage ``stage`` and record its artifact as ``name``. ``inputs`` maps
+    the stage's input names to earlier steps' names (or ``"model"`` / ``"plan"``). ``when``:
+    ``always``, ``bench`` (only when an ORT bench follows) or ``bench-quant`` (only when that bench
+    compares quantized engines, which adds the exact fp32 engines); ``fp32``: build unquantized."""
+
+    name: str
+    stage: str
+    inputs: tuple[tuple[str, str], ...]
+    when: str = "always"
+    fp32: bool = False
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A ``harp-trt build --backend``: its steps after calibrate, and which steps' artifacts are the
+    engines an ORT bench compares (``variant -> step``)."""
+
+    steps: tuple[Step, ...]
+    engines: tuple[tuple[str, str], ...]
+    help: str
+
+
+PHASES = ("calibrate", "export", "rewrite", "build", "bench")  # pipeline order, for --force
+
+STAGES: Registry[StageSpec] = Registry("stage")
+STAGES.register("calibrate", StageSpec("calib.stage:CalibrateStage", "calib.config:CalibrateConfig", "calibrate",
+                                       "score layers, choose P, search alpha (arXiv 2507.01900, Algorithm 1)"))
+STAGES.register("export", StageSpec("harp_trt.rewrite.export:ExportStage", "harp_trt.rewrite.config:ExportConfig",
+                                    "export", "dense ONNX graph with a KV cache"))
+STAGES.register("rewrite", StageSpec("harp_trt.rewrite.stage:RewriteStage", "harp_trt.rewrite.config:RewriteConfig",
+                                     "rewrite", "HARP graph surgery (Eq. 4-5), verified against PyTorch"))
+STAGES.register("build-ort", StageSpec("builders.ort.builder:OrtBuildStage", "builders.ort.config:OrtBuildConfig",
+                                       "build", "ONNX Runtime engine folder"))
+STAGES.register("trtllm", StageSpec("builders.trtllm.stage:TrtllmCheckpointStage",
+                                    "builders.trtllm.config:TrtllmCheckpointConfig", "build",
+                                    "TensorRT-LLM checkpoint + build_engine.sh"))
+STAGES.register("triton", StageSpec("builders.triton.repository:TritonRepoStage",
+                                    "builders.triton.config:TritonRepoConfig", "build",
+                                    "Triton model repository around an engine"))
+STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.config:BenchConfig", "bench",
+                                   "latency and accuracy, dense vs HARP"))
+
+_ORT_STEPS = (
+    Step("export", "export", (("model", "model"),)),
+    Step("rewrite", "rewrite", (("plan", "plan"), ("export", "export"), ("model", "model"))),
+    Step("build", "build-ort", (("onnx", "rewrite"),)),
+    Step("build:dense", "build-ort", (("onnx", "export"),), when="bench"),
+    Step("build:dense-fp32", "build-ort", (("onnx", "export"),), when="bench-quant", fp32=True),
+    Step("build:harp-fp32", "build-ort", (("onnx", "rewrite"),), when="bench-quant", fp32=True),
+)
+_ORT_ENGINES = (("harp", "build"), ("dense", "build:dense"), ("dense_fp32", "build:dense-fp32"),
+                ("harp_fp32", "build:harp-fp32"))
+
+BACKENDS: Registry[BackendSpec] = Registry("backend")
+BACKENDS.register("ort", BackendSpec(_ORT_STEPS, _ORT_ENGINES,
+                                     "export + rewrite, then the ONNX Runtime engine (builders/ort)"))
+BACKENDS.register("triton", BackendSpec(_ORT_STEPS + (Step("build:triton", "triton", (("engine", "build"),)),),
+                                        _ORT_ENGINES, "the ort engine wrapped as a Triton model repository"))
+BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
+                                        "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)"))

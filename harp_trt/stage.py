@@ -6,29 +6,73 @@ the upstream artifact keys and any content digests the stage declares, returns t
 when the key exists, and otherwise runs the stage into a temp folder that is renamed on success."""
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import logging
 import time
-from typing import Any, ClassVar, Generic, Mapping, TypeVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
 from .config import StageConfig
 from .errors import PostconditionError
 from .store import MANIFEST, Artifact, ArtifactStore
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "Hooks", "code_digest"]
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=StageConfig)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Progress reporting and placement for a pipeline run; never part of a cache key."""
+
+    progress: Any = None
+    on_phase: Callable[[str], None] | None = None
+    placement: Any = None
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest(modules: tuple[str, ...]) -> str:
+    """sha256[:16] over the ``.py`` files of ``modules`` (a package counts with all its files),
+    by path relative to the package root and content. Finds files without importing them."""
+    h = hashlib.sha256()
+    for name in sorted(set(modules)):
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"no module {name!r} to take a code version from")
+        origin = Path(spec.origin)
+        files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
+        for f in files:
+            h.update(f"{name}/{f.relative_to(origin.parent)}".encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 class Stage(Generic[C]):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ()  # files every artifact of this stage must hold
+    # modules and packages whose source the artifact depends on; () = the stage's own package
+    code: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def code_version(cls) -> str:
+        """sha256[:16] of the source in ``code``: part of every key, so an artifact written by other
+        code is never served from the cache (``harp_trt.__version__`` alone would be)."""
+        return code_digest(tuple(cls.code) or (cls.__module__.rpartition(".")[0] or cls.__module__,))
 
     def key_material(self, config: C, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Everything the artifact depends on. Subclasses add content digests (weights, corpus)."""
         upstream = {k: v.key for k, v in inputs.items() if isinstance(v, Artifact)}
-        return {"stage_version": self.version, "config": config.key_material(), "upstream": upstream}
+        return {"stage_version": self.version, "code": self.code_version(), "config": config.key_material(),
+                "upstream": upstream}
+
+    def prepare(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any], hooks: "Hooks") -> dict[str, Any]:
+        """Turn the pipeline's references (``model``, ``plan``, upstream artifacts) into this
+        stage's inputs. Default: as given; stages whose inputs load data lazily override it."""
+        return dict(inputs)
 
     def check_preconditions(self, config: C, inputs: Mapping[str, Any]) -> None:
         """Raise PreconditionError (naming this stage) if inputs are unusable."""

@@ -43,9 +43,6 @@ class Artifact:
     def stage(self) -> str:
         return self.manifest["stage"]
 
-    def file(self, name: str) -> Path:
-        return self.path / name
-
 
 class ArtifactStore:
     def __init__(self, root: str | os.PathLike | None = None):

@@ -2,13 +2,14 @@
 test_export.py and test_ort_engine.py. Not a test module."""
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
 from conftest import make_tiny
 
-_ROOT = Path(tempfile.mkdtemp(prefix="harp-ort-tests-"))
 HARP_ALPHAS = {1: 0.5, 3: 1.0}
 
 
@@ -23,18 +24,27 @@ def tiny(family: str, harp: bool = False):
 
 
 @functools.cache
+def _root() -> Path:
+    """One folder per test session, made on first use and removed when the session ends."""
+    root = Path(tempfile.mkdtemp(prefix="harp-ort-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
 def exported(family: str, harp: bool = False) -> Path:
     """``model.onnx`` of ``tiny(family, harp)``."""
     from harp_trt.rewrite.export import export_dense
 
-    return export_dense(tiny(family, harp), _ROOT / f"{family}{'-harp' if harp else ''}")
+    return export_dense(tiny(family, harp), _root() / f"{family}{'-harp' if harp else ''}")
 
 
 @functools.cache
 def engine(family: str, harp: bool = False, attention: str = "gqa") -> Path:
     """An ORT engine folder built from ``exported(family, harp)``."""
-    from builders.ort.builder import OrtBuildConfig, OrtBuilder
+    from builders.ort.builder import OrtBuilder
+    from builders.ort.config import OrtBuildConfig
 
-    out = _ROOT / f"engine-{family}{'-harp' if harp else ''}-{attention}"
+    out = _root() / f"engine-{family}{'-harp' if harp else ''}-{attention}"
     OrtBuilder().build(exported(family, harp), out, OrtBuildConfig(attention=attention, intra_op_threads=2))
     return out

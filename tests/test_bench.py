@@ -46,7 +46,8 @@ def _cli_args(setup, *extra):
 
 @pytest.fixture(scope="module")
 def bench_art(setup):
-    from bench.stage import BenchConfig, run_bench
+    from bench.config import BenchConfig
+    from bench.stage import run_bench
 
     cfg = BenchConfig(seq_lens=(16, 48), decode_context=24, decode_tokens=3, warmup=1, repeats=3, tasks=(),
                       corpus=str(setup["root"] / "corpus.txt"), ppl_tokens=384, ppl_seq_len=128)
@@ -441,7 +442,7 @@ def test_model_from_another_plan(setup, tmp_path, capsys):
 
 
 def test_bad_config_values(setup, capsys):
-    from bench.stage import BenchConfig
+    from bench.config import BenchConfig
     from harp_trt.errors import ConfigError, UnknownNameError
 
     with pytest.raises(UnknownNameError, match="did you mean 'torch'"):

@@ -13,8 +13,9 @@ import torch
 from _exported import HARP_ALPHAS, exported, tiny
 from conftest import save_tiny
 from harp_trt.errors import ConfigError, GraphError, PreconditionError
-from harp_trt.rewrite.export import (EXPORT_META_KEY, ExportConfig, ExportStage, export_dense, input_names,
-                                     output_names, read_export_meta, verify_export)
+from harp_trt.onnx_io import EXPORT_META_KEY, input_names, output_names, read_export_meta
+from harp_trt.rewrite.config import ExportConfig
+from harp_trt.rewrite.export import ExportStage, export_dense, verify_export
 from harp_trt.store import ArtifactStore
 
 ATOL = 1e-4  # fp32 logits of tiny models: ORT vs PyTorch differ by ~3e-7; 1e-4 leaves headroom

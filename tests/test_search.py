@@ -62,7 +62,8 @@ def _counting(f):
 
 
 def test_golden_finds_the_exhaustive_minimum_of_a_unimodal_curve_with_fewer_evaluations():
-    from calib.search import DEFAULT_GRID, golden_search
+    from calib.config import DEFAULT_GRID
+    from calib.search import golden_search
 
     for centre in DEFAULT_GRID:
         evaluate, calls = _counting(lambda a: 20 + (a - centre) ** 2)
@@ -73,7 +74,8 @@ def test_golden_finds_the_exhaustive_minimum_of_a_unimodal_curve_with_fewer_eval
 
 
 def test_golden_falls_back_to_the_full_grid_when_a_probe_contradicts_unimodality():
-    from calib.search import DEFAULT_GRID, golden_search
+    from calib.config import DEFAULT_GRID
+    from calib.search import golden_search
 
     # probes at 0.4 < 0.5 > 0.6: a rise then a fall, so the curve is not unimodal -> full grid
     curve = {a: v for a, v in zip(DEFAULT_GRID, (3, 9, 9, 9, 8, 9, 7, 9, 9, 9, 9))}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from calib import run_calibrate
-from calib.stage import CalibrateConfig
+from calib.config import CalibrateConfig
 from harp_trt.plan import Plan
 from harp_trt.store import ArtifactStore
 

@@ -7,7 +7,11 @@ __all__ = ["OrtBuilder", "OrtBuildConfig", "OrtBuildStage", "fuse_group_query_at
 
 
 def __getattr__(name):  # lazy: importing the package does not import onnxruntime
-    if name in ("OrtBuilder", "OrtBuildConfig", "OrtBuildStage"):
+    if name == "OrtBuildConfig":
+        from .config import OrtBuildConfig
+
+        return OrtBuildConfig
+    if name in ("OrtBuilder", "OrtBuildStage"):
         from . import builder
 
         return getattr(builder, name)

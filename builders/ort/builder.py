@@ -18,71 +18,26 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from harp_trt.models import TOKENIZER_FILES
-from harp_trt.config import StageConfig
-from harp_trt.errors import ConfigError, GraphError, PreconditionError, VerificationError
+from harp_trt.errors import GraphError, PreconditionError, VerificationError
+from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, VOCAB_FILES, copy_tokenizer,
+                             read_export_meta)
 from harp_trt.stage import Stage
 from harp_trt.store import Artifact
 
-__all__ = ["OrtBuildConfig", "OrtBuilder", "OrtBuildStage", "ENGINE_JSON", "ENGINE_FORMAT"]
+from .config import OrtBuildConfig
+
+__all__ = ["OrtBuilder", "OrtBuildStage", "ENGINE_JSON", "ENGINE_FORMAT"]
 
 log = logging.getLogger(__name__)
 
 STAGE = "build-ort"
 ENGINE_JSON = "engine.json"
 ENGINE_FORMAT = "harp-engine/1"
-EXTERNAL_DATA_THRESHOLD = 2_000_000_000
-LEVELS = ("disable", "basic", "extended", "all")
-
-
-@dataclass(frozen=True)
-class OrtBuildConfig(StageConfig):
-    """``attention``: ``gqa`` converts opset-23 Attention to com.microsoft GroupQueryAttention
-    (fastest on CPU), ``onnx`` keeps it. ``optimization_level``: ORT graph optimizations baked into
-    the saved model. ``intra_op_threads``: recorded for ``generate`` (0 = ORT's default).
-    ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``verify_rtol``: logits
-    tolerance vs the source graph, relative to max(1, max|logits|). ``quant``: none (exact fp32) |
-    int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``), with ``quant_block_size``,
-    ``quant_symmetric`` and ``quant_accuracy_level``; a quantized engine is verified against its
-    quantized graph before ORT's optimizations, and its gap to the fp32 source is recorded."""
-
-    VERSION = 2
-    attention: str = "gqa"
-    optimization_level: str = "all"
-    intra_op_threads: int = 0
-    providers: tuple[str, ...] = ()
-    verify_rtol: float = 1e-4
-    quant: str = "none"
-    quant_block_size: int = 32
-    quant_symmetric: bool = True
-    quant_accuracy_level: int = 4
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        if self.attention not in ("gqa", "onnx"):
-            raise ConfigError(f"OrtBuildConfig.attention must be 'gqa' or 'onnx', got {self.attention!r}")
-        if self.optimization_level not in LEVELS:
-            raise ConfigError(f"OrtBuildConfig.optimization_level must be one of {', '.join(LEVELS)}, "
-                              f"got {self.optimization_level!r}")
-        if self.intra_op_threads < 0:
-            raise ConfigError(f"OrtBuildConfig.intra_op_threads must be >= 0, got {self.intra_op_threads}")
-        if not 0 < self.verify_rtol < 1:
-            raise ConfigError(f"OrtBuildConfig.verify_rtol must lie in (0, 1), got {self.verify_rtol}")
-        self.quant_spec().validate()
-
-    def quant_spec(self):
-        from .quant import QuantSpec
-
-        return QuantSpec(self.quant, self.quant_block_size, self.quant_symmetric, self.quant_accuracy_level)
 
 
 class OrtBuilder:
@@ -96,7 +51,6 @@ class OrtBuilder:
         import onnxruntime as ort
 
         from harp_trt.ort_session import default_providers
-        from harp_trt.rewrite.export import read_export_meta
 
         from .gqa import GqaReport, fuse_group_query_attention
 
@@ -106,7 +60,7 @@ class OrtBuilder:
         if not src.is_file():
             raise GraphError(STAGE, f"no ONNX model at {src}", "pass the model.onnx of an export or rewrite artifact")
         out.mkdir(parents=True, exist_ok=True)
-        meta = read_export_meta(src)  # raises GraphError on an unreadable file
+        meta = read_export_meta(src, STAGE)  # raises GraphError on an unreadable file
         if config.quant != "none" and not meta:
             raise GraphError(STAGE, f"{src.name} is not a harp-trt export or rewrite (no export metadata): "
                              "--quant quantizes only graphs this tool wrote",
@@ -126,7 +80,7 @@ class OrtBuilder:
                            if v.const_value is not None)
         external = weight_bytes > EXTERNAL_DATA_THRESHOLD
         staged = out / ".staged.onnx"
-        ir.save(model, staged, external_data=(staged.name + ".data") if external else None)
+        ir.save(model, staged, external_data=(staged.name + EXTERNAL_DATA_SUFFIX) if external else None)
         del model
 
         providers = list(config.providers) or default_providers()
@@ -136,10 +90,11 @@ class OrtBuilder:
                   "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
         so = ort.SessionOptions()
         so.graph_optimization_level = levels[config.optimization_level]
-        so.optimized_model_filepath = str(out / "model.onnx")
+        so.optimized_model_filepath = str(out / MODEL_FILE)
         so.log_severity_level = 3
         if external:
-            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "model.onnx.data")
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                      MODEL_FILE + EXTERNAL_DATA_SUFFIX)
             so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         try:
             try:
@@ -148,25 +103,25 @@ class OrtBuilder:
                 raise GraphError(STAGE, f"ONNX Runtime cannot optimize {src.name}: {str(e).splitlines()[0][:300]}",
                                  "try attention='onnx' or a lower optimization_level") from None
             if quant is None:
-                check = self._verify(src, out / "model.onnx", config.verify_rtol)
+                check = self._verify(src, out / MODEL_FILE, config.verify_rtol)
             else:
                 # Golden check of the build itself: the quantized graph before ORT's optimizations
                 # against the engine (same MatMulNBits kernels, so fp32 rounding only). The
                 # quantization error against the fp32 source is measured and recorded, not gated
                 # (its effect on held-out perplexity is what `harp-trt bench` reports).
-                check = self._verify(staged, out / "model.onnx", config.verify_rtol)
+                check = self._verify(staged, out / MODEL_FILE, config.verify_rtol)
                 check["reference"] = "quantized graph before ORT graph optimizations"
-                check["vs_fp32_source"] = self._compare(src, out / "model.onnx")
+                check["vs_fp32_source"] = self._compare(src, out / MODEL_FILE)
         finally:
             staged.unlink(missing_ok=True)
-            (out / (staged.name + ".data")).unlink(missing_ok=True)
+            (out / (staged.name + EXTERNAL_DATA_SUFFIX)).unlink(missing_ok=True)
 
         copied = self._copy_tokenizer(Path(tokenizer_dir) if tokenizer_dir else src.parent, out)
         spec = {
-            "format": ENGINE_FORMAT, "backend": self.backend, "model": "model.onnx",
-            "external_data": (out / "model.onnx.data").exists(), "providers": providers,
+            "format": ENGINE_FORMAT, "backend": self.backend, "model": MODEL_FILE,
+            "external_data": (out / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "providers": providers,
             "intra_op_threads": config.intra_op_threads, "graph_optimization_level": config.optimization_level,
-            "attention": report.to_dict(), "kv": self._kv_layout(out / "model.onnx", meta),
+            "attention": report.to_dict(), "kv": self._kv_layout(out / MODEL_FILE, meta),
             "verify": check, "quant": quant, "source": {"onnx": str(src), "export_meta": meta.get("format")},
             "tokenizer_files": copied, "versions": {"onnxruntime": ort.__version__},
         }
@@ -228,12 +183,8 @@ class OrtBuilder:
 
     @staticmethod
     def _copy_tokenizer(folder: Path, out: Path) -> list[str]:
-        copied = []
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copy2(folder / name, out / name)
-                copied.append(name)
-        if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        copied = copy_tokenizer(folder, out)
+        if not set(VOCAB_FILES) & set(copied):
             log.warning("no tokenizer files in %s: `harp-trt generate` will need --tokenizer", folder)
         return copied
 
@@ -243,6 +194,7 @@ class OrtBuildStage(Stage[OrtBuildConfig]):
     tokenizer files); optional ``{"tokenizer": Artifact | path}`` when those files live elsewhere."""
 
     name = STAGE
+    code = ("builders.ort", "harp_trt.onnx_io", "harp_trt.ort_session")
     version = 1
     outputs = (ENGINE_JSON, "model.onnx")
 
@@ -250,7 +202,7 @@ class OrtBuildStage(Stage[OrtBuildConfig]):
         art = inputs.get("onnx")
         if not isinstance(art, Artifact):
             raise PreconditionError(self.name, "needs inputs={'onnx': Artifact} (an export or rewrite artifact)")
-        f = art.path / art.manifest.get("onnx", "model.onnx")
+        f = art.path / art.manifest.get("onnx", MODEL_FILE)
         if not f.is_file():
             raise PreconditionError(self.name, f"artifact {art.key} has no {f.name}", "re-run its stage")
 
@@ -258,6 +210,6 @@ class OrtBuildStage(Stage[OrtBuildConfig]):
         art: Artifact = inputs["onnx"]
         tok = inputs.get("tokenizer")
         tok_dir = tok.path if isinstance(tok, Artifact) else tok
-        spec = OrtBuilder().build(art.path / art.manifest.get("onnx", "model.onnx"), Path(out_dir), config,
+        spec = OrtBuilder().build(art.path / art.manifest.get("onnx", MODEL_FILE), Path(out_dir), config,
                                   tokenizer_dir=tok_dir)
         return {"engine": spec, "model": art.manifest.get("model"), "plan": art.manifest.get("plan")}

@@ -15,44 +15,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import onnx_ir as ir
 
 from harp_trt.errors import ConfigError, GraphError
 
+from .config import QUANT_MODES, QuantSpec
+
 __all__ = ["QUANT_MODES", "QuantSpec", "quantize_weights"]
 
 log = logging.getLogger(__name__)
-
-QUANT_MODES = {"none": 0, "int4": 4, "int8": 8}
-ACCURACY_LEVELS = (0, 1, 2, 3, 4)
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """``mode``: none | int4 | int8. ``block_size``: weights per scale along K (a power of two
-    >= 16, MatMulNBits' rule) that must divide every quantized K."""
-
-    mode: str = "none"
-    block_size: int = 32
-    symmetric: bool = True
-    accuracy_level: int = 4
-
-    def validate(self) -> None:
-        if self.mode not in QUANT_MODES:
-            raise ConfigError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {self.mode!r}")
-        b = self.block_size
-        if b < 16 or b & (b - 1):
-            raise ConfigError(f"--quant-block-size must be a power of two >= 16 (MatMulNBits), got {b}")
-        if self.accuracy_level not in ACCURACY_LEVELS:
-            raise ConfigError(f"--quant-accuracy-level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
-
-    @property
-    def bits(self) -> int:
-        return QUANT_MODES[self.mode]
-
 
 def _weight_matmuls(model: ir.Model) -> list[tuple[ir.Node, tuple[int, ...]]]:
     out = []

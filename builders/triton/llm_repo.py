@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harp_trt.errors import ConfigError
+from harp_trt.onnx_io import parse_kv_name
 
 from .onnx_repo import _place, external_data_files
 from .pbtxt import Enum, render_pbtxt
@@ -40,7 +41,7 @@ def _graph_dtype(onnx_path: Path) -> str:
 
     m = onnx.load(str(onnx_path), load_external_data=False)
     for i in m.graph.input:
-        if i.name.startswith("past_key_values."):
+        if (kv := parse_kv_name(i.name)) and kv.direction == "past":
             return onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
     return "float32"
 

@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from harp_trt.errors import GraphError, PreconditionError
+from harp_trt.onnx_io import EXPORT_META_KEY, MODEL_FILE, kv_layers_of_names
 
 from .pbtxt import ONNX_TO_TRITON, STAGE, Enum, render_pbtxt
 
-__all__ = ["TensorSpec", "onnx_io", "external_data_files", "onnx_model_config", "write_onnx_model",
-           "EXPORT_META_KEY"]
+__all__ = ["TensorSpec", "onnx_io", "external_data_files", "onnx_model_config", "write_onnx_model"]
 
 log = logging.getLogger(__name__)
-EXPORT_META_KEY = "harp_trt.export"
 
 
 @dataclass(frozen=True)
@@ -157,8 +156,8 @@ def write_onnx_model(onnx_path: Path, repo: Path, name: str, kind: str, instance
             log.warning("graph %s has no %r tensor: client.py expects the harp_trt export I/O contract",
                         onnx_path, required)
     mdir = repo / name
-    how = _place(onnx_path, mdir / "1" / "model.onnx", link)
-    files = ["model.onnx"]
+    how = _place(onnx_path, mdir / "1" / MODEL_FILE, link)
+    files = [MODEL_FILE]
     for loc in external_data_files(onnx_path):
         src = onnx_path.parent / loc
         if not src.is_file():
@@ -168,12 +167,11 @@ def write_onnx_model(onnx_path: Path, repo: Path, name: str, kind: str, instance
         files.append(loc)
     cfg = onnx_model_config(name, inputs, outputs, kind, instances, threads)
     (mdir / "config.pbtxt").write_text(render_pbtxt(cfg, header))
-    kv_inputs = [s.name for s in inputs if s.name.startswith("past_key_values.")]
-    kv_layers = sorted({int(n.split(".")[1]) for n in kv_inputs if n.split(".")[1].isdigit()})
+    kv_layers = kv_layers_of_names(names)
     num_layers = meta.get("num_layers")
     log.info("wrote Triton ONNX model %s (%d inputs, %d outputs, %s weights)", name, len(inputs), len(outputs), how)
     return {"model": name, "files": files, "placed_by": how, "inputs": names,
             "outputs": [s.name for s in outputs], "kv_layers": kv_layers, "num_layers": num_layers,
             "pruned_layers": ([i for i in range(num_layers) if i not in kv_layers]
-                              if isinstance(num_layers, int) and kv_inputs else []),
+                              if isinstance(num_layers, int) and kv_layers else []),
             "harp_alphas": meta.get("harp_alphas") or {}}

@@ -26,16 +26,16 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.models import TOKENIZER_FILES
-from harp_trt.config import StageConfig
+from harp_trt.onnx_io import TOKENIZER_FILES, VOCAB_FILES
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
 from harp_trt.stage import Stage
 from harp_trt.store import MANIFEST
 
+from .config import TritonRepoConfig
 from .pbtxt import STAGE, parse_model_config
 
-__all__ = ["TritonRepoConfig", "TritonRepoStage", "ArtifactInfo", "inspect_artifact", "write_repository",
-           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST", "TOKENIZER_FILES",
+__all__ = ["TritonRepoStage", "ArtifactInfo", "inspect_artifact", "write_repository",
+           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST",
            "NGC_ONNX_IMAGE", "NGC_TRTLLM_IMAGE"]
 
 log = logging.getLogger(__name__)
@@ -46,89 +46,6 @@ REPO_MANIFEST = "harp_triton.json"
 # NGC images (pick the release whose backends match your build; see README.md in the repository)
 NGC_ONNX_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
 NGC_TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonRepoConfig(StageConfig):
-    """How the repository is written.
-
-    ONNX: ``model_name`` (folder and model name), ``serving`` (``python``: a text-in/text-out
-    Python-backend model generating inside the server with the vLLM backend's I/O; ``onnx``: the
-    graph on Triton's onnxruntime backend, the client keeps the KV cache), ``device`` (``cpu`` ->
-    KIND_CPU, ``gpu`` -> KIND_GPU instances), ``instances``, ``threads`` (ORT intra-op threads; 0 =
-    ORT's default), ``link`` (hard-link model files instead of copying where the filesystem
-    allows), ``max_active`` / ``max_input_len`` / ``max_seq_len`` (python serving: concurrent
-    sequences batched together, prompt and total token limits; 0 = the model's), and
-    ``triton_release`` (onnx serving: the tritonserver release whose ONNX Runtime must load the graph).
-    TensorRT-LLM: ``max_batch_size`` (0 = the engine's), ``engine_dir`` (path *as the server sees
-    it*; empty = ``<artifact>/engine``, where build_engine.sh writes), ``tokenizer_dir`` (where to
-    copy the tokenizer from; empty = the artifact's ``hf/`` or the plan's model folder), and the
-    tensorrtllm-backend settings of the same names."""
-
-    VERSION: ClassVar[int] = 2
-    model_name: str = "harp"
-    serving: str = "python"
-    device: str = "cpu"
-    instances: int = 1
-    threads: int = 0
-    link: bool = True
-    max_batch_size: int = 0
-    engine_dir: str = ""
-    tokenizer_dir: str = ""
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    batching_strategy: str = "inflight_fused_batching"
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    decoupled: bool = False
-    exclude_input_in_output: bool = True
-    enable_kv_cache_reuse: bool = False
-    max_queue_delay_microseconds: int = 0
-    max_queue_size: int = 0
-    preprocessing_instances: int = 1
-    postprocessing_instances: int = 1
-    max_active: int = 8
-    max_input_len: int = 0
-    max_seq_len: int = 0
-    triton_release: str = "25.10"
-
-    def validate(self) -> None:
-        if self.device not in ("cpu", "gpu"):
-            raise ConfigError(f"device must be 'cpu' or 'gpu', got {self.device!r}",
-                              "cpu -> KIND_CPU instances, gpu -> KIND_GPU instances")
-        if not self.model_name or not all(c.isalnum() or c in "_-." for c in self.model_name) \
-                or self.model_name in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm"):
-            raise ConfigError(f"model_name {self.model_name!r} is not a usable Triton model name",
-                              "use letters, digits, '_', '-' or '.'")
-        for name in ("instances", "preprocessing_instances", "postprocessing_instances"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("threads", "max_batch_size", "max_queue_delay_microseconds", "max_queue_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
-        if not 0.0 < float(self.kv_cache_free_gpu_mem_fraction) <= 1.0:
-            raise ConfigError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1], got "
-                              f"{self.kv_cache_free_gpu_mem_fraction!r}")
-        if self.batching_strategy != "inflight_fused_batching":
-            # V1 (static batching) is gone from the 1.x executor (executor/types.h BatchingType)
-            raise ConfigError(f"batching_strategy must be 'inflight_fused_batching', got {self.batching_strategy!r}",
-                              "TensorRT-LLM 1.x executors run in-flight batching only")
-        if self.serving not in ("python", "onnx"):
-            raise ConfigError(f"serving must be 'python' (text in/out, generation in the server) or 'onnx' "
-                              f"(Triton's onnxruntime backend), got {self.serving!r}")
-        for name in ("max_active",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_input_len", "max_seq_len"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        from .compat import TRITON_ORT
-
-        if self.triton_release not in TRITON_ORT:
-            raise ConfigError(f"unknown triton_release {self.triton_release!r}; known: {', '.join(TRITON_ORT)}")
-        if self.batch_scheduler_policy not in ("guaranteed_no_evict", "max_utilization"):
-            raise ConfigError(f"batch_scheduler_policy must be 'guaranteed_no_evict' or 'max_utilization', "
-                              f"got {self.batch_scheduler_policy!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +103,7 @@ def inspect_artifact(ref: str | os.PathLike, store=None) -> ArtifactInfo:
 
 def _tokenizer_files(folder: Path) -> list[str]:
     files = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
-    vocab = {"tokenizer.json", "tokenizer.model", "vocab.json"}
-    return files if vocab & set(files) else []
+    return files if set(VOCAB_FILES) & set(files) else []
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -273,6 +189,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
     artifact and the config) or through :func:`write_repository` (a folder of the user's choice)."""
 
     name: ClassVar[str] = STAGE
+    code: ClassVar[tuple[str, ...]] = ("builders.triton", "harp_trt.onnx_io", "harp_trt.serving")
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ("README.md", "client.py", REPO_MANIFEST)
     INPUT_KEYS: ClassVar[tuple[str, ...]] = ("artifact", "engine", "onnx", "trtllm")

@@ -1,13 +1,25 @@
 """TensorRT-LLM build stage: HARP-pruned checkpoints (``config.json`` + ``rank{N}.safetensors``), an
 HF heterogeneous (DeciLM ``block_configs``) checkpoint where the family allows it, and the
 ``trtllm-build`` command. Nothing here imports ``tensorrt_llm``; ``reader.py`` verifies a written
-checkpoint in plain PyTorch."""
-from .checkpoint import DTYPES, ModelDims, check_layout, pp_layers, valid_tp_sizes, write_checkpoint
-from .hf_format import write_hf_decilm
-from .reader import TrtllmCheckpoint, read_checkpoint, read_hf_decilm
-from .stage import TrtllmCheckpointConfig, TrtllmCheckpointStage, build_command
-from .targets import TARGETS, TrtllmTarget, target_for
+checkpoint in plain PyTorch. Imports are lazy: ``builders.trtllm.config`` stays free of torch."""
+from __future__ import annotations
 
-__all__ = ["TrtllmCheckpointStage", "TrtllmCheckpointConfig", "build_command", "write_checkpoint",
-           "write_hf_decilm", "read_checkpoint", "read_hf_decilm", "TrtllmCheckpoint", "TARGETS", "TrtllmTarget",
-           "target_for", "DTYPES", "ModelDims", "check_layout", "pp_layers", "valid_tp_sizes"]
+import importlib
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "TrtllmCheckpointConfig": "config",
+    "TrtllmCheckpointStage": "stage", "build_command": "stage",
+    "write_checkpoint": "checkpoint", "DTYPES": "checkpoint", "ModelDims": "checkpoint",
+    "check_layout": "checkpoint", "pp_layers": "checkpoint", "valid_tp_sizes": "checkpoint",
+    "write_hf_decilm": "hf_format",
+    "TrtllmCheckpoint": "reader", "read_checkpoint": "reader", "read_hf_decilm": "reader",
+    "TARGETS": "targets", "TrtllmTarget": "targets", "target_for": "targets",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(name)

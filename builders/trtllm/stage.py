@@ -18,7 +18,6 @@ a time into the rank files, and the verification runs the written checkpoint and
 reference layer by layer (one layer resident, fp32)."""
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import shlex
@@ -28,12 +27,14 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from harp_trt.config import StageConfig, digest_of
-from harp_trt.errors import ConfigError, PreconditionError, VerificationError
+from harp_trt.config import digest_of
+from harp_trt.errors import PreconditionError, VerificationError
 from harp_trt.families import family_of
+from harp_trt.onnx_io import check_plan_weights, copy_tokenizer
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 
+from .config import TrtllmCheckpointConfig
 from .checkpoint import (DTYPES, STAGE_NAME, ModelDims, check_layout, check_pipeline, hf_config, layer_kinds,
                          write_checkpoint)
 from .hf_format import write_hf_decilm
@@ -41,51 +42,13 @@ from .launch import write_launch_files
 from .reader import read_checkpoint, read_hf_decilm
 from .targets import target_for
 
-__all__ = ["TrtllmCheckpointConfig", "TrtllmCheckpointStage", "build_command", "VERIFY_TOLERANCE"]
+__all__ = ["TrtllmCheckpointStage", "build_command", "VERIFY_TOLERANCE"]
 
 log = logging.getLogger(__name__)
 
 # Reader vs PyTorch HARP reference, max |logit diff| / max(1, max |reference logit|). Half-precision
 # checkpoints are compared with a reference whose weights were rounded to the same dtype.
 VERIFY_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
-
-
-@dataclasses.dataclass(frozen=True)
-class TrtllmCheckpointConfig(StageConfig):
-    """Config of the TensorRT-LLM build stage. ``build``: ``auto`` runs ``build_engine.sh`` where
-    ``tensorrt_llm`` imports and a GPU is present, ``never`` only writes it."""
-
-    VERSION: ClassVar[int] = 1
-    dtype: str = "float16"
-    tp_size: int = 1
-    pp_size: int = 1
-    max_batch_size: int = 8
-    max_input_len: int = 1024
-    max_seq_len: int = 2048
-    max_num_tokens: int = 8192
-    tokens_per_block: int = 32
-    hf_format: bool = True
-    verify: bool = True
-    verify_tokens: int = 32
-    build: str = "auto"
-
-    def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unsupported TensorRT-LLM dtype {self.dtype!r}; valid: {', '.join(DTYPES)}",
-                              "fp16 -> float16, bf16 -> bfloat16, fp32 -> float32")
-        for name in ("tp_size", "pp_size", "max_batch_size", "max_input_len", "max_seq_len",
-                     "max_num_tokens", "verify_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_input_len > self.max_seq_len:
-            raise ConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})",
-                              "max_seq_len counts prompt plus generated tokens")
-        t = self.tokens_per_block
-        if not isinstance(t, int) or t < 2 or t & (t - 1):
-            raise ConfigError(f"tokens_per_block must be a power of two >= 2, got {t!r}")
-        if self.build not in ("auto", "never"):
-            raise ConfigError(f"build must be 'auto' or 'never', got {self.build!r}")
 
 
 def build_command(cfg: TrtllmCheckpointConfig, checkpoint_dir: str, output_dir: str) -> list[str]:
@@ -118,6 +81,8 @@ def _script(cfg: TrtllmCheckpointConfig) -> str:
 
 class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
     name: ClassVar[str] = STAGE_NAME
+    code: ClassVar[tuple[str, ...]] = ("builders.trtllm", "harp_trt.families", "harp_trt.harp", "harp_trt.layerwise",
+                                       "harp_trt.weights", "harp_trt.dims", "harp_trt.onnx_io")
     version: ClassVar[int] = 2
     outputs: ClassVar[tuple[str, ...]] = ("plan.json", "checkpoint/config.json", "build_engine.sh")
 
@@ -136,10 +101,7 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
         if model is None or not hasattr(model, "folder"):
             raise PreconditionError(self.name, "input 'model' is missing or not a resolved model reference",
                                     "pass harp_trt.models.resolve_model(ref, cache_root)")
-        if model.digest and model.digest != plan.model_digest:
-            raise PreconditionError(self.name, f"model {model.ref} (weights {model.digest[:12]}) is not the model "
-                                    f"the plan was calibrated on ({plan.model_digest[:12]})",
-                                    "pass --model with the calibrated weights, or calibrate this model first")
+        check_plan_weights(plan.model_digest, model.digest, self.name, f"model {model.ref}")
         cfg = hf_config(model.folder)
         family = family_of(cfg)
         dims = ModelDims.from_config(cfg)
@@ -231,16 +193,8 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    import shutil
-
-    from harp_trt.models import TOKENIZER_FILES
-
-    copied = []
-    for name in TOKENIZER_FILES:
-        if name != "config.json" and (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
+    # the checkpoint folder already has its own config.json (TensorRT-LLM's, not HF's)
+    return copy_tokenizer(src, dst, skip=("config.json",))
 
 
 def read_checkpoint_config_windows(ckpt: Path) -> list[int] | None:

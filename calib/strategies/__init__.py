@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from harp_trt.registry import Registry
 
-from .base import ScoreContext, Strategy
 
 __all__ = ["STRATEGIES", "ScoreContext", "Strategy", "get_strategy"]
 
-STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
+STRATEGIES: Registry = Registry("strategy", base="calib.strategies.base:Strategy")
 STRATEGIES.register("top", "calib.strategies.top:TopStrategy")
 STRATEGIES.register("gate-norm", "calib.strategies.gate_norm:GateNormStrategy")
 STRATEGIES.register("gate-norm-folded", "calib.strategies.gate_norm:GateNormFoldedStrategy")
@@ -17,5 +16,14 @@ STRATEGIES.register("bi", "calib.strategies.similarity:BlockInfluenceStrategy")
 STRATEGIES.register("attn-sim", "calib.strategies.similarity:AttnSimStrategy")
 
 
-def get_strategy(name: str) -> Strategy:
+def get_strategy(name: str):
+    """An instance of the strategy registered as ``name`` (imports its module)."""
     return STRATEGIES.get(name)()
+
+
+def __getattr__(name):  # ScoreContext / Strategy import torch: only when asked for
+    if name in ("ScoreContext", "Strategy"):
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(name)

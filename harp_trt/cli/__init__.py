@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, modname in COMMANDS.items():
         mod = importlib.import_module(modname)
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP.replace("%", "%%"), description=mod.HELP)
         mod.add_arguments(p)
         common_arguments(p)
         p.set_defaults(_module=mod)

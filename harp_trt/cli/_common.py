@@ -40,7 +40,9 @@ def parse_tasks(text: str) -> tuple[str, ...]:
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = False) -> None:
-    from calib.stage import CalibrateConfig as C
+    from ..registry import STAGES
+
+    C = STAGES.get("calibrate").config_class()  # defaults, from a light module
 
     p.add_argument("--layers", "-P", type=int, default=None, required=layers_required,
                    help="number of layers to prune (default: the preset's value, else "
@@ -98,7 +100,7 @@ def placement_from_args(args, default_dtype: str | None = None):
 
 
 def default_layers(model_ref: str) -> int:
-    from calib.stage import CalibrateConfig
+    from calib.config import CalibrateConfig
     from harp_trt.models import PRESETS
 
     return PRESETS[model_ref].default_layers if model_ref in PRESETS else CalibrateConfig.default("layers")
@@ -137,7 +139,7 @@ def given_layers_and_alphas(args) -> tuple[int | None, tuple[int, ...], tuple[fl
 def calibrate_config_from_args(args):
     """(CalibrateConfig, Placement): the device kind and dtype go into the config (and the key).
     ``--objective paper`` defaults to bf16 and the model's maximum length."""
-    from calib.stage import CalibrateConfig
+    from calib.config import CalibrateConfig
 
     paper = args.objective == "paper"
     placement = placement_from_args(args, "bfloat16" if paper else None)

@@ -12,14 +12,16 @@ HELP = ("latency (prefill sweep, TTFT, ITL, throughput per batch size, KV bytes;
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.engines import engine_names
-    from bench.stage import BenchConfig as C
+    from bench.config import ENGINES
+    from ..registry import STAGES
+
+    C = STAGES.get("bench").config_class()  # defaults, from a light module
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", help="calibrate artifact folder, its key, or a plan.json")
     src.add_argument("--artifact", dest="plan", help="same as --plan: a calibrate artifact key or folder")
     p.add_argument("--model", default=None, help="override the plan's model reference (same weights; torch engine)")
-    p.add_argument("--engine", default=C.default("engine"), choices=engine_names(),
+    p.add_argument("--engine", default=C.default("engine"), choices=ENGINES.names(),
                    help="backend: torch (HF dense vs apply_harp) or ort (dense export vs rewritten graph)")
     p.add_argument("--dense-engine", default=None, help="ort: folder (or artifact key) of the dense engine")
     p.add_argument("--harp-engine", default=None, help="ort: folder (or artifact key) of the HARP engine")
@@ -62,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    from bench.stage import BenchConfig
+    from bench.config import BenchConfig
 
     from ..device import resolve_placement
 

@@ -11,13 +11,14 @@ HELP = "calibrate -> rewrite -> build (-> bench), reusing every cached artifact"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..pipeline import BACKEND_NAMES, STAGES
+    from ..registry import BACKENDS, PHASES, STAGES
 
+    Q = STAGES.get("build-ort").config_class()  # a light module: defaults without onnxruntime
     add_model_argument(p)
     add_calibrate_arguments(p)
-    p.add_argument("--backend", default="ort", help=f"{' | '.join(BACKEND_NAMES)} (default %(default)s)")
+    p.add_argument("--backend", default="ort", help=f"{' | '.join(BACKENDS.names())} (default %(default)s)")
     p.add_argument("--force", default=None, metavar="STAGE",
-                   help=f"rerun STAGE and every stage after it ({', '.join(STAGES)})")
+                   help=f"rerun STAGE and every stage after it ({', '.join(PHASES)})")
     p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
     p.add_argument("--bench-seq-lens", default="128,512,1024,2048", help="bench prefill lengths (default %(default)s)")
     p.add_argument("--bench-tasks", default="none",
@@ -27,10 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-batch-sizes", default="1,4,16",
                    help="bench throughput request batches, or 'none' (default %(default)s)")
     q = p.add_argument_group("ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
-    q.add_argument("--quant", default="none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
-    q.add_argument("--quant-block-size", type=int, default=32, help="weights per scale along K (default %(default)s)")
+    q.add_argument("--quant", default=Q.default("quant"), help="none (exact fp32) | int4 | int8 (default %(default)s)")
+    q.add_argument("--quant-block-size", type=int, default=Q.default("quant_block_size"),
+                   help="weights per scale along K (default %(default)s)")
     q.add_argument("--quant-asymmetric", action="store_true", help="zero points per block (default: symmetric)")
-    q.add_argument("--quant-accuracy-level", type=int, default=4,
+    q.add_argument("--quant-accuracy-level", type=int, default=Q.default("quant_accuracy_level"),
                    help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 (default %(default)s, fastest on CPU)")
     p.add_argument("--tp", type=int, default=1, help="trtllm: tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="trtllm: pipeline-parallel size")
@@ -44,16 +46,14 @@ def run(args) -> dict:
     store = ArtifactStore(args.workdir)
     calib_config, placement = calibrate_config_from_args(args)
     bench_config = _bench_config(args, placement) if args.bench else None
-    trtllm_config = None
-    ort_config = _ort_config(args)
+    configs = {"build-ort": _ort_config(args)}
     if args.backend == "trtllm":
-        from builders.trtllm.stage import TrtllmCheckpointConfig
+        from builders.trtllm.config import TrtllmCheckpointConfig
 
-        trtllm_config = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
+        configs["trtllm"] = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
-                        bench_config=bench_config, trtllm_config=trtllm_config, ort_config=ort_config,
-                        on_phase=on_phase,
+                        bench_config=bench_config, configs=configs, on_phase=on_phase,
                         progress=on_candidate, placement=placement)
     plan = res.plan
     out = {"model": args.model, "backend": args.backend, "layers": list(plan.layers), "alphas": list(plan.alphas),
@@ -78,7 +78,7 @@ def run(args) -> dict:
 
 
 def _ort_config(args):
-    from builders.ort.builder import OrtBuildConfig
+    from builders.ort.config import OrtBuildConfig
 
     if args.quant != "none" and args.backend == "trtllm":
         from ..errors import ConfigError
@@ -89,7 +89,7 @@ def _ort_config(args):
 
 
 def _bench_config(args, placement):
-    from bench.stage import BenchConfig
+    from bench.config import BenchConfig
 
     from ._common import parse_batch_sizes, parse_ints, parse_tasks
 

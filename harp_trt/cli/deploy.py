@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
-    from builders.trtllm.stage import TrtllmCheckpointConfig as C
+    from ..registry import STAGES
+
+    C = STAGES.get("trtllm").config_class()  # defaults, from a light module
 
     p.add_argument("--plan", required=True, help="calibrate artifact folder (or key) or a plan.json file")
     add_model_argument(p, required=False)
@@ -67,7 +69,9 @@ def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_triton_arguments(p: argparse.ArgumentParser) -> None:
-    from builders.triton.repository import TritonRepoConfig as C
+    from ..registry import STAGES
+
+    C = STAGES.get("triton").config_class()  # defaults, from a light module
 
     p.add_argument("--artifact", required=True,
                    help="export/rewrite/ORT-engine folder with model.onnx, or a trtllm artifact (folder or cache key)")
@@ -124,7 +128,8 @@ def run(args) -> dict:
 
 
 def run_triton(args) -> dict:
-    from builders.triton.repository import TritonRepoConfig, write_repository
+    from builders.triton.config import TritonRepoConfig
+    from builders.triton.repository import write_repository
 
     from ..store import ArtifactStore
 
@@ -165,7 +170,8 @@ def run_triton(args) -> dict:
 
 
 def run_trtllm(args) -> dict:
-    from builders.trtllm.stage import TrtllmCheckpointConfig, TrtllmCheckpointStage
+    from builders.trtllm.config import TrtllmCheckpointConfig
+    from builders.trtllm.stage import TrtllmCheckpointStage
 
     from ..models import resolve_model
     from ..plan import open_plan

@@ -10,7 +10,9 @@ HELP = "perplexity of dense / alpha=1 / searched alphas of a plan on any text"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from calib.stage import CalibrateConfig as C
+    from ..registry import STAGES
+
+    C = STAGES.get("calibrate").config_class()  # defaults, from a light module
 
     p.add_argument("--plan", required=True, help="calibrate artifact folder, its key, or a plan.json")
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' (held-out split) or a .txt/.jsonl file")
@@ -24,19 +26,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     from ..data import load_corpus, token_windows
-    from ..errors import ConfigError
     from ..harp import apply_harp, set_alpha
     from ..layerwise import LayerStack
     from ..models import load_tokenizer, resolve_model
+    from ..onnx_io import check_plan_weights
     from ..plan import open_plan
     from ..store import ArtifactStore
 
     store = ArtifactStore(args.workdir)
     plan = open_plan(args.plan, store)
     resolved = resolve_model(args.model or plan.model_ref, store.root)
-    if resolved.digest != plan.model_digest:
-        raise ConfigError(f"model {resolved.ref!r} (digest {resolved.digest[:12]}) is not the plan's model "
-                          f"(digest {plan.model_digest[:12]})", "pass --model with the plan's weights")
+    check_plan_weights(plan.model_digest, resolved.digest, "eval", f"model {resolved.ref!r}")
     placement = placement_from_args(args)
     corpus = load_corpus(args.corpus, store.root)
     windows = token_windows(load_tokenizer(resolved.folder), corpus, args.split, args.seq_len, args.tokens)

@@ -12,7 +12,9 @@ HELP = "replace pruned layers' attention with V.O_fold MatMuls in ONNX, drop the
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..rewrite.stage import RewriteConfig as C
+    from ..registry import STAGES
+
+    C = STAGES.get("rewrite").config_class()  # defaults, from a light module
 
     p.add_argument("--model", default=None,
                    help="model the plan was calibrated on (preset, HF id, folder, .gguf); default: the plan's")
@@ -34,7 +36,8 @@ def run(args) -> dict:
     from ..errors import ConfigError
     from ..models import resolve_model
     from ..plan import Plan
-    from ..rewrite.stage import RewriteConfig, RewriteStage
+    from ..rewrite.config import RewriteConfig
+    from ..rewrite.stage import RewriteStage
     from ..store import ArtifactStore
 
     plan = Plan.load(args.plan)
@@ -50,7 +53,8 @@ def run(args) -> dict:
         if config.verify or args.model:
             inputs["model"] = resolve_model(model_ref, store.root)
     else:
-        from ..rewrite.export import ExportConfig, ExportStage
+        from ..rewrite.config import ExportConfig
+        from ..rewrite.export import ExportStage
 
         resolved = resolve_model(model_ref, store.root)
         if resolved.digest != plan.model_digest:  # before spending minutes on an export

@@ -10,7 +10,9 @@ HELP = "score every layer with a strategy (top, gate-norm, sink, bi, attn-sim)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from calib.stage import CalibrateConfig as C
+    from ..registry import STAGES
+
+    C = STAGES.get("calibrate").config_class()  # defaults, from a light module
 
     add_model_argument(p)
     p.add_argument("--strategy", default=C.default("strategy"))

@@ -6,7 +6,7 @@ Pruned layers' attention blocks become ``MatMul(MatMul(x, W_V) + b_V, alpha * W_
 ``export.py`` (the dense export) is imported on its own: it pulls in torch."""
 from __future__ import annotations
 
-__all__ = ["HarpRewritePass", "RewriteResult", "LayerReport", "fold_o_proj", "RewriteConfig",
+__all__ = ["HarpRewritePass", "RewriteResult", "LayerReport", "fold_o_proj", "ExportConfig", "RewriteConfig",
            "RewriteStage", "rewrite_onnx", "verify_rewrite", "VerifyConfig"]
 
 
@@ -19,7 +19,11 @@ def __getattr__(name):  # lazy: `import harp_trt.rewrite` stays cheap
         from .fold import fold_o_proj
 
         return fold_o_proj
-    if name in ("RewriteConfig", "RewriteStage", "rewrite_onnx"):
+    if name in ("ExportConfig", "RewriteConfig"):
+        from . import config
+
+        return getattr(config, name)
+    if name in ("RewriteStage", "rewrite_onnx"):
         from . import stage
 
         return getattr(stage, name)

@@ -41,9 +41,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -51,31 +49,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import StageConfig
 from ..dims import ModelDims
 from ..errors import ConfigError, GraphError, PreconditionError, VerificationError
-from ..models import TOKENIZER_FILES
+from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, copy_tokenizer,
+                      input_names, output_names, read_export_meta)
 from ..stage import Stage
+from .config import ExportConfig
 
-__all__ = ["export_dense", "verify_export", "kv_layers_of", "ExportConfig", "ExportStage",
-           "EXPORT_META_KEY", "read_export_meta", "input_names", "output_names", "exporter_versions",
-           "TOKENIZER_FILES"]
+__all__ = ["export_dense", "export_folder", "verify_export", "kv_layers_of", "ExportStage",
+           "exporter_versions"]
 
 log = logging.getLogger(__name__)
-
-EXPORT_META_KEY = "harp_trt.export"
-EXTERNAL_DATA_THRESHOLD = 2_000_000_000  # bytes; protobuf cannot hold a model over 2 GiB
-# copied next to model.onnx so later stages (build, generate) need nothing from the model folder
-
-
-# ---- names -----------------------------------------------------------------------------------
-def input_names(kv_layers: list[int]) -> list[str]:
-    return ["input_ids", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{t}" for i in kv_layers for t in ("key", "value")]
-
-
-def output_names(kv_layers: list[int]) -> list[str]:
-    return ["logits"] + [f"present.{i}.{t}" for i in kv_layers for t in ("key", "value")]
 
 
 def kv_layers_of(model: nn.Module) -> list[int]:
@@ -271,13 +255,14 @@ def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
     _fold_weight_transposes(program.model)
     program.optimize()
     program.model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
-    path = out_dir / "model.onnx"
-    for stale in (path, out_dir / "model.onnx.data"):
+    path = out_dir / MODEL_FILE
+    data = MODEL_FILE + EXTERNAL_DATA_SUFFIX
+    for stale in (path, out_dir / data):
         stale.unlink(missing_ok=True)
     weight_bytes = sum(v.const_value.nbytes for v in program.model.graph.initializers.values()
                        if v.const_value is not None)
     if weight_bytes > EXTERNAL_DATA_THRESHOLD:
-        ir.save(program.model, str(path), external_data="model.onnx.data")
+        ir.save(program.model, str(path), external_data=data)
     else:
         ir.save(program.model, str(path))
     log.info("wrote %s (%.1f MB weights%s)", path, weight_bytes / 1e6,
@@ -362,21 +347,6 @@ def _check_opset(opset: int) -> None:
                           "(Attention, RotaryEmbedding, RMSNormalization)")
 
 
-def read_export_meta(onnx_path: Path) -> dict[str, Any]:
-    """The ``harp_trt.export`` metadata of an exported (or rewritten) graph, without loading weights."""
-    import onnx
-
-    try:
-        m = onnx.load(str(onnx_path), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError and friends
-        raise GraphError("export", f"cannot read ONNX model {onnx_path}: {type(e).__name__}: {e}"[:400],
-                         "re-run the export stage (the file may be truncated)") from None
-    for p in m.metadata_props:
-        if p.key == EXPORT_META_KEY:
-            return json.loads(p.value)
-    return {}
-
-
 # ---- numeric check ---------------------------------------------------------------------------
 def verify_export(model: nn.Module, onnx_path: Path, atol: float = 1e-4,
                   shapes: tuple[tuple[int, int, int], ...] = ((1, 7, 0), (2, 3, 4))) -> dict[str, float]:
@@ -415,27 +385,6 @@ def verify_export(model: nn.Module, onnx_path: Path, atol: float = 1e-4,
 
 
 # ---- the stage -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExportConfig(StageConfig):
-    """``opset``: ONNX opset (>= 23). ``verify_atol``: logits tolerance relative to max|logits|."""
-
-    VERSION = 2
-    opset: int = 23
-    verify_atol: float = 1e-4
-    dtype: str = "float32"   # float16 / bfloat16 graphs for GPU engines (onnxruntime-gpu)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        if self.opset < 23:
-            raise ConfigError(f"ExportConfig.opset must be >= 23, got {self.opset}")
-        if not 0 < self.verify_atol < 1:
-            raise ConfigError(f"ExportConfig.verify_atol must lie in (0, 1), got {self.verify_atol}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"ExportConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-
-
 class ExportStage(Stage[ExportConfig]):
     """inputs: ``{"model": ResolvedModel}``. Writes ``model.onnx`` (+ ``model.onnx.data`` over
     2 GB), the tokenizer and config files, and a manifest with the KV layout and the numeric check.
@@ -444,6 +393,8 @@ class ExportStage(Stage[ExportConfig]):
     every plan tried on one model shares one export."""
 
     name = "export"
+    code = ("harp_trt.rewrite", "harp_trt.harp", "harp_trt.onnx_io", "harp_trt.families", "harp_trt.weights",
+            "harp_trt.dims", "harp_trt.layerwise", "harp_trt.ort_session")
     version = 2
     outputs = ("model.onnx", "config.json")
 
@@ -473,15 +424,10 @@ class ExportStage(Stage[ExportConfig]):
                                                                          greedy_steps=4))
             check = {"logits": res.max_abs_diff, "tolerance": res.tolerance, "decode_steps": 4,
                      "reference": "layer by layer from the safetensors files"}
-        copied = []
-        for name in TOKENIZER_FILES:
-            src = Path(resolved.folder) / name
-            if src.is_file():
-                shutil.copy2(src, Path(out_dir) / name)
-                copied.append(name)
+        copied = copy_tokenizer(Path(resolved.folder), Path(out_dir))
         meta = read_export_meta(path)
         return {"model": resolved.to_dict(), "family": family.name, "onnx": path.name,
-                "external_data": (Path(out_dir) / "model.onnx.data").exists(), "kv_layers": meta["kv_layers"],
+                "external_data": (Path(out_dir) / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "kv_layers": meta["kv_layers"],
                 "num_layers": meta["num_layers"], "kv_heads": meta["kv_heads"], "head_dim": meta["head_dim"],
                 "verify": check, "files": copied, "versions": meta["versions"]}
 

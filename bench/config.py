@@ -1,0 +1,95 @@
+"""``BenchConfig``: the bench stage's settings, and the names of its engines and default tasks.
+Light on purpose (no torch, no runtime): the CLI builds its parser from these fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harp_trt.config import StageConfig, digest_of
+from harp_trt.errors import ConfigError
+from harp_trt.registry import Registry
+
+__all__ = ["BenchConfig", "ENGINES", "DEFAULT_TASKS"]
+
+# engine name -> loader returning an ``EnginePair`` (bench/engines.py); "torch" imports only
+# PyTorch/transformers, "ort" only ONNX Runtime
+ENGINES: Registry = Registry("bench engine")
+ENGINES.register("torch", "bench.engine_torch:load_torch_pair")
+ENGINES.register("ort", "bench.engine_ort:load_ort_pair")
+
+DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "winogrande", "arc_easy")
+
+
+@dataclass(frozen=True)
+class BenchConfig(StageConfig):
+    """``seq_lens``: prefill lengths. ``decode_context``/``decode_tokens``: generation figures
+    (TTFT, ms/token, KV bytes). ``batch_sizes``: request batches (each ``decode_context`` prompt
+    tokens, ``decode_tokens`` + 1 output tokens) whose throughput is measured; empty = none. ``tasks``: lm-eval tasks (empty = none), ``limit`` documents per
+    task (0 = all). ``ppl_tokens``/``ppl_seq_len``: held-out perplexity budget. ``threads``: 0 =
+    the library default."""
+
+    VERSION = 2   # 2: batch_sizes, confidence intervals, genai-perf-named serving figures
+    engine: str = "torch"
+    seq_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    decode_context: int = 512
+    decode_tokens: int = 32
+    warmup: int = 1
+    repeats: int = 5
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    limit: int = 100
+    batch_size: int = 8
+    task_dir: str = ""
+    eval_data: str = ""
+    corpus: str = "wiki"
+    ppl_tokens: int = 8192
+    ppl_seq_len: int = 512
+    greedy_prompts: int = 4
+    greedy_tokens: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"      # torch engine: device kind (cpu | cuda); results differ between kinds
+    threads: int = 0
+    latency: bool = True
+    accuracy: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        ENGINES.check(self.engine)  # "did you mean", without importing the engine
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"BenchConfig.device is a device kind (cpu or cuda), got {self.device!r}")
+        if self.latency and not self.seq_lens:
+            raise ConfigError("--seq-lens is empty; give prompt lengths, e.g. 128,512,2048")
+        if any(int(s) < 1 for s in self.seq_lens):
+            raise ConfigError(f"--seq-lens must be positive token counts, got {list(self.seq_lens)}")
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ConfigError(f"--batch-sizes must be positive request counts, got {list(self.batch_sizes)}",
+                              "e.g. --batch-sizes 1,4,16")
+        for name in ("decode_context", "decode_tokens", "repeats", "batch_size", "ppl_seq_len",
+                     "greedy_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"BenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "limit", "threads", "greedy_prompts"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"BenchConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.ppl_tokens < self.ppl_seq_len:
+            raise ConfigError(f"--ppl-tokens ({self.ppl_tokens}) must be at least one window "
+                              f"(--ppl-seq-len {self.ppl_seq_len})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+
+    def key_material(self) -> dict[str, Any]:
+        d = super().key_material()
+        # paths are not content: the eval wheel is pinned, a task folder is hashed by content
+        d.pop("eval_data")
+        d["task_dir"] = _dir_digest(self.task_dir) if self.task_dir else ""
+        d["seq_lens"] = [int(s) for s in self.seq_lens]
+        d["batch_sizes"] = [int(b) for b in self.batch_sizes]
+        return d
+
+
+def _dir_digest(folder: str) -> str:
+    p = Path(folder)
+    if not p.is_dir():
+        return f"missing:{folder}"
+    return digest_of({str(f.relative_to(p)): f.read_text(errors="replace") for f in sorted(p.rglob("*.yaml"))})

@@ -1,0 +1,79 @@
+"""``OrtBuildConfig``: the ONNX Runtime build stage's settings. Light on purpose (no onnxruntime):
+the CLI builds its parser from these fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harp_trt.config import StageConfig
+from harp_trt.errors import ConfigError
+
+__all__ = ["OrtBuildConfig", "QuantSpec", "LEVELS", "QUANT_MODES", "ACCURACY_LEVELS"]
+
+LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimization levels, by name
+QUANT_MODES = {"none": 0, "int4": 4, "int8": 8}
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """``mode``: none | int4 | int8. ``block_size``: weights per scale along K (a power of two
+    >= 16, MatMulNBits' rule) that must divide every quantized K."""
+
+    mode: str = "none"
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4
+
+    def validate(self) -> None:
+        if self.mode not in QUANT_MODES:
+            raise ConfigError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {self.mode!r}")
+        b = self.block_size
+        if b < 16 or b & (b - 1):
+            raise ConfigError(f"--quant-block-size must be a power of two >= 16 (MatMulNBits), got {b}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ConfigError(f"--quant-accuracy-level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
+
+    @property
+    def bits(self) -> int:
+        return QUANT_MODES[self.mode]
+
+
+@dataclass(frozen=True)
+class OrtBuildConfig(StageConfig):
+    """``attention``: ``gqa`` converts opset-23 Attention to com.microsoft GroupQueryAttention
+    (fastest on CPU), ``onnx`` keeps it. ``optimization_level``: ORT graph optimizations baked into
+    the saved model. ``intra_op_threads``: recorded for ``generate`` (0 = ORT's default).
+    ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``verify_rtol``: logits
+    tolerance vs the source graph, relative to max(1, max|logits|). ``quant``: none (exact fp32) |
+    int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``), with ``quant_block_size``,
+    ``quant_symmetric`` and ``quant_accuracy_level``; a quantized engine is verified against its
+    quantized graph before ORT's optimizations, and its gap to the fp32 source is recorded."""
+
+    VERSION = 2
+    attention: str = "gqa"
+    optimization_level: str = "all"
+    intra_op_threads: int = 0
+    providers: tuple[str, ...] = ()
+    verify_rtol: float = 1e-4
+    quant: str = "none"
+    quant_block_size: int = 32
+    quant_symmetric: bool = True
+    quant_accuracy_level: int = 4
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.attention not in ("gqa", "onnx"):
+            raise ConfigError(f"OrtBuildConfig.attention must be 'gqa' or 'onnx', got {self.attention!r}")
+        if self.optimization_level not in LEVELS:
+            raise ConfigError(f"OrtBuildConfig.optimization_level must be one of {', '.join(LEVELS)}, "
+                              f"got {self.optimization_level!r}")
+        if self.intra_op_threads < 0:
+            raise ConfigError(f"OrtBuildConfig.intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        if not 0 < self.verify_rtol < 1:
+            raise ConfigError(f"OrtBuildConfig.verify_rtol must lie in (0, 1), got {self.verify_rtol}")
+        self.quant_spec().validate()
+
+    def quant_spec(self) -> QuantSpec:
+        return QuantSpec(self.quant, self.quant_block_size, self.quant_symmetric, self.quant_accuracy_level)

@@ -1,0 +1,51 @@
+"""``TrtllmCheckpointConfig``: the TensorRT-LLM build stage's settings. Light on purpose (no torch):
+the CLI builds its parser from these fields."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from harp_trt.config import StageConfig
+from harp_trt.errors import ConfigError
+
+__all__ = ["TrtllmCheckpointConfig", "DTYPE_NAMES"]
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32")  # checkpoint dtypes (the keys of checkpoint.DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrtllmCheckpointConfig(StageConfig):
+    """Config of the TensorRT-LLM build stage. ``build``: ``auto`` runs ``build_engine.sh`` where
+    ``tensorrt_llm`` imports and a GPU is present, ``never`` only writes it."""
+
+    VERSION: ClassVar[int] = 1
+    dtype: str = "float16"
+    tp_size: int = 1
+    pp_size: int = 1
+    max_batch_size: int = 8
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_num_tokens: int = 8192
+    tokens_per_block: int = 32
+    hf_format: bool = True
+    verify: bool = True
+    verify_tokens: int = 32
+    build: str = "auto"
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"unsupported TensorRT-LLM dtype {self.dtype!r}; valid: {', '.join(DTYPE_NAMES)}",
+                              "fp16 -> float16, bf16 -> bfloat16, fp32 -> float32")
+        for name in ("tp_size", "pp_size", "max_batch_size", "max_input_len", "max_seq_len",
+                     "max_num_tokens", "verify_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_input_len > self.max_seq_len:
+            raise ConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})",
+                              "max_seq_len counts prompt plus generated tokens")
+        t = self.tokens_per_block
+        if not isinstance(t, int) or t < 2 or t & (t - 1):
+            raise ConfigError(f"tokens_per_block must be a power of two >= 2, got {t!r}")
+        if self.build not in ("auto", "never"):
+            raise ConfigError(f"build must be 'auto' or 'never', got {self.build!r}")

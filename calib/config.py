@@ -1,0 +1,84 @@
+"""``CalibrateConfig``: the calibrate stage's settings. Light on purpose (no torch): the CLI
+builds its parser from these fields, and ``harp-trt --help`` must not import a framework."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harp_trt.config import StageConfig
+from harp_trt.errors import ConfigError
+
+from .strategies import STRATEGIES
+
+__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS"]
+
+DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
+METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (calib.search)
+
+
+@dataclass(frozen=True)
+class CalibrateConfig(StageConfig):
+    """Calibration settings. ``layers`` = P; ``tokens`` is the budget of each split.
+
+    ``prune_layers`` fixes the layers (no scoring); ``alphas`` (ascending layer order, as plans
+    store them) fixes the alphas (no search). ``objective``: ``windows`` = fixed windows of
+    ``seq_len`` tokens over the corpus; ``paper`` = lm-eval ``wikitext``-style rolling windows over
+    whole BOS-prefixed documents, ``seq_len`` 0 = the model's maximum length. ``search``:
+    ``exhaustive`` (Algorithm 1 over every grid value) or ``golden`` (``calib.search.golden_search``)."""
+
+    VERSION = 3
+    layers: int = 2
+    strategy: str = "top"
+    alpha_grid: tuple[float, ...] = DEFAULT_GRID
+    search: str = "exhaustive"
+    tokens: int = 8192
+    seq_len: int = 512
+    corpus: str = "wiki"
+    objective: str = "windows"
+    prune_layers: tuple[int, ...] = ()
+    alphas: tuple[float, ...] = ()
+    score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
+    dtype: str = "float32"   # the CLI's default: bfloat16 on CUDA, float32 on the CPU
+    device: str = "cpu"      # device kind (cpu | cuda): results differ between kinds
+
+    def validate(self) -> None:
+        STRATEGIES.check(self.strategy)  # "did you mean", without importing the strategy
+        if self.layers <= 0:
+            raise ConfigError(f"--layers must be a positive number of layers to prune, got {self.layers}")
+        if not self.alpha_grid:
+            raise ConfigError("--alpha-grid is empty; give values in [0, 1], e.g. 0,0.5,1")
+        bad = [a for a in self.alpha_grid if not 0.0 <= float(a) <= 1.0]
+        if bad:
+            raise ConfigError(f"--alpha-grid values must lie in [0, 1]; got {bad}")
+        if self.search not in METHODS:
+            raise ConfigError(f"--search must be one of {', '.join(METHODS)}, got {self.search!r}")
+        if self.objective not in ("windows", "paper"):
+            raise ConfigError(f"--objective must be windows or paper, got {self.objective!r}")
+        if self.objective == "windows":
+            if self.seq_len < 2:
+                raise ConfigError(f"--seq-len must be >= 2 with --objective windows, got {self.seq_len}")
+            if self.tokens < self.seq_len:
+                raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--seq-len {self.seq_len})")
+        elif self.seq_len < 0:
+            raise ConfigError(f"--seq-len must be >= 1 or max (0), got {self.seq_len}")
+        if self.prune_layers:
+            if len(self.prune_layers) != self.layers:
+                raise ConfigError(f"--prune-layers gives {len(self.prune_layers)} layers but P is {self.layers}")
+            if len(set(self.prune_layers)) != len(self.prune_layers) or min(self.prune_layers) < 0:
+                raise ConfigError(f"--prune-layers must be distinct layer indices >= 0, got {list(self.prune_layers)}")
+        if self.alphas:
+            if len(self.alphas) != self.layers:
+                raise ConfigError(f"--alphas gives {len(self.alphas)} values for {self.layers} pruned layers")
+            bad = [a for a in self.alphas if not 0.0 <= float(a) <= 1.0]
+            if bad:
+                raise ConfigError(f"--alphas values must lie in [0, 1]; got {bad}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"CalibrateConfig.device is a device kind (cpu or cuda), got {self.device!r}")
+
+    def key_material(self) -> dict[str, Any]:
+        d = super().key_material()
+        d["alpha_grid"] = [round(float(a), 6) for a in self.alpha_grid]
+        d["alphas"] = [round(float(a), 6) for a in self.alphas]
+        return d

@@ -1,0 +1,144 @@
+"""The ONNX I/O contract, defined once: export, rewrite, every builder and the bench import it.
+
+* tensors: inputs ``input_ids`` [B, S], ``attention_mask`` [B, P+S], ``position_ids`` [B, S] and,
+  per layer i that keeps attention, ``past_key_values.{i}.key|value`` [B, kv_heads, P, head_dim];
+  outputs ``logits`` [B, S, V] and ``present.{i}.key|value`` [B, kv_heads, P+S, head_dim]
+  (the names optimum-onnx's ``OnnxConfigWithPast.add_past_key_values`` also writes). A HARP graph
+  has no KV tensors for its pruned layers.
+* metadata: ``harp_trt.export`` (JSON: model type, layer counts, heads, head_dim, KV layers, HARP
+  alphas, the weights' digest) and, on rewritten graphs, ``harp_trt.plan``.
+* files: ``model.onnx``; initializers go to ``model.onnx.data`` once their total passes
+  ``EXTERNAL_DATA_THRESHOLD`` (protobuf cannot serialise a message over 2 GiB); the tokenizer
+  files in ``TOKENIZER_FILES`` sit next to every graph and engine, so later stages need no model folder.
+* identity: ``file_digest`` hashes a graph with its external data by content; ``check_plan_weights``
+  is the one check that a plan was calibrated on the weights a stage is about to use.
+
+Light on purpose: importing this module imports neither onnx nor torch."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
+
+from .errors import GraphError, PreconditionError
+
+__all__ = ["EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
+           "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
+           "present_name", "input_names", "output_names", "parse_kv_name", "kv_layers_of_names",
+           "copy_tokenizer", "file_digest", "read_export_meta", "check_plan_weights"]
+
+EXPORT_META_KEY = "harp_trt.export"
+PLAN_META_KEY = "harp_trt.plan"
+MODEL_FILE = "model.onnx"
+EXTERNAL_DATA_SUFFIX = ".data"  # model.onnx -> model.onnx.data
+PROTOBUF_LIMIT = 2 ** 31        # bytes: the largest protobuf message
+# total initializer bytes above which weights leave model.onnx: under the protobuf limit with
+# room for the graph itself (nodes, metadata)
+EXTERNAL_DATA_THRESHOLD = 2_000_000_000
+
+# copied next to every graph/engine so later stages (generate, Triton) need no model folder
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json", "config.json")
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
+
+_KV = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
+
+
+class KvName(NamedTuple):
+    direction: str  # "past" (input) or "present" (output)
+    layer: int
+    kind: str       # "key" or "value"
+
+
+def past_name(layer: int, kind: str) -> str:
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    return f"present.{layer}.{kind}"
+
+
+def input_names(kv_layers: Iterable[int]) -> list[str]:
+    return ["input_ids", "attention_mask", "position_ids"] + [
+        past_name(i, t) for i in kv_layers for t in ("key", "value")]
+
+
+def output_names(kv_layers: Iterable[int]) -> list[str]:
+    return ["logits"] + [present_name(i, t) for i in kv_layers for t in ("key", "value")]
+
+
+def parse_kv_name(name: str | None) -> KvName | None:
+    """``"past_key_values.3.value"`` -> ``KvName("past", 3, "value")``; None for any other name."""
+    m = _KV.match(name or "")
+    if m is None:
+        return None
+    return KvName("past" if m.group(1) == "past_key_values" else "present", int(m.group(2)), m.group(3))
+
+
+def kv_layers_of_names(names: Iterable[str], direction: str = "past") -> list[int]:
+    """Sorted layers that have a ``key`` tensor among ``names`` (graph inputs or outputs)."""
+    return sorted({k.layer for n in names if (k := parse_kv_name(n)) and k.direction == direction
+                   and k.kind == "key"})
+
+
+def copy_tokenizer(sources: Path | Iterable[Path], dst: Path, skip: Iterable[str] = ()) -> list[str]:
+    """Copy ``TOKENIZER_FILES`` (minus ``skip``) into ``dst``, each from the first source folder
+    that has it. Returns the names copied."""
+    folders = [Path(sources)] if isinstance(sources, (str, Path)) else [Path(s) for s in sources]
+    skipped = set(skip)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if name in skipped:
+            continue
+        for folder in folders:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, Path(dst) / name)
+                copied.append(name)
+                break
+    return copied
+
+
+def file_digest(path: Path) -> str:
+    """sha256 over an ONNX file and its external-data files (by content and name, not path)."""
+    h = hashlib.sha256()
+    path = Path(path)
+    files = [path] + sorted(p for p in path.parent.glob(path.name + EXTERNAL_DATA_SUFFIX + "*") if p.is_file())
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def read_export_meta(onnx_path: Path, stage: str = "export") -> dict[str, Any]:
+    """The ``harp_trt.export`` metadata of a graph, without loading its weights; ``{}`` for a graph
+    harp-trt did not write. A file that is not ONNX raises ``GraphError`` naming ``stage``."""
+    import onnx
+
+    try:
+        m = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends: not a model at all
+        raise GraphError(stage, f"{onnx_path} is not a readable ONNX model ({type(e).__name__})",
+                         "re-run the stage that wrote it; the file may be truncated") from None
+    for p in m.metadata_props:
+        if p.key == EXPORT_META_KEY:
+            try:
+                return json.loads(p.value)
+            except ValueError:
+                return {}
+    return {}
+
+
+def check_plan_weights(plan_digest: str, weights_digest: str | None, stage: str, what: str = "the model",
+                       hint: str | None = None) -> None:
+    """Refuse to combine a plan with weights it was not calibrated on. ``weights_digest`` None
+    (a graph that records no digest) passes: the caller checks what the graph does record."""
+    if weights_digest and weights_digest != plan_digest:
+        raise PreconditionError(stage, f"{what} (weights {weights_digest[:12]}...) is not the model the plan "
+                                       f"was calibrated on (weights {plan_digest[:12]}...)",
+                                hint or "pass --model with the plan's weights, or calibrate this model first")

@@ -1,0 +1,59 @@
+"""The export and rewrite stages' settings. Light on purpose (no torch, no onnx): the CLI builds
+its parser from these fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import StageConfig
+from ..errors import ConfigError
+
+__all__ = ["ExportConfig", "RewriteConfig"]
+
+
+@dataclass(frozen=True)
+class ExportConfig(StageConfig):
+    """``opset``: ONNX opset (>= 23). ``verify_atol``: logits tolerance relative to max|logits|."""
+
+    VERSION = 2
+    opset: int = 23
+    verify_atol: float = 1e-4
+    dtype: str = "float32"   # float16 / bfloat16 graphs for GPU engines (onnxruntime-gpu)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.opset < 23:
+            raise ConfigError(f"ExportConfig.opset must be >= 23, got {self.opset}")
+        if not 0 < self.verify_atol < 1:
+            raise ConfigError(f"ExportConfig.verify_atol must lie in (0, 1), got {self.verify_atol}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"ExportConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class RewriteConfig(StageConfig):
+    """``verify``: run the ORT-vs-PyTorch check. ``rtol``: logits tolerance relative to
+    ``max(1, max|logits|)``. ``decode_steps`` / ``greedy_steps``: decode steps whose logits /
+    greedy tokens are compared. ``external_data_mb``: initializers above this total go to
+    ``model.onnx.data`` (protobuf cannot exceed 2 GB)."""
+
+    VERSION = 1
+    verify: bool = True
+    rtol: float = 1e-4
+    decode_steps: int = 16
+    greedy_steps: int = 32
+    external_data_mb: int = 1900
+
+    def validate(self) -> None:
+        if not 0 < self.rtol < 1:
+            raise ConfigError(f"RewriteConfig.rtol must lie in (0, 1), got {self.rtol}")
+        if self.decode_steps < 0 or self.greedy_steps < 0:
+            raise ConfigError("RewriteConfig.decode_steps and greedy_steps must be >= 0")
+        if not 0 < self.external_data_mb <= 2000:
+            raise ConfigError(f"RewriteConfig.external_data_mb must lie in (0, 2000], got {self.external_data_mb}")
+
+    def verify_config(self):
+        from .verify import VerifyConfig
+
+        return VerifyConfig(rtol=self.rtol, decode_steps=self.decode_steps, greedy_steps=self.greedy_steps)
