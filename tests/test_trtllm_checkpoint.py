@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from builders.trtllm import (TrtllmCheckpointConfig, TrtllmCheckpointStage, read_checkpoint,
                              read_hf_decilm, write_checkpoint, write_hf_decilm)
-from builders.trtllm.checkpoint import ModelDims, fold_vo, pp_layers
+from builders.trtllm.checkpoint import fold_vo, pp_layers
+from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.harp import apply_harp
 from harp_trt.plan import Plan

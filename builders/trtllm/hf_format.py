@@ -25,15 +25,29 @@ from typing import Any
 
 import torch
 
-from harp_trt.families import family_of
+from harp_trt.dims import ModelDims
+from harp_trt.families import FAMILIES, family_of
 from harp_trt.plan import Plan
 
-from .checkpoint import DTYPES, ModelDims, _rope_fields, fold_vo
+from .checkpoint import DTYPES, _rope_fields, fold_vo
 from .targets import target_for
 
-__all__ = ["write_hf_decilm", "ffn_mult_for", "intermediate_from_ffn_mult", "HF_CONFIG_MODULE"]
+__all__ = ["write_hf_decilm", "ffn_mult_for", "intermediate_from_ffn_mult", "HF_CONFIG_MODULE", "decilm_name"]
 
 log = logging.getLogger(__name__)
+
+# An HF DeciLM folder names its tensors as a Llama checkpoint does, plus one tensor for a linear
+# attention: TensorRT-LLM reads exactly these (tensorrt_llm/models/nemotron_nas/convert.py,
+# load_model_weights). The writer here and reader.read_hf_decilm both take the names from this.
+_DECILM_LAYOUT = FAMILIES.get("llama")()
+_DECILM_ROLES = {"linear_attn": "self_attn.linear_attn.weight"}
+
+
+def decilm_name(role: str, layer: int | None = None) -> str:
+    """Tensor name of ``role`` (a ``FamilySpec`` role, or ``"linear_attn"``) in an HF DeciLM folder."""
+    if role in _DECILM_ROLES:
+        return _DECILM_LAYOUT.layer_prefix.format(i=layer) + _DECILM_ROLES[role]
+    return _DECILM_LAYOUT.weight_name(role, layer)
 
 HF_CONFIG_MODULE = "configuration_decilm.py"
 _CONFIG_SOURCE = '''"""Config class for a HARP-pruned heterogeneous (DeciLM / Nemotron-NAS style) checkpoint written by
@@ -103,24 +117,22 @@ def ffn_mult_for(intermediate: int, hidden: int) -> float | None:
 
 def _hf_tensors(src, dims: ModelDims, amap: dict[int, float], dtype: torch.dtype):
     """(name, tensor) of the DeciLM folder in file order, one layer resident at a time."""
-    yield "model.embed_tokens.weight", src.get("embed").to(dtype)
-    yield "model.norm.weight", src.get("final_norm").to(dtype)
-    # always written, tied or not: TensorRT-LLM's DeciLM converter reads lm_head.weight unconditionally
-    # (tensorrt_llm/models/nemotron_nas/convert.py, load_weights_from_hf)
-    yield "lm_head.weight", src.get("lm_head").to(dtype)
+    for role in ("embed", "final_norm", "lm_head"):
+        # lm_head is always written, tied or not: TensorRT-LLM's DeciLM converter reads lm_head.weight
+        # unconditionally (tensorrt_llm/models/nemotron_nas/convert.py, load_weights_from_hf)
+        yield decilm_name(role), src.get(role).to(dtype)
     for i in range(dims.num_layers):
-        p = f"model.layers.{i}."
         alpha = amap.get(i)
         if alpha is None or alpha != 0.0:
-            yield p + "input_layernorm.weight", src.get("input_ln", i).to(dtype)
+            yield decilm_name("input_ln", i), src.get("input_ln", i).to(dtype)
         if alpha is not None and alpha != 0.0:
-            yield p + "self_attn.linear_attn.weight", fold_vo(src.get("v", i), src.get("o", i), dims, alpha).to(dtype)
+            yield decilm_name("linear_attn", i), fold_vo(src.get("v", i), src.get("o", i), dims, alpha).to(dtype)
         elif alpha is None:
             for n in "qkvo":
-                yield p + f"self_attn.{n}_proj.weight", src.get(n, i).to(dtype)
-        yield p + "post_attention_layernorm.weight", src.get("post_attn_ln", i).to(dtype)
+                yield decilm_name(n, i), src.get(n, i).to(dtype)
+        yield decilm_name("post_attn_ln", i), src.get("post_attn_ln", i).to(dtype)
         for n in ("gate", "up", "down"):
-            yield p + f"mlp.{n}_proj.weight", src.get(n, i).to(dtype)
+            yield decilm_name(n, i), src.get(n, i).to(dtype)
 
 
 def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",

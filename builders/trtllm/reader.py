@@ -347,37 +347,40 @@ def read_hf_decilm(path: str | Path) -> TrtllmCheckpoint:
     (``tensorrt_llm/models/nemotron_nas/convert.py``); tensors are read lazily."""
     from harp_trt.weights import WeightReader
 
+    from .hf_format import decilm_name
+
     p = Path(path)
     hf = json.loads((p / "config.json").read_text())
     reader = WeightReader(p)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     names: dict[str, str | tuple[str, ...]] = {
-        "transformer.vocab_embedding.weight": "model.embed_tokens.weight",
-        "transformer.ln_f.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
-    if "lm_head.weight" not in reader:
-        raise CorruptWeightsError(f"{p} has no lm_head.weight; TensorRT-LLM's DeciLM converter always reads it")
+        "transformer.vocab_embedding.weight": decilm_name("embed"),
+        "transformer.ln_f.weight": decilm_name("final_norm"), "lm_head.weight": decilm_name("lm_head")}
+    if decilm_name("lm_head") not in reader:
+        raise CorruptWeightsError(f"{p} has no {decilm_name('lm_head')}; "
+                                  "TensorRT-LLM's DeciLM converter always reads it")
     layer_configs, inter = [], None
     for i, block in enumerate(hf["block_configs"]):
         a, f = block["attention"], block["ffn"]
-        src, dst = f"model.layers.{i}.", f"transformer.layers.{i}."
+        dst = f"transformer.layers.{i}."
         if a.get("no_op"):
             layer_configs.append({"attention": {"impl": "no_op", "num_key_value_heads": None}})
         elif a.get("replace_with_linear"):
             layer_configs.append({"attention": {"impl": "linear", "num_key_value_heads": None}})
-            names[dst + "attention.weight"] = src + "self_attn.linear_attn.weight"
+            names[dst + "attention.weight"] = decilm_name("linear_attn", i)
         else:
             layer_configs.append({"attention": {"impl": "attention",
                                                 "num_key_value_heads": heads // a["n_heads_in_group"]}})
-            names[dst + "attention.qkv.weight"] = tuple(src + f"self_attn.{n}_proj.weight" for n in "qkv")
-            names[dst + "attention.dense.weight"] = src + "self_attn.o_proj.weight"
+            names[dst + "attention.qkv.weight"] = tuple(decilm_name(n, i) for n in "qkv")
+            names[dst + "attention.dense.weight"] = decilm_name("o", i)
         if not a.get("no_op"):
-            names[dst + "input_layernorm.weight"] = src + "input_layernorm.weight"
+            names[dst + "input_layernorm.weight"] = decilm_name("input_ln", i)
         n = int(2 * f["ffn_mult"] * hidden / 3)
         inter = n if n % 256 == 0 else n + 256 - n % 256
         layer_configs[-1]["ffn"] = {"impl": "mlp", "intermediate_size": inter}
-        names[dst + "post_layernorm.weight"] = src + "post_attention_layernorm.weight"
-        for hf_name, trt in (("gate", "fc"), ("up", "gate"), ("down", "proj")):
-            names[dst + f"ffn.{trt}.weight"] = src + f"mlp.{hf_name}_proj.weight"
+        names[dst + "post_layernorm.weight"] = decilm_name("post_attn_ln", i)
+        for role, trt in (("gate", "fc"), ("up", "gate"), ("down", "proj")):
+            names[dst + f"ffn.{trt}.weight"] = decilm_name(role, i)
     config = {"architecture": "DeciLMForCausalLM", "vocab_size": hf["vocab_size"], "hidden_size": hidden,
               "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": heads,
               "num_key_value_heads": hf.get("num_key_value_heads") or heads,

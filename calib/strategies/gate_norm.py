@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from harp_trt.dims import ModelDims
+
 from .base import ScoreContext, Strategy
 
 
@@ -50,9 +52,8 @@ class _TensorSource:
 
 
 def _heads(cfg) -> tuple[int, int, int]:
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    return heads, kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    d = ModelDims.from_config(cfg)
+    return d.heads, d.kv_heads, d.head_dim
 
 
 def gate_norm_scores(ctx: ScoreContext) -> list[float]:
