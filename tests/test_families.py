@@ -73,10 +73,10 @@ def test_qwen2_without_use_sliding_window_has_no_window():
 
 def test_mistral_window_applies_to_every_layer_whatever_layer_types_say():
     spec = FAMILIES.get("mistral")()
-    cfg = spec.tiny_config(sliding_window=W)
-    cfg.layer_types = ["full_attention", "sliding_attention"] * 2  # MistralAttention ignores them
-    assert spec.layer_windows(cfg) == (W,) * 4
-    assert spec.tiny_config(sliding_window=None).num_hidden_layers == 4
+    overrides = {"sliding_window": W, "layer_types": ["full_attention", "sliding_attention"] * 2}
+    assert _transformers_windows("mistral", **overrides) == (W,) * 4  # MistralModel ignores layer_types
+    assert spec.layer_windows(spec.tiny_config(**overrides)) == (W,) * 4
+    assert ModelDims.from_config(spec.tiny_config(**overrides)).windows == (W,) * 4
     assert spec.layer_windows(spec.tiny_config(sliding_window=None)) == (None,) * 4
 
 
