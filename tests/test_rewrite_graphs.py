@@ -142,10 +142,14 @@ def _io(c, extra_inputs=()):
     return ins, outs
 
 
-def build_optimum(w, post_attn=None) -> onnx.ModelProto:
+def build_optimum(w, post_attn=None, sdpa="plain") -> onnx.ModelProto:
     """Llama/Qwen2 as optimum exports it (opset 18, no fused ops). ``post_attn``: add a
     decomposed post-attention RMSNorm before the residual add, whose gain is stored as the
-    effective gain (``"gain"``) or as ``w`` with ``1 + w`` computed in the graph (``"offset"``)."""
+    effective gain (``"gain"``) or as ``w`` with ``1 + w`` computed in the graph (``"offset"``).
+    ``sdpa``: ``"plain"`` (scale after QK^T), or torch's SDPA decomposition as optimum-onnx 0.1.0
+    writes it, ``sqrt(scale)`` on Q and on K^T, the mask added first, and a NaN guard after the
+    softmax, ``Where(IsNaN(p), 0, p)`` (``"split-guard"``) or ``Where(Not(IsNaN(p)), p, 0)``
+    (``"split-notguard"``). The real exports are tested in ``test_rewrite_real_exports.py``."""
     c = w["cfg"]
     H, KV, hd = c["H"], c["KV"], c["hd"]
     g = _G()
@@ -174,6 +178,8 @@ def build_optimum(w, post_attn=None) -> onnx.ModelProto:
                   "/model/mask/Or")
     mask = g.n("Where", [blocked, g.c(np.float32(-1e9)), g.c(np.float32(0))], "/model/mask/Where")
     scale = g.c(np.float32(1 / np.sqrt(hd)), "attn_scale")
+    sqrt_scale = g.c(np.float32(hd ** -0.25), "attn_sqrt_scale")
+    zero_f = g.c(np.float32(0), "attn_zero")
     half = g.c(np.array([hd // 2], np.int64))
     end = g.c(np.array([hd], np.int64))
     start0 = g.c(np.array([0], np.int64))
@@ -215,8 +221,19 @@ def build_optimum(w, post_attn=None) -> onnx.ModelProto:
                     f"{p}/self_attn/repeat_{kind}/Expand")
             rep[kind] = g.n("Reshape", [t, g.c(np.array([0, H, -1, hd], np.int64))], f"{p}/self_attn/repeat_{kind}/Reshape")
         kt = g.n("Transpose", [rep["key"]], f"{p}/self_attn/Transpose_kt", perm=[0, 1, 3, 2])
-        s = g.n("Mul", [g.n("MatMul", [heads["q"], kt], f"{p}/self_attn/MatMul"), scale], f"{p}/self_attn/Mul")
-        pr = g.n("Softmax", [g.n("Add", [s, mask], f"{p}/self_attn/Add")], f"{p}/self_attn/Softmax", axis=-1)
+        if sdpa == "plain":
+            s = g.n("Mul", [g.n("MatMul", [heads["q"], kt], f"{p}/self_attn/MatMul"), scale], f"{p}/self_attn/Mul")
+            pr = g.n("Softmax", [g.n("Add", [s, mask], f"{p}/self_attn/Add")], f"{p}/self_attn/Softmax", axis=-1)
+        else:
+            q = g.n("Mul", [heads["q"], sqrt_scale], f"{p}/self_attn/Mul_q")
+            kt = g.n("Mul", [sqrt_scale, kt], f"{p}/self_attn/Mul_k")  # commuted: constant first
+            s = g.n("MatMul", [q, kt], f"{p}/self_attn/MatMul")
+            pr = g.n("Softmax", [g.n("Add", [mask, s], f"{p}/self_attn/Add")], f"{p}/self_attn/Softmax", axis=-1)
+            nan = g.n("IsNaN", [pr], f"{p}/self_attn/IsNaN")
+            if sdpa == "split-guard":
+                pr = g.n("Where", [nan, zero_f, pr], f"{p}/self_attn/Where")
+            else:
+                pr = g.n("Where", [g.n("Not", [nan], f"{p}/self_attn/Not"), pr, zero_f], f"{p}/self_attn/Where")
         o = g.n("MatMul", [pr, rep["value"]], f"{p}/self_attn/MatMul_1")
         o = g.n("Reshape", [g.n("Transpose", [o], f"{p}/self_attn/Transpose_o", perm=[0, 2, 1, 3]),
                             g.c(np.array([0, 0, H * hd], np.int64))], f"{p}/self_attn/Reshape_o")
@@ -346,10 +363,12 @@ IDS = np.array([[5, 9, 13, 2, 7, 11], [0, 0, 4, 8, 15, 16]], np.int64)
 MASK = np.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], np.int64)
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2"])
-def test_optimum_style_graph(bias):
+@pytest.mark.parametrize("bias,sdpa", [(False, "plain"), (True, "plain"), (False, "split-guard"),
+                                       (True, "split-notguard")],
+                         ids=["llama", "qwen2", "llama-split-guard", "qwen2-split-notguard"])
+def test_optimum_style_graph(bias, sdpa):
     w = make_weights(bias=bias)
-    proto = build_optimum(w)
+    proto = build_optimum(w, sdpa=sdpa)
     onnx.checker.check_model(proto, full_check=True)
     base, n_kv = run_steps(_session(proto), w, IDS, MASK, {})
     assert base < 1e-4 and n_kv == 6

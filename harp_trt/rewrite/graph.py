@@ -13,9 +13,9 @@ import onnx_ir as ir
 
 from ..errors import GraphError
 
-__all__ = ["const_array", "const_ndim", "is_const", "producer", "consumers", "only_consumer", "ancestors",
-           "name_hint_matches", "remove_dead", "DeadCode", "load_graph", "save_graph",
-           "total_initializer_bytes", "STAGE"]
+__all__ = ["const_array", "const_ndim", "is_const", "consumers", "only_consumer", "ancestors",
+           "name_hint_matches", "remove_dead", "DeadCode", "check_onnx", "fix_constant_shapes", "load_graph", "save_graph",
+           "total_initializer_bytes", "ORT_ONNX_DOMAIN_OPS", "STAGE"]
 
 log = logging.getLogger(__name__)
 STAGE = "rewrite"
@@ -53,10 +53,6 @@ def is_const(value: ir.Value | None) -> bool:
         return True
     node = value.producer()
     return node is not None and node.op_type == "Constant"
-
-
-def producer(value: ir.Value | None) -> ir.Node | None:
-    return None if value is None else value.producer()
 
 
 def consumers(value: ir.Value) -> list[ir.Node]:
@@ -148,8 +144,61 @@ def remove_dead(graph: ir.Graph) -> DeadCode:
     return out
 
 
+def fix_constant_shapes(graph: ir.Graph) -> list[str]:
+    """Make the declared shape of every ``Constant`` output equal its tensor's shape; returns the
+    values corrected. (onnxruntime-genai 0.18 declares its shared ``[1]`` constant as a scalar,
+    which strict shape inference and ``onnx.checker``'s full check refuse.)"""
+    fixed = []
+    for node in graph:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not node.outputs:
+            continue
+        attr = node.attributes.get("value")
+        out = node.outputs[0]
+        if attr is None or out.shape is None:
+            continue
+        shape = tuple(attr.as_tensor().shape.numpy())
+        if tuple(out.shape.numpy() if out.shape.is_static() else ()) != shape or len(out.shape) != len(shape):
+            out.shape = ir.Shape(shape)
+            fixed.append(out.name)
+    return fixed
+
+
 def total_initializer_bytes(graph: ir.Graph) -> int:
     return sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+
+
+# ops onnxruntime registers in the ONNX domain that onnx's own schemas lack; the onnxruntime-genai
+# model builder writes them (its final/first RMSNorm). The checker sees them as com.microsoft ops.
+ORT_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+
+def check_onnx(path: str | os.PathLike, full_check: bool = False, strict_shapes: bool = False) -> None:
+    """``onnx.checker`` (and, with ``strict_shapes``, strict shape inference) on the file at
+    ``path``, external data included. Nodes of ``ORT_ONNX_DOMAIN_OPS`` are checked as if they were
+    in the ``com.microsoft`` domain (a checked copy sits beside the file while it runs, so external
+    data paths stay valid); everything else is checked as is. Raises onnx's errors."""
+    import onnx
+
+    p = Path(path)
+    proto = onnx.load(str(p), load_external_data=False)
+    foreign = [n for n in proto.graph.node if n.domain in ("", "ai.onnx") and n.op_type in ORT_ONNX_DOMAIN_OPS]
+    target = p
+    if foreign:
+        for n in foreign:
+            n.domain = "com.microsoft"
+        if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+        target = p.with_name(f".{p.stem}.check{p.suffix}")
+        onnx.save(proto, str(target))
+    del proto
+    try:
+        onnx.checker.check_model(str(target), full_check=full_check)
+        if strict_shapes:
+            onnx.shape_inference.infer_shapes_path(str(target), str(target) + ".shapes", strict_mode=True)
+    finally:
+        Path(str(target) + ".shapes").unlink(missing_ok=True)
+        if target != p:
+            target.unlink(missing_ok=True)
 
 
 def load_graph(path: str | os.PathLike) -> ir.Model:
@@ -161,7 +210,7 @@ def load_graph(path: str | os.PathLike) -> ir.Model:
     if not p.is_file():
         raise GraphError(STAGE, f"no ONNX file at {p}")
     try:
-        onnx.checker.check_model(str(p), full_check=False)
+        check_onnx(p, full_check=False)
     except (onnx.checker.ValidationError, onnx.onnx_cpp2py_export.checker.ValidationError) as e:
         raise GraphError(STAGE, f"{p} fails the ONNX checker: {str(e).splitlines()[0][:300]}",
                          "re-export the model; the file may be truncated") from None
@@ -187,5 +236,9 @@ def save_graph(model: ir.Model, path: Path, external_threshold_bytes: int = TWO_
     if big:
         ir.save(model, str(path), external_data=path.name + ".data")
     else:
+        # tensors still memory-mapped from the source's external data (onnxruntime-genai writes
+        # model.onnx.data at any size) go inline: the source's data file does not travel
+        if any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()):
+            model = ir.external_data.load_to_model(model)
         ir.save(model, str(path))
     return big

@@ -1,6 +1,11 @@
 """The HARP rewrite pass: match every pruned layer first (so a layer that cannot be matched
 fails the pass before anything changes), then rewrite each layer, drop its KV-cache inputs and
-outputs, and sweep what became dead, recording per layer what was matched and changed."""
+outputs, and sweep what became dead, recording per layer what was matched and changed.
+
+``HarpRewritePass`` is an ``onnx_ir.passes.InPlacePass`` (``requires`` / ``call`` / ``ensures``,
+composable in an ``onnx_ir.passes.PassManager``); its ``RewriteResult`` is a ``PassResult``.
+Its pre- and postcondition errors are both harp-trt's typed ``GraphError`` /
+``PostconditionError`` and onnx_ir's ``PreconditionError`` / ``PostconditionError``."""
 from __future__ import annotations
 
 import logging
@@ -8,12 +13,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
 import onnx_ir as ir
+import onnx_ir.passes as ir_passes
 
-from ..errors import GraphError
+from ..errors import GraphError, PostconditionError
 from .graph import STAGE, remove_dead
 from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, describe
 
-__all__ = ["HarpRewritePass", "LayerReport", "RewriteResult", "count_attention_layers"]
+__all__ = ["HarpRewritePass", "LayerReport", "RewriteResult", "RewritePreconditionError",
+           "RewritePostconditionError", "count_attention_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +47,25 @@ class LayerReport:
         return asdict(self)
 
 
+class RewritePreconditionError(GraphError, ir_passes.PreconditionError):
+    """The graph and the plan do not fit (layer range, attention-layer count)."""
+
+
+class RewritePostconditionError(PostconditionError, ir_passes.PostconditionError):
+    """The pass left a pruned layer's KV-cache I/O or attention core in the graph."""
+
+
 @dataclass
-class RewriteResult:
-    layers: list[LayerReport]
-    nodes_before: int
-    nodes_after: int
-    params_before: int
-    params_after: int
-    kv_inputs_before: int
-    kv_inputs_after: int
+class RewriteResult(ir_passes.PassResult):
+    """``PassResult`` (``model``, ``modified``) plus what was matched and changed per layer."""
+
+    layers: list[LayerReport] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    params_before: int = 0
+    params_after: int = 0
+    kv_inputs_before: int = 0
+    kv_inputs_after: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -128,19 +145,25 @@ def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, siblings: list[ir.Value],
             node.outputs[0].replace_all_uses_with(sub.outputs[0])
 
 
-class HarpRewritePass:
+class HarpRewritePass(ir_passes.InPlacePass):
     """Rewrite the pruned layers of ``model`` in place (HARP Eq. 4-5, ``rules.py``).
 
     ``alphas`` maps layer index -> alpha. ``num_layers`` is the model's decoder depth (the plan's);
     the graph must have exactly that many attention cores. ``head_dim`` is an optional hint for
-    graphs whose head size cannot be read from the graph."""
+    graphs whose head size cannot be read from the graph.
+
+    ``requires``: plan layers in range, one attention core per decoder layer. ``call``: match
+    every pruned layer (nothing changes if one fails), then rewrite. ``ensures``: no pruned
+    layer keeps a KV-cache input/output or an attention core."""
 
     def __init__(self, alphas: Mapping[int, float], num_layers: int,
                  rules: Sequence[AttentionRule] = DEFAULT_RULES, head_dim: int | None = None):
+        super().__init__()
         self.alphas = {int(k): float(v) for k, v in alphas.items()}
         self.num_layers = int(num_layers)
         self.rules = tuple(rules)
         self.head_dim = head_dim
+        self._removed: dict[int, tuple[list[ir.Value], list[ir.Value], list[ir.Node]]] = {}
 
     # -- matching ---------------------------------------------------------------------------
     def match_layer(self, graph: ir.Graph, layer: int) -> AttentionMatch:
@@ -165,20 +188,33 @@ class HarpRewritePass:
     def check_layers(self, graph: ir.Graph) -> None:
         bad = sorted(l for l in self.alphas if not 0 <= l < self.num_layers)
         if bad:
-            raise GraphError(STAGE, f"plan layers {bad} out of range 0..{self.num_layers - 1}")
+            raise RewritePreconditionError(STAGE, f"plan layers {bad} out of range 0..{self.num_layers - 1}")
         found = count_attention_layers(graph, self.rules)
         if found != self.num_layers:
-            raise GraphError(STAGE, f"graph has {found} attention layers but the plan is for a "
-                                    f"{self.num_layers}-layer model",
-                             "the plan belongs to a different model than this graph")
+            raise RewritePreconditionError(
+                STAGE, f"graph has {found} attention layers but the plan is for a {self.num_layers}-layer model",
+                "the plan belongs to a different model than this graph" if found else
+                "no attention core was recognised (Attention, GroupQueryAttention, MatMul-Softmax-MatMul)")
 
     # -- the pass -----------------------------------------------------------------------------
-    def __call__(self, model: ir.Model) -> RewriteResult:
+    def requires(self, model: ir.Model) -> None:
+        self.check_layers(model.graph)
+
+    def ensures(self, model: ir.Model) -> None:
+        names_in = {v.name for v in model.graph.inputs}
+        names_out = {v.name for v in model.graph.outputs}
+        for layer, (ins, outs, cores) in self._removed.items():
+            left = [v.name for v in ins if v.name in names_in] + [v.name for v in outs if v.name in names_out]
+            if left or any(n.graph is not None for n in cores):
+                raise RewritePostconditionError(
+                    STAGE, f"layer {layer}: KV-cache I/O {left} or its attention core survived the rewrite")
+
+    def call(self, model: ir.Model) -> RewriteResult:
         graph = model.graph
-        self.check_layers(graph)
         matches = {layer: self.match_layer(graph, layer) for layer in sorted(self.alphas)}
         nodes_before, params_before, kv_before = len(graph), _params(graph), len(_kv_inputs(graph))
         reports = []
+        self._removed = {}
         for layer, m in matches.items():
             alpha = self.alphas[layer]
             rule = next(r for r in self.rules if r.name == m.rule)
@@ -206,6 +242,7 @@ class HarpRewritePass:
             if m.core.graph is not None or any(n.graph is not None for n in m.qk_nodes):
                 raise GraphError(STAGE, f"layer {layer}: the attention core or Q/K projections are "
                                         f"still reachable after the rewrite")
+            self._removed[layer] = (list(m.kv_inputs), list(m.kv_outputs), [m.core])
             rep = LayerReport(
                 layer=layer, alpha=alpha, rule=m.rule, locator=m.locator, mode=edit.mode,
                 match=describe(m), nodes_removed=len(dead.nodes), removed_ops=dead.node_ops,
@@ -218,5 +255,6 @@ class HarpRewritePass:
                      edit.params_added, len(ins))
             reports.append(rep)
         graph.meta.pop("harp_names", None)
-        return RewriteResult(reports, nodes_before, len(graph), params_before, _params(graph),
-                             kv_before, len(_kv_inputs(graph)))
+        return RewriteResult(model=model, modified=bool(reports), layers=reports, nodes_before=nodes_before,
+                             nodes_after=len(graph), params_before=params_before, params_after=_params(graph),
+                             kv_inputs_before=kv_before, kv_inputs_after=len(_kv_inputs(graph)))

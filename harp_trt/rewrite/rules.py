@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -230,11 +231,13 @@ class AttentionRule:
         """Constant-weight MatMuls reading ``x`` that feed the core's Q/K inputs (bounded search
         that does not go behind ``x``)."""
         found: dict[int, ir.Node] = {}
-        stack = [v for v in self.core_qk_inputs(core) if v is not None]
+        # breadth first: rotary tables and masks hang off the Q/K paths with long chains of
+        # their own; a depth-first walk would spend its budget there before reaching q_proj
+        queue = deque(v for v in self.core_qk_inputs(core) if v is not None)
         seen: set[int] = set()
         visited = 0
-        while stack and visited < 96:
-            v = stack.pop()
+        while queue and visited < 160:
+            v = queue.popleft()
             if id(v) in seen or v is x:
                 continue
             seen.add(id(v))
@@ -246,7 +249,7 @@ class AttentionRule:
                 if node.inputs[0] is x:
                     found[id(node)] = node
                 continue
-            stack.extend(i for i in node.inputs if i is not None)
+            queue.extend(i for i in node.inputs if i is not None)
         return list(found.values())
 
     def _kv_io(self, graph: ir.Graph, core: ir.Node, layer: int) -> tuple[list[ir.Value], list[ir.Value]]:
@@ -265,12 +268,23 @@ class AttentionRule:
                     ins += [r for i in node.inputs if i is not None and (r := _cache_root(i)) is not None]
                     outs += [o for o in node.outputs if o.is_graph_output()]
                     break
+                if node.op_type in ("Mul", "Div") and is_const(node.inputs[1]):
+                    v = node.inputs[0]  # a (split) softmax scale on K
+                    continue
+                if node.op_type == "Mul" and is_const(node.inputs[0]):
+                    v = node.inputs[1]
+                    continue
                 if node.op_type not in LAYOUT_OPS | {"RotaryEmbedding"}:
                     break
                 v = node.inputs[0]
         ins += [v for v in graph.inputs if _kv_name(v.name, layer, "past")]
         outs += [v for v in graph.outputs if _kv_name(v.name, layer, "present")]
-        return list({id(v): v for v in ins}.values()), list({id(v): v for v in outs}.values())
+        # in the graph's own I/O order (key before value for every exporter seen)
+        in_pos = {id(v): k for k, v in enumerate(graph.inputs)}
+        out_pos = {id(v): k for k, v in enumerate(graph.outputs)}
+        ins = sorted({id(v): v for v in ins}.values(), key=lambda v: in_pos.get(id(v), len(in_pos)))
+        outs = sorted({id(v): v for v in outs}.values(), key=lambda v: out_pos.get(id(v), len(out_pos)))
+        return ins, outs
 
     # ---- rewrite ---------------------------------------------------------------------------------
     def rewrite(self, graph: ir.Graph, m: AttentionMatch, alpha: float) -> LayerEdit:
@@ -364,8 +378,18 @@ class OnnxAttentionRule(AttentionRule):
 
 
 class SoftmaxAttentionRule(AttentionRule):
-    """Unfused attention: ``MatMul(Softmax(...(MatMul(Q, K^T))...), V)``, as optimum/legacy
-    exporters write it and as torch.onnx writes eager attention (Gemma2's soft-capping)."""
+    """Unfused attention ``MatMul(P, V)`` with ``P = Softmax(S)``, as optimum and legacy exporters
+    write it and as torch.onnx writes eager attention (Gemma2's soft-capping). The pattern, with
+    optional nodes in brackets and ``{a, b}`` for inputs in either order::
+
+        S = [Where(mask, -inf, .)] / [Add{., mask}] / [soft-cap] / [Mul|Div{., scale}]
+              ( MatMul( [Mul{Q, sqrt(scale)}], [Mul{K^T, sqrt(scale)}] ) )
+        P = [Cast] [Where(IsNaN(P'), 0, P') | Where(Not(IsNaN(P')), P', 0)] Softmax(S)
+        core = MatMul(P, V)
+
+    optimum-onnx 0.1.0 (torch SDPA decomposed, transformers 4.57) splits the softmax scale over Q
+    and K (``sqrt(scale)`` on each) and guards fully masked rows with ``IsNaN``/``Where`` after
+    the softmax; its constants are ``Constant`` nodes, not initializers."""
 
     name = "softmax-attention"
     description = "MatMul(Softmax(QK^T), V)"
@@ -377,10 +401,21 @@ class SoftmaxAttentionRule(AttentionRule):
 
     @staticmethod
     def _softmax(node):
-        p = node.inputs[0].producer() if node.inputs[0] is not None else None
-        while p is not None and p.op_type in ("Cast", "Identity"):
-            p = p.inputs[0].producer()
-        return p if p is not None and p.op_type == "Softmax" else None
+        v = node.inputs[0]
+        for _ in range(6):
+            p = v.producer() if v is not None else None
+            if p is None:
+                return None
+            if p.op_type == "Softmax":
+                return p
+            if p.op_type in ("Cast", "Identity"):
+                v = p.inputs[0]
+                continue
+            guarded = _nan_guarded(p)
+            if guarded is None:
+                return None
+            v = guarded
+        return None
 
     def core_value_input(self, core):
         return core.inputs[1]
@@ -400,6 +435,23 @@ class SoftmaxAttentionRule(AttentionRule):
             # the score path is the input that itself comes from a MatMul chain (not the mask)
             v = max(data, key=lambda i: _depth_to_matmul(i))
         return []
+
+
+def _nan_guarded(node: ir.Node) -> ir.Value | None:
+    """``p`` if ``node`` is ``Where(IsNaN(p), c, p)`` or ``Where(Not(IsNaN(p)), p, c)`` with a
+    constant ``c`` (the guard exporters put after a softmax over fully masked rows), else None."""
+    if node.op_type != "Where" or len(node.inputs) != 3 or node.inputs[0] is None:
+        return None
+    cond, a, b = node.inputs
+    c = cond.producer()
+    negated = c is not None and c.op_type == "Not"
+    if negated:
+        c = c.inputs[0].producer()
+    if c is None or c.op_type != "IsNaN":
+        return None
+    p = c.inputs[0]
+    kept, other = (b, a) if not negated else (a, b)
+    return p if kept is p and _const_like(other) else None
 
 
 class GroupQueryAttentionRule(AttentionRule):

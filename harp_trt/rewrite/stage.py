@@ -17,53 +17,27 @@ import hashlib
 import json
 import logging
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import onnx
 
 from ..models import TOKENIZER_FILES
-from ..config import StageConfig, digest_of
-from ..errors import ConfigError, GraphError, PostconditionError, PreconditionError
+from ..config import digest_of
+from ..errors import GraphError, PostconditionError, PreconditionError
 from ..plan import Plan
 from ..stage import Stage
 from ..store import Artifact
-from .graph import STAGE, load_graph, save_graph
+from .config import RewriteConfig
+from .graph import STAGE, check_onnx, fix_constant_shapes, load_graph, save_graph
 from .passes import HarpRewritePass
-from .verify import VerifyConfig, verify_rewrite
+from .verify import verify_rewrite
 
-__all__ = ["RewriteConfig", "RewriteStage", "rewrite_onnx", "file_digest", "REPORT", "TOKENIZER_FILES"]
+__all__ = ["RewriteStage", "rewrite_onnx", "file_digest", "REPORT", "TOKENIZER_FILES"]
 
 log = logging.getLogger(__name__)
 REPORT = "rewrite_report.json"
 EXPORT_META_KEY = "harp_trt.export"
-
-
-@dataclass(frozen=True)
-class RewriteConfig(StageConfig):
-    """``verify``: run the ORT-vs-PyTorch check. ``rtol``: logits tolerance relative to
-    ``max(1, max|logits|)``. ``decode_steps`` / ``greedy_steps``: decode steps whose logits /
-    greedy tokens are compared. ``external_data_mb``: initializers above this total go to
-    ``model.onnx.data`` (protobuf cannot exceed 2 GB)."""
-
-    VERSION = 1
-    verify: bool = True
-    rtol: float = 1e-4
-    decode_steps: int = 16
-    greedy_steps: int = 32
-    external_data_mb: int = 1900
-
-    def validate(self) -> None:
-        if not 0 < self.rtol < 1:
-            raise ConfigError(f"RewriteConfig.rtol must lie in (0, 1), got {self.rtol}")
-        if self.decode_steps < 0 or self.greedy_steps < 0:
-            raise ConfigError("RewriteConfig.decode_steps and greedy_steps must be >= 0")
-        if not 0 < self.external_data_mb <= 2000:
-            raise ConfigError(f"RewriteConfig.external_data_mb must lie in (0, 2000], got {self.external_data_mb}")
-
-    def verify_config(self) -> VerifyConfig:
-        return VerifyConfig(rtol=self.rtol, decode_steps=self.decode_steps, greedy_steps=self.greedy_steps)
 
 
 def file_digest(path: Path) -> str:
@@ -112,38 +86,95 @@ def check_plan_matches(plan: Plan, meta: Mapping[str, Any], export_manifest: Map
                                 "rewrite the dense export instead")
 
 
+def graph_facts(graph, head_dim: int | None = None) -> dict[str, Any]:
+    """What a graph without harp-trt metadata tells about its model: the number of attention
+    layers, and from layer 0's matched block (its V/o_proj weights and core) the hidden size,
+    heads, KV heads and head size. Keys whose value cannot be read are absent."""
+    from .passes import count_attention_layers
+
+    n = count_attention_layers(graph)
+    facts: dict[str, Any] = {"num_layers": n}
+    if n:
+        try:
+            m = HarpRewritePass({}, n, head_dim=head_dim).match_layer(graph, 0)
+        except GraphError as e:  # the pass names the pruned layers that fail; here it is only a hint
+            log.info("graph facts: layer 0 not matched (%s)", e.message)
+            return facts
+        shape = m.w_o.const_value.shape if m.w_o.const_value is not None else None
+        if shape is not None:
+            facts["hidden_size"] = int(shape[1])
+        facts.update(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+    return facts
+
+
+def check_foreign_graph(plan: Plan, facts: Mapping[str, Any], model_config: Mapping[str, Any] | None,
+                        model_ref: str | None = None) -> None:
+    """A graph harp-trt did not export records no weights digest. The plan fits it when the
+    graph's attention-layer count is the plan's depth and, given the model the plan is verified
+    against (``--model``, whose digest the stage has checked against the plan), the graph's
+    depth, hidden size and heads are that model's."""
+    if facts.get("num_layers") != plan.num_layers:
+        raise PreconditionError(STAGE, f"the graph has {facts.get('num_layers', 0)} attention layers but the "
+                                       f"plan is for a {plan.num_layers}-layer model",
+                                "the plan belongs to a different model than this graph" if facts.get("num_layers")
+                                else "no attention block was recognised: see `harp-trt rewrite --help`")
+    if not model_config:
+        return
+    cfg = model_config.get("text_config", model_config)
+    heads = cfg.get("num_attention_heads")
+    want = {"num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
+            "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)}
+    bad = [f"{k} {facts[k]} (model: {v})" for k, v in want.items()
+           if v is not None and facts.get(k) is not None and int(facts[k]) != int(v)]
+    if bad:
+        raise PreconditionError(STAGE, f"the graph is not an export of {model_ref or 'the model'}: graph has "
+                                       + ", ".join(bad),
+                                "pass the --model this graph was exported from (and a plan calibrated on it)")
+
+
 def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 1900,
-                 head_dim: int | None = None) -> dict[str, Any]:
+                 head_dim: int | None = None, model_config: Mapping[str, Any] | None = None,
+                 model_ref: str | None = None) -> dict[str, Any]:
     """Load ``src`` (with external data), apply the HARP pass for ``plan``, save to ``out_path``
-    and run ``onnx.checker`` (full) and strict shape inference on the result. Returns the report."""
+    and run ``onnx.checker`` (full) and strict shape inference on the result. Returns the report.
+    A graph without harp-trt's export metadata (optimum, onnxruntime-genai, ...) is first checked
+    against the plan and ``model_config`` (the reference model's ``config.json``) by
+    ``check_foreign_graph``."""
     model = load_graph(src)
     meta_raw = model.metadata_props.get(EXPORT_META_KEY)
     meta = json.loads(meta_raw) if meta_raw else {}
     head_dim = head_dim or meta.get("head_dim")
+    facts = None
+    if not meta:
+        facts = graph_facts(model.graph, head_dim)
+        check_foreign_graph(plan, facts, model_config, model_ref)
     result = HarpRewritePass(plan.alpha_map, plan.num_layers, head_dim=head_dim)(model)
     if meta:
         meta = {**meta, "kv_layers": [i for i in meta.get("kv_layers", range(plan.num_layers))
                                       if i not in plan.alpha_map],
                 "harp_alphas": {str(k): v for k, v in plan.alpha_map.items()}}
         model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
+    shapes_fixed = fix_constant_shapes(model.graph)
     model.metadata_props["harp_trt.plan"] = json.dumps(
         {"model_digest": plan.model_digest, "layers": list(plan.layers), "alphas": list(plan.alphas)})
     external = save_graph(model, out_path, external_threshold_bytes=external_data_mb * (1 << 20))
     try:
-        onnx.checker.check_model(str(out_path), full_check=True)
-        onnx.shape_inference.infer_shapes_path(str(out_path), str(out_path) + ".shapes", strict_mode=True)
+        check_onnx(out_path, full_check=True, strict_shapes=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise PostconditionError(STAGE, f"rewritten graph fails the ONNX checker: {str(e).splitlines()[0][:300]}") from None
-    finally:
-        Path(str(out_path) + ".shapes").unlink(missing_ok=True)
     report = result.to_dict()
     report["external_data"] = external
+    report["shape_annotations_fixed"] = shapes_fixed
+    report["source"] = {"harp_export": bool(meta), **({"graph_facts": facts} if facts is not None else {})}
     report["kv_inputs"] = sum(1 for v in model.graph.inputs if "past" in v.name)
     return report
 
 
 class RewriteStage(Stage[RewriteConfig]):
     name = "rewrite"
+    code = ("harp_trt.rewrite", "harp_trt.harp", "harp_trt.onnx_io", "harp_trt.families", "harp_trt.ort_session",
+            "harp_trt.layerwise", "harp_trt.weights")
     version = 1
     outputs = ("model.onnx", "plan.json", REPORT)
 
@@ -189,8 +220,11 @@ class RewriteStage(Stage[RewriteConfig]):
         plan: Plan = inputs["plan"]
         out_dir = Path(out_dir)
         src = self._source(inputs)
-        report = rewrite_onnx(src, plan, out_dir / "model.onnx", config.external_data_mb)
         resolved = self._resolved(inputs, plan, required=config.verify)
+        cfg_file = Path(resolved.folder) / "config.json" if resolved is not None else None
+        model_config = json.loads(cfg_file.read_text()) if cfg_file is not None and cfg_file.is_file() else None
+        report = rewrite_onnx(src, plan, out_dir / "model.onnx", config.external_data_mb,
+                              model_config=model_config, model_ref=resolved.ref if resolved is not None else None)
         verify = None
         if config.verify:  # the reference is read layer by layer from the weights: bounded memory
             verify = verify_rewrite(out_dir / "model.onnx", Path(resolved.folder), plan.alpha_map,
