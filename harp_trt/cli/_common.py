@@ -100,7 +100,9 @@ def placement_from_args(args, default_dtype: str | None = None):
 
 
 def default_layers(model_ref: str) -> int:
-    from calib.config import CalibrateConfig
+    from ..registry import STAGES
+
+    CalibrateConfig = STAGES.get("calibrate").config_class()
     from harp_trt.models import PRESETS
 
     return PRESETS[model_ref].default_layers if model_ref in PRESETS else CalibrateConfig.default("layers")
@@ -139,8 +141,9 @@ def given_layers_and_alphas(args) -> tuple[int | None, tuple[int, ...], tuple[fl
 def calibrate_config_from_args(args):
     """(CalibrateConfig, Placement): the device kind and dtype go into the config (and the key).
     ``--objective paper`` defaults to bf16 and the model's maximum length."""
-    from calib.config import CalibrateConfig
+    from ..registry import STAGES
 
+    CalibrateConfig = STAGES.get("calibrate").config_class()
     paper = args.objective == "paper"
     placement = placement_from_args(args, "bfloat16" if paper else None)
     layers, prune, alphas = given_layers_and_alphas(args)

@@ -12,7 +12,6 @@ HELP = ("latency (prefill sweep, TTFT, ITL, throughput per batch size, KV bytes;
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.config import ENGINES
     from ..registry import STAGES
 
     C = STAGES.get("bench").config_class()  # defaults, from a light module
@@ -21,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--plan", help="calibrate artifact folder, its key, or a plan.json")
     src.add_argument("--artifact", dest="plan", help="same as --plan: a calibrate artifact key or folder")
     p.add_argument("--model", default=None, help="override the plan's model reference (same weights; torch engine)")
-    p.add_argument("--engine", default=C.default("engine"), choices=ENGINES.names(),
+    p.add_argument("--engine", default=C.default("engine"), choices=C.engine_names(),
                    help="backend: torch (HF dense vs apply_harp) or ort (dense export vs rewritten graph)")
     p.add_argument("--dense-engine", default=None, help="ort: folder (or artifact key) of the dense engine")
     p.add_argument("--harp-engine", default=None, help="ort: folder (or artifact key) of the HARP engine")
@@ -64,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    from bench.config import BenchConfig
+    from ..registry import STAGES
 
+    BenchConfig = STAGES.get("bench").config_class()
     from ..device import resolve_placement
 
     placement = resolve_placement(args.device, args.dtype)
@@ -122,7 +122,7 @@ def run(args) -> dict:
            "gates": gates, "seconds": round(time.perf_counter() - t0, 3)}
     import polars as pl
 
-    from bench.report import serving_rows
+    from bench.stage.report import serving_rows
 
     spd = pl.read_csv(art.path / "speedup.csv")
     lat, thr = serving_rows(s, wide=False)

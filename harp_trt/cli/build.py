@@ -48,8 +48,9 @@ def run(args) -> dict:
     bench_config = _bench_config(args, placement) if args.bench else None
     configs = {"build-ort": _ort_config(args)}
     if args.backend == "trtllm":
-        from builders.trtllm.config import TrtllmCheckpointConfig
+        from ..registry import STAGES
 
+        TrtllmCheckpointConfig = STAGES.get("trtllm").config_class()
         configs["trtllm"] = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
@@ -78,8 +79,9 @@ def run(args) -> dict:
 
 
 def _ort_config(args):
-    from builders.ort.config import OrtBuildConfig
+    from ..registry import STAGES
 
+    OrtBuildConfig = STAGES.get("build-ort").config_class()
     if args.quant != "none" and args.backend == "trtllm":
         from ..errors import ConfigError
 
@@ -89,8 +91,9 @@ def _ort_config(args):
 
 
 def _bench_config(args, placement):
-    from bench.config import BenchConfig
+    from ..registry import STAGES
 
+    BenchConfig = STAGES.get("bench").config_class()
     from ._common import parse_batch_sizes, parse_ints, parse_tasks
 
     return BenchConfig.from_dict({

@@ -128,7 +128,9 @@ def run(args) -> dict:
 
 
 def run_triton(args) -> dict:
-    from builders.triton.config import TritonRepoConfig
+    from ..registry import STAGES
+
+    TritonRepoConfig = STAGES.get("triton").config_class()
     from builders.triton.repository import write_repository
 
     from ..store import ArtifactStore
@@ -170,7 +172,9 @@ def run_triton(args) -> dict:
 
 
 def run_trtllm(args) -> dict:
-    from builders.trtllm.config import TrtllmCheckpointConfig
+    from ..registry import STAGES
+
+    TrtllmCheckpointConfig = STAGES.get("trtllm").config_class()
     from builders.trtllm.stage import TrtllmCheckpointStage
 
     from ..models import resolve_model
