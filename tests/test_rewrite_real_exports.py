@@ -165,3 +165,23 @@ def test_foreign_plan_check(tiny, tmp_path):
         RewriteStage().execute(store, RewriteConfig(verify=False),
                                {"plan": _plan(wrong), "onnx": FIXTURES / "genai" / "model.onnx", "model": wrong})
     assert {a.key for a in store.list()} == before
+
+
+def test_cli_rewrites_a_real_export(tiny, tmp_path, capsys):
+    """``harp-trt rewrite --onnx FILE --plan PLAN`` on optimum's export: the command of the issue
+    report, which printed 'the plan belongs to a different model' and exited 2."""
+    from harp_trt.cli import main
+
+    resolved, store = tiny
+    plan_path = tmp_path / "plan.json"
+    _plan(resolved).save(plan_path)
+    argv = ["rewrite", "--onnx", str(FIXTURES / "optimum" / "model.onnx"), "--plan", str(plan_path),
+            "--workdir", str(store.root), "--json", "--greedy-steps", "4", "--decode-steps", "2"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["layers"] == list(LAYERS) and out["alphas"] == list(ALPHAS) and out["kv_inputs"] == 4
+    assert out["max_abs_diff"] <= out["tolerance"] and out["max_abs_diff"] < 1e-5
+    # the plan of a 6-layer model with this 4-layer graph: one-line error, exit code 2
+    Plan.from_dict(_plan(resolved).to_dict() | {"num_layers": 6}).save(plan_path)
+    assert main(argv) == 2
+    assert "graph has 4 attention layers but the plan is for a 6-layer model" in capsys.readouterr().err
