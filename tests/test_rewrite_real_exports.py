@@ -130,6 +130,25 @@ def test_rewrite_real_export(exporter, tiny):
 
 
 @pytest.mark.parametrize("exporter", sorted(EXPORTERS))
+def test_every_layer_pruned(exporter, tiny, tmp_path):
+    """No KV cache left: optimum's ``Shape(past_key_values.0.key)`` -> ``Gather`` reads of the
+    past length are re-derived from ``input_ids``/``attention_mask``; alpha 0 and 1 included."""
+    resolved, _ = tiny
+    from harp_trt.rewrite.stage import rewrite_onnx
+
+    alphas = {0: 0.5, 1: 0.0, 2: 1.0, 3: 0.25}
+    out = tmp_path / "model.onnx"
+    report = rewrite_onnx(FIXTURES / exporter / "model.onnx", _plan(resolved, alphas, alphas.values()), out)
+    assert report["kv_inputs"] == 0 and report["kv_inputs_after"] == 0
+    assert [r["mode"] for r in report["layers"]] == ["alpha-in-o_proj", "removed", "alpha-in-o_proj",
+                                                     "alpha-in-o_proj"]
+    ins, outs = _io_names(out)
+    assert outs == ["logits"] and not [n for n in ins if n.startswith("past")]
+    res = verify_rewrite(out, WEIGHTS, alphas, VerifyConfig(rtol=RTOL, decode_steps=3, greedy_steps=4))
+    assert res.max_abs_diff <= res.tolerance and res.max_abs_diff < 1e-5
+
+
+@pytest.mark.parametrize("exporter", sorted(EXPORTERS))
 def test_verification_fails_for_other_alphas(exporter, tiny, tmp_path):
     """The check can fail: the same graph against a HARP model with another alpha."""
     resolved, _ = tiny

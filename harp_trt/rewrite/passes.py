@@ -12,6 +12,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes as ir_passes
 
@@ -143,6 +144,37 @@ def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, siblings: list[ir.Value],
                 n.outputs[0].name = n.name + "_output_0"
             graph.insert_before(node, [total, new, sub])
             node.outputs[0].replace_all_uses_with(sub.outputs[0])
+        elif rank == 4 and {"input_ids", "attention_mask"} <= set(by_name):
+            # the whole shape [batch, kv_heads, past, head_dim] (optimum reads Shape(past) and
+            # Gathers from it), then the slice the Shape node asked for
+            m = next((mm for mm in matches.values() if any(k is v for k in mm.kv_inputs)), None)
+            if m is None:
+                continue
+            tag = f"harp/past_shape/{v.name}"
+            heads_dim = [ir.Value(name=f"{tag}/{n}", const_value=ir.tensor(np.array([d], np.int64), name=f"{tag}/{n}"))
+                         for n, d in (("kv_heads", m.num_kv_heads), ("head_dim", m.head_dim))]
+            for c in heads_dim:
+                graph.register_initializer(c)
+            batch = ir.node("Shape", [by_name["input_ids"]], attributes={"start": 0, "end": 1}, name=f"{tag}/batch")
+            total = ir.node("Shape", [by_name["attention_mask"]], attributes={"start": 1, "end": 2}, name=f"{tag}/total")
+            new = ir.node("Shape", [by_name["input_ids"]], attributes={"start": 1, "end": 2}, name=f"{tag}/new")
+            past = ir.node("Sub", [total.outputs[0], new.outputs[0]], name=f"{tag}/past")
+            full = ir.node("Concat", [batch.outputs[0], heads_dim[0], past.outputs[0], heads_dim[1]],
+                           attributes={"axis": 0}, name=f"{tag}/Concat")
+            added = [batch, total, new, past, full]
+            out = full.outputs[0]
+            if (start, end) != (0, rank):
+                bounds = [ir.Value(name=f"{tag}/{n}", const_value=ir.tensor(np.array([b], np.int64), name=f"{tag}/{n}"))
+                          for n, b in (("start", start), ("end", end))]
+                for c in bounds:
+                    graph.register_initializer(c)
+                sl = ir.node("Slice", [out, *bounds], name=f"{tag}/Slice")
+                added.append(sl)
+                out = sl.outputs[0]
+            for n in added:
+                n.outputs[0].name = n.name + "_output_0"
+            graph.insert_before(node, added)
+            node.outputs[0].replace_all_uses_with(out)
 
 
 class HarpRewritePass(ir_passes.InPlacePass):
