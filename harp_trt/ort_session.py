@@ -51,7 +51,7 @@ class OrtCausalLM:
 
     def __init__(self, onnx_path: str | Path, providers: Sequence[str] | None = None,
                  intra_op_threads: int | None = None, graph_optimization_level: str = "all",
-                 session_config: dict[str, str] | None = None):
+                 session_config: dict[str, str] | None = None, kv_hint: tuple[int, int, int] | None = None):
         import onnxruntime as ort
 
         path = Path(onnx_path)
@@ -89,7 +89,7 @@ class OrtCausalLM:
         self.intra_op_threads = intra_op_threads
         ins = {i.name: i for i in self.session.get_inputs()}
         outs = [o.name for o in self.session.get_outputs()]
-        missing = [n for n in ("input_ids", "attention_mask", "position_ids") if n not in ins]
+        missing = [n for n in ("input_ids", "attention_mask") if n not in ins]
         if missing or "logits" not in outs:
             raise GraphError(STAGE, f"{path.name} does not follow the causal-LM I/O contract "
                              f"(missing {', '.join(missing + ([] if 'logits' in outs else ['logits']))})",
@@ -99,10 +99,16 @@ class OrtCausalLM:
             for name in (past_name(i, "value"), present_name(i, "key"), present_name(i, "value")):
                 if name not in ins and name not in outs:
                     raise GraphError(STAGE, f"{path.name} has {past_name(i, 'key')} but no {name}")
+        # graphs other exporters wrote may take no position_ids (onnxruntime-genai's GQA reads
+        # positions from attention_mask, as if right-padded): fed only where the graph takes it
+        self.takes_positions = "position_ids" in ins
         meta = _export_meta(self.session)
+        hint = kv_hint or (None, None, None)  # (kv_heads, head_dim, vocab) for symbolic dims
+        if not meta and hint[0]:
+            meta = {"kv_heads": hint[0], "head_dim": hint[1], "vocab_size": hint[2]}
         self.num_layers: int = int(meta.get("num_layers") or (max(self.kv_layers) + 1 if self.kv_layers else 0))
         self.kv_heads, self.head_dim, self.kv_dtype = self._kv_layout(ins, meta)
-        self.vocab_size = _static(self.session.get_outputs()[0].shape, 2) or meta.get("vocab_size")
+        self.vocab_size = _static(self.session.get_outputs()[outs.index("logits")].shape, 2) or meta.get("vocab_size")
         self._output_names = outs
         self._rowwise = False  # set when the kernel (GQA on CPU) refuses batch>1 chunks with a past
         self.static_cache_enabled = True  # decode through a StaticCache where the graph allows it
@@ -128,7 +134,8 @@ class OrtCausalLM:
         hd = _static(arg.shape, 3) or meta.get("head_dim")
         if not heads or not hd:
             raise GraphError(STAGE, "cannot tell kv_heads/head_dim: past_key_values dims 1 and 3 are "
-                             "symbolic and the graph has no harp_trt.export metadata")
+                             "symbolic and the graph has no harp_trt.export metadata",
+                             "pass kv_hint=(kv_heads, head_dim, vocab) from the model's config")
         return int(heads), int(hd), _NP_DTYPES.get(arg.type, np.float32)
 
     def kv_bytes_per_token(self) -> int:
@@ -157,7 +164,9 @@ class OrtCausalLM:
             raise ConfigError(f"past has layers {sorted(past)}, the graph wants {self.kv_layers}")
         if self._rowwise and b > 1 and s > 1 and p > 0:
             return self._forward_rows(input_ids, attention_mask, position_ids, past)
-        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.takes_positions:
+            feed["position_ids"] = position_ids
         for i, (k, v) in past.items():
             feed[past_name(i, "key")] = k
             feed[past_name(i, "value")] = v
@@ -219,7 +228,8 @@ class OrtCausalLM:
         bind = cache.binding
         bind.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         bind.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
-        bind.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        if self.takes_positions:
+            bind.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         bind.bind_output("logits", "cpu")
         self.session.run_with_iobinding(bind)
         cache.length += 1

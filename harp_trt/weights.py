@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -187,7 +187,6 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
         self._data_start = 8 + len(raw)
-        self._size = offset
         self._written: set[str] = set()
         self._f = open(self.path, "wb")
         self._f.write(len(raw).to_bytes(8, "little"))
@@ -225,8 +224,3 @@ class SafetensorsWriter:
             self._f.close()
             return
         self.close()
-
-
-def iter_specs(tensors: Iterator[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    """Specs of ``(name, tensor)`` pairs (meta tensors welcome): the plan of a ``SafetensorsWriter``."""
-    return [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors]

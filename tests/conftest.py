@@ -23,8 +23,7 @@ def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     spec = FAMILIES.get(family)()
     cfg = spec.tiny_config(**overrides)
     torch.manual_seed(seed)
-    if family == "gemma2":
-        attn = "eager"
+    attn = spec.attn_implementation_for(attn)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
     # random init leaves some norms at exactly 1 (or 0 for Gemma); perturb so folds are tested
     with torch.no_grad():
@@ -32,6 +31,18 @@ def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def forbid_model_loads(monkeypatch) -> None:
+    """Make every way harp-trt loads model weights raise: a cache hit must load nothing."""
+    from harp_trt import layerwise, models
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a cache hit loaded model weights")
+
+    monkeypatch.setattr(layerwise.LayerStack, "open", classmethod(boom))
+    monkeypatch.setattr(models, "load_model", boom)
+    monkeypatch.setattr(models, "load_model_folder", boom)
 
 
 def save_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:

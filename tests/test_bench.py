@@ -59,7 +59,8 @@ def bench_art(setup):
 def test_ideal_speedup_hand_counted():
     """Tiny llama: h=64, 4 heads x 16 (q=64), 2 KV heads (kv=32), MLP 128, vocab 128, 4 layers;
     layer 3 pruned at alpha=1. Decode after 9 tokens attends to T=10 keys."""
-    from bench.stage.flops import ModelDims, decode_flops, ideal_speedups, prefill_flops
+    from harp_trt.dims import ModelDims
+    from bench.stage.flops import decode_flops, ideal_speedups, prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
@@ -85,7 +86,8 @@ def test_ideal_speedup_hand_counted():
 
 
 def test_sliding_window_caps_keys():
-    from bench.stage.flops import ModelDims, prefill_flops
+    from harp_trt.dims import ModelDims
+    from bench.stage.flops import prefill_flops
 
     full = ModelDims(1, 8, 1, 1, 8, 8, 8, (None,))
     win = ModelDims(1, 8, 1, 1, 8, 8, 8, (2,))
@@ -137,7 +139,8 @@ def test_tables_columns_units_and_rows(bench_art, setup):
 
 
 def test_speedup_table_uses_the_flop_count(bench_art, setup):
-    from bench.stage.flops import ModelDims, ideal_speedups
+    from harp_trt.dims import ModelDims
+    from bench.stage.flops import ideal_speedups
     from harp_trt.families import FAMILIES
 
     art, cfg = bench_art
@@ -516,7 +519,8 @@ def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     assert s["throughput"]["4"]["harp"]["output_token_throughput"]["avg"] > 0
     spd = pl.read_parquet(art.path / "speedup.parquet")
     # the ORT graph computes logits for every prompt position: the ideal counts them
-    from bench.stage.flops import ModelDims, prefill_flops
+    from harp_trt.dims import ModelDims
+    from bench.stage.flops import prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())

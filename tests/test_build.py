@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import save_tiny
+from conftest import forbid_model_loads, save_tiny
 from test_calibrate_cli import run_json, write_corpus
 
 
@@ -19,7 +19,7 @@ def tiny_build(tmp_path_factory):
     return base
 
 
-def test_build_ort_then_all_cached_then_force(tiny_build, capsys):
+def test_build_ort_then_all_cached_then_force(tiny_build, capsys, monkeypatch):
     code, res, _ = run_json(capsys, *tiny_build, "--bench", "--bench-seq-lens", "16,32",
                             "--bench-repeats", "1")
     assert code == 0, res
@@ -31,7 +31,9 @@ def test_build_ort_then_all_cached_then_force(tiny_build, capsys):
     assert res["kv_bytes_per_token"]["harp"] * 2 == res["kv_bytes_per_token"]["dense"]  # 2 of 4 layers kept
     assert res["bench"], "bench summary missing"
     # nothing changed: every stage is a cache hit and no model is loaded
-    code, again, _ = run_json(capsys, *tiny_build, "--bench", "--bench-seq-lens", "16,32", "--bench-repeats", "1")
+    with monkeypatch.context() as m:
+        forbid_model_loads(m)
+        code, again, _ = run_json(capsys, *tiny_build, "--bench", "--bench-seq-lens", "16,32", "--bench-repeats", "1")
     assert code == 0 and again["all_cached"] and again["seconds"] < 5
     assert again["stages"]["rewrite"]["artifact"] == res["stages"]["rewrite"]["artifact"]
     # --force rewrite: calibrate and export stay cached, rewrite and later stages rerun

@@ -12,7 +12,7 @@ from harp_trt.errors import PreconditionError
 from harp_trt.models import weight_digest
 from harp_trt.plan import Plan
 
-from conftest import save_tiny
+from conftest import forbid_model_loads, save_tiny
 
 
 def _args(argv):
@@ -30,7 +30,7 @@ def tiny(tmp_path):
     return folder, tmp_path / "plan.json"
 
 
-def test_deploy_writes_verified_artifact(tiny, tmp_path, capsys):
+def test_deploy_writes_verified_artifact(tiny, tmp_path, capsys, monkeypatch):
     folder, plan = tiny
     args = _args(["trtllm", "--plan", str(plan), "--dtype", "float32", "--tp", "2", "--max-input-len", "32",
                   "--max-seq-len", "64", "--workdir", str(tmp_path / "cache"), "--json"])
@@ -42,6 +42,7 @@ def test_deploy_writes_verified_artifact(tiny, tmp_path, capsys):
     emit(out, as_json=True)
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["artifact"] == out["artifact"] and "_tables" not in last
+    forbid_model_loads(monkeypatch)  # the stage's input is the resolved model: a hit reads no weights
     assert deploy.run(args)["cached"] is True
 
 

@@ -17,7 +17,7 @@ from harp_trt.ort_session import StaticCache
 from harp_trt.store import Artifact
 
 from .engines import Engine, EnginePair
-from .flops import ModelDims
+from harp_trt.dims import ModelDims
 
 __all__ = ["OrtEngine", "load_ort_pair"]
 

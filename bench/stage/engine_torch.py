@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .engines import Engine, EnginePair
-from .flops import ModelDims
+from harp_trt.dims import ModelDims
 
 __all__ = ["TorchEngine", "load_torch_pair", "torch_pair_from_models"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 
-from .flops import ModelDims
+from harp_trt.dims import ModelDims
 
 __all__ = ["Engine", "EnginePair"]
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from harp_trt.dims import ModelDims
 
-__all__ = ["ModelDims", "SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
+__all__ = ["SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
            "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
 
 # max-subtract, exp, sum and divide per score element

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from harp_trt.onnx_io import parse_kv_name
+
 __all__ = ["FuseGroupQueryAttention", "GqaMatch", "GqaReport", "fuse_group_query_attention"]
 
 log = logging.getLogger(__name__)
@@ -242,13 +244,13 @@ class FuseGroupQueryAttention:
 
 
 def _layer_of(name: str) -> int | None:
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) == 3 and parts[0] == "present" and parts[1].isdigit() else None
+    k = parse_kv_name(name)
+    return k.layer if k is not None and k.direction == "present" else None
 
 
 def fuse_group_query_attention(model: ir.Model, meta: dict[str, Any]) -> GqaReport:
     """Convert every matching ``Attention`` of ``model`` in place; ``meta`` is the export metadata
-    (``harp_trt.rewrite.export.read_export_meta``). Dead nodes are removed afterwards."""
+    (``harp_trt.onnx_io.read_export_meta``). Dead nodes are removed afterwards."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     report = GqaReport()
@@ -259,7 +261,9 @@ def fuse_group_query_attention(model: ir.Model, meta: dict[str, Any]) -> GqaRepo
         return report
     window_layers: set[int] = set()
     sw, ctx = meta.get("sliding_window"), meta.get("max_position_embeddings") or 0
-    if sw and sw < ctx:
+    if "layer_windows" in meta:  # the family's own rule (FamilySpec.layer_windows), recorded at export
+        window_layers = {i for i, w in enumerate(meta["layer_windows"]) if w and (not ctx or w < ctx)}
+    elif sw and sw < ctx:  # graphs exported before layer_windows was recorded
         types = meta.get("layer_types") or []
         window_layers = {i for i in range(meta["num_layers"])
                          if not types or types[i] == "sliding_attention"}

@@ -10,11 +10,11 @@ import importlib
 _EXPORTS = {
     "TrtllmCheckpointConfig": "config",
     "TrtllmCheckpointStage": "stage", "build_command": "stage",
-    "write_checkpoint": "checkpoint", "DTYPES": "checkpoint", "ModelDims": "checkpoint",
+    "write_checkpoint": "checkpoint", "DTYPES": "checkpoint",
     "check_layout": "checkpoint", "pp_layers": "checkpoint", "valid_tp_sizes": "checkpoint",
     "write_hf_decilm": "hf_format",
     "TrtllmCheckpoint": "reader", "read_checkpoint": "reader", "read_hf_decilm": "reader",
-    "TARGETS": "targets", "TrtllmTarget": "targets", "target_for": "targets",
+    "target_for": "targets",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -385,7 +385,9 @@ def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims
 
 
 # ---- the writer -------------------------------------------------------------------------------
-def check_plan_matches(plan: Plan, family: FamilySpec, num_layers: int) -> None:
+def check_plan_family(plan: Plan, family: FamilySpec, num_layers: int) -> None:
+    """The plan's family and depth are the model's (its weights digest is checked by the stage,
+    ``harp_trt.onnx_io.check_plan_weights``)."""
     if plan.family != family.name:
         raise PreconditionError(STAGE_NAME, f"plan is for family {plan.family!r} but the model is {family.name!r}",
                                 "pass the model the plan was calibrated on")
@@ -408,7 +410,7 @@ def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, 
     target = target_for(family.name)
     dims = ModelDims.from_config(config)
     check_layout(dims, target, dtype, tp_size, pp_size)
-    check_plan_matches(plan, family, dims.num_layers)
+    check_plan_family(plan, family, dims.num_layers)
     reader = WeightReader(model_folder)
     if target.share_embedding and family.weight_name("lm_head") in reader:
         raise PreconditionError(STAGE_NAME, f"{target.architecture} in TensorRT-LLM always ties lm_head to the "

@@ -143,7 +143,7 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
     nothing is written and ``reason`` says why."""
     from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
 
-    from .checkpoint import _Source, check_plan_matches, hf_config
+    from .checkpoint import _Source, check_plan_family, hf_config
 
     cfg = hf_config(model_folder)
     family = family_of(cfg)
@@ -158,7 +158,7 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
     if mult is None:
         return {"written": False, "reason": f"intermediate_size {dims.intermediate} is not expressible as a "
                 "DeciLM ffn_mult (needs a multiple of 256)"}
-    check_plan_matches(plan, family, dims.num_layers)
+    check_plan_family(plan, family, dims.num_layers)
     amap = plan.alpha_map
     theta, scaling = _rope_fields(cfg)
     reader = WeightReader(model_folder)

@@ -28,15 +28,15 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from harp_trt.config import digest_of
+from harp_trt.dims import ModelDims
 from harp_trt.errors import PreconditionError, VerificationError
 from harp_trt.families import family_of
 from harp_trt.onnx_io import check_plan_weights, copy_tokenizer
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 
+from .checkpoint import DTYPES, STAGE_NAME, check_layout, check_pipeline, hf_config, layer_kinds, write_checkpoint
 from .config import TrtllmCheckpointConfig
-from .checkpoint import (DTYPES, STAGE_NAME, ModelDims, check_layout, check_pipeline, hf_config, layer_kinds,
-                         write_checkpoint)
 from .hf_format import write_hf_decilm
 from .launch import write_launch_files
 from .reader import read_checkpoint, read_hf_decilm
@@ -195,10 +195,3 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
 def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
     # the checkpoint folder already has its own config.json (TensorRT-LLM's, not HF's)
     return copy_tokenizer(src, dst, skip=("config.json",))
-
-
-def read_checkpoint_config_windows(ckpt: Path) -> list[int] | None:
-    import json
-
-    cfg = json.loads((Path(ckpt) / "config.json").read_text())
-    return (cfg.get("runtime_defaults") or {}).get("max_attention_window")

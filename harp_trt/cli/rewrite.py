@@ -35,6 +35,7 @@ def run(args) -> dict:
 
     from ..errors import ConfigError
     from ..models import resolve_model
+    from ..onnx_io import check_plan_weights
     from ..plan import Plan
     from ..rewrite.config import RewriteConfig
     from ..rewrite.stage import RewriteStage
@@ -57,12 +58,8 @@ def run(args) -> dict:
         from ..rewrite.export import ExportStage
 
         resolved = resolve_model(model_ref, store.root)
-        if resolved.digest != plan.model_digest:  # before spending minutes on an export
-            from ..errors import PreconditionError
-
-            raise PreconditionError("rewrite", f"--model {model_ref!r} has weights {resolved.digest[:16]}... "
-                                               f"but the plan is for {plan.model_digest[:16]}...",
-                                    "pass the model the plan was calibrated on")
+        # before spending minutes on an export
+        check_plan_weights(plan.model_digest, resolved.digest, "rewrite", f"--model {model_ref!r}")
         inputs["model"] = resolved
         inputs["export"] = ExportStage().execute(store, ExportConfig(), {"model": resolved})
     art = RewriteStage().execute(store, config, inputs, force=args.force)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..config import StageConfig
 from ..errors import ConfigError
+from ..onnx_io import EXTERNAL_DATA_THRESHOLD, PROTOBUF_LIMIT
 
 __all__ = ["ExportConfig", "RewriteConfig"]
 
@@ -43,15 +44,16 @@ class RewriteConfig(StageConfig):
     rtol: float = 1e-4
     decode_steps: int = 16
     greedy_steps: int = 32
-    external_data_mb: int = 1900
+    external_data_mb: int = EXTERNAL_DATA_THRESHOLD >> 20  # the contract's threshold, in MiB (1907)
 
     def validate(self) -> None:
         if not 0 < self.rtol < 1:
             raise ConfigError(f"RewriteConfig.rtol must lie in (0, 1), got {self.rtol}")
         if self.decode_steps < 0 or self.greedy_steps < 0:
             raise ConfigError("RewriteConfig.decode_steps and greedy_steps must be >= 0")
-        if not 0 < self.external_data_mb <= 2000:
-            raise ConfigError(f"RewriteConfig.external_data_mb must lie in (0, 2000], got {self.external_data_mb}")
+        if not 0 <= self.external_data_mb <= PROTOBUF_LIMIT >> 20:
+            raise ConfigError(f"RewriteConfig.external_data_mb must lie in [0, {PROTOBUF_LIMIT >> 20}] "
+                              f"(protobuf's limit), got {self.external_data_mb}")
 
     def verify_config(self):
         from .verify import VerifyConfig

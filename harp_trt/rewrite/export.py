@@ -136,6 +136,7 @@ def _meta(model: nn.Module, kv_layers: list[int], dtype: str = "float32") -> dic
         "harp_alphas": {str(k): v for k, v in (getattr(cfg, "harp_alphas", None) or {}).items()},
         "sliding_window": getattr(cfg, "sliding_window", None),
         "layer_types": list(getattr(cfg, "layer_types", None) or []),
+        "layer_windows": list(d.windows),  # per layer, None = full: FamilySpec.layer_windows, the one rule
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "dtype": dtype, "versions": exporter_versions(),
     }
@@ -393,8 +394,10 @@ class ExportStage(Stage[ExportConfig]):
     every plan tried on one model shares one export."""
 
     name = "export"
-    code = ("harp_trt.rewrite", "harp_trt.harp", "harp_trt.onnx_io", "harp_trt.families", "harp_trt.weights",
-            "harp_trt.dims", "harp_trt.layerwise", "harp_trt.ort_session")
+    # not the rewrite rules: a change there must not re-export (minutes for a 7B model)
+    code = ("harp_trt.rewrite.export", "harp_trt.rewrite.config", "harp_trt.rewrite.verify", "harp_trt.harp",
+            "harp_trt.onnx_io", "harp_trt.families", "harp_trt.weights", "harp_trt.dims", "harp_trt.layerwise",
+            "harp_trt.ort_session")
     version = 2
     outputs = ("model.onnx", "config.json")
 

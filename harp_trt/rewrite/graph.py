@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import GraphError
+from ..onnx_io import EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD
 
 __all__ = ["const_array", "const_ndim", "is_const", "consumers", "only_consumer", "ancestors",
            "name_hint_matches", "remove_dead", "DeadCode", "check_onnx", "fix_constant_shapes", "load_graph", "save_graph",
@@ -224,17 +225,14 @@ def load_graph(path: str | os.PathLike) -> ir.Model:
         raise GraphError(STAGE, f"cannot load {p}: {type(e).__name__}: {e}") from None
 
 
-TWO_GB = 2 ** 31
-
-
-def save_graph(model: ir.Model, path: Path, external_threshold_bytes: int = TWO_GB - (1 << 26)) -> bool:
+def save_graph(model: ir.Model, path: Path, external_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD) -> bool:
     """Save ``model`` to ``path``; initializers go to ``<name>.data`` beside it when their total
     size passes ``external_threshold_bytes`` (protobuf cannot hold a model >2 GB). Returns
     whether external data was used."""
     path = Path(path)
     big = total_initializer_bytes(model.graph) > external_threshold_bytes
     if big:
-        ir.save(model, str(path), external_data=path.name + ".data")
+        ir.save(model, str(path), external_data=path.name + EXTERNAL_DATA_SUFFIX)
     else:
         # tensors still memory-mapped from the source's external data (onnxruntime-genai writes
         # model.onnx.data at any size) go inline: the source's data file does not travel

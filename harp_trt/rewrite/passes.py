@@ -17,6 +17,7 @@ import onnx_ir as ir
 import onnx_ir.passes as ir_passes
 
 from ..errors import GraphError, PostconditionError
+from ..onnx_io import parse_any_kv_name
 from .graph import STAGE, remove_dead
 from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, describe
 
@@ -98,7 +99,12 @@ def _params(graph: ir.Graph) -> int:
 
 
 def _kv_inputs(graph: ir.Graph) -> list[ir.Value]:
-    return [v for v in graph.inputs if "past" in v.name]
+    return [v for v in graph.inputs if _is_past(v.name)]
+
+
+def _is_past(name: str | None) -> bool:
+    k = parse_any_kv_name(name)
+    return k is not None and k.direction == "past"
 
 
 def count_attention_layers(graph: ir.Graph, rules: Sequence[AttentionRule] = DEFAULT_RULES) -> int:
@@ -110,13 +116,12 @@ def count_attention_layers(graph: ir.Graph, rules: Sequence[AttentionRule] = DEF
     return 0
 
 
-def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, siblings: list[ir.Value],
-                         matches: Mapping[int, AttentionMatch]) -> None:
+def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, matches: Mapping[int, AttentionMatch]) -> None:
     """Exporters read batch size or past length with ``Shape(past_key_values.i.*)`` for the
     whole graph. Before dropping that input, point such reads at a KV input that stays (same
     layout), or derive them from ``input_ids`` / ``attention_mask`` when every layer is pruned."""
     pruned = {id(k) for mm in matches.values() for k in mm.kv_inputs}
-    kept = [k for k in graph.inputs if "past" in k.name and id(k) not in pruned
+    kept = [k for k in graph.inputs if _is_past(k.name) and id(k) not in pruned
             and k.shape is not None and v.shape is not None and len(k.shape) == len(v.shape)]
     by_name = {k.name: k for k in graph.inputs}
     for use in list(v.uses()):
@@ -259,7 +264,7 @@ class HarpRewritePass(ir_passes.InPlacePass):
             for v in m.kv_inputs:
                 if v not in list(graph.inputs):
                     continue
-                _reroute_shape_reads(graph, v, [k for k in m.kv_inputs if k is not v], matches)
+                _reroute_shape_reads(graph, v, matches)
                 late = remove_dead(graph)
                 dead.nodes += late.nodes
                 dead.initializers += late.initializers

@@ -18,7 +18,6 @@ constant-weight MatMul fed only by the core, and the residual add's other input 
 from __future__ import annotations
 
 import logging
-import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -26,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 
+from ..onnx_io import parse_any_kv_name
 from .fold import fold_o_proj, scale_norm_gain
 from .graph import ancestors, const_array, const_ndim, consumers, is_const, name_hint_matches, only_consumer
 
@@ -502,11 +502,8 @@ def _desc(node: ir.Node) -> str:
 
 
 def _kv_name(name: str | None, layer: int, kind: str) -> bool:
-    if not name:
-        return False
-    if kind == "past":
-        return re.fullmatch(rf"past_key_values[._]{layer}[._](key|value)|past_(key|value)_{layer}", name) is not None
-    return re.fullmatch(rf"present[._]{layer}[._](key|value)|present_(key|value)_{layer}", name) is not None
+    k = parse_any_kv_name(name)
+    return k is not None and k.layer == layer and k.direction == kind
 
 
 def _cache_root(v: ir.Value) -> ir.Value | None:

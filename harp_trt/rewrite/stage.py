@@ -13,18 +13,17 @@ and the tokenizer files. The key hashes the stage version, the config, the expor
 block, checker, verification) raises a typed error and leaves no artifact."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
 import onnx
 
-from ..models import TOKENIZER_FILES
 from ..config import digest_of
 from ..errors import GraphError, PostconditionError, PreconditionError
+from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, PLAN_META_KEY, check_plan_weights, copy_tokenizer, file_digest,
+                       parse_kv_name, read_export_meta)
 from ..plan import Plan
 from ..stage import Stage
 from ..store import Artifact
@@ -33,50 +32,19 @@ from .graph import STAGE, check_onnx, fix_constant_shapes, load_graph, save_grap
 from .passes import HarpRewritePass
 from .verify import verify_rewrite
 
-__all__ = ["RewriteStage", "rewrite_onnx", "file_digest", "REPORT", "TOKENIZER_FILES"]
+__all__ = ["RewriteStage", "rewrite_onnx", "check_plan_graph", "check_foreign_graph", "graph_facts", "REPORT"]
 
 log = logging.getLogger(__name__)
 REPORT = "rewrite_report.json"
-EXPORT_META_KEY = "harp_trt.export"
 
 
-def file_digest(path: Path) -> str:
-    """sha256 over an ONNX file and its external-data files (by content, not path)."""
-    h = hashlib.sha256()
-    path = Path(path)
-    files = [path] + sorted(p for p in path.parent.glob(path.name + ".data*") if p.is_file())
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def _graph_meta(path: Path) -> dict[str, Any]:
-    try:
-        m = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError and friends: not a model at all
-        raise GraphError(STAGE, f"{path} is not a readable ONNX model ({type(e).__name__})",
-                         "re-export the model; the file may be truncated") from None
-    for p in m.metadata_props:
-        if p.key == EXPORT_META_KEY:
-            try:
-                return json.loads(p.value)
-            except ValueError:
-                return {}
-    return {}
-
-
-def check_plan_matches(plan: Plan, meta: Mapping[str, Any], export_manifest: Mapping[str, Any] | None) -> None:
+def check_plan_graph(plan: Plan, meta: Mapping[str, Any], export_manifest: Mapping[str, Any] | None) -> None:
     """The plan must belong to the graph's model: same weights digest where the export recorded
-    one, same model type and depth where the graph's metadata has them."""
+    one, same depth where the graph's metadata has it, and a dense (not already pruned) graph."""
     recorded = (meta.get("model_digest")
                 or ((export_manifest or {}).get("model") or {}).get("digest"))
-    if recorded and recorded != plan.model_digest:
-        raise PreconditionError(STAGE, f"the plan is for weights {plan.model_digest[:16]}... but the graph "
-                                       f"was exported from {recorded[:16]}...",
-                                "calibrate the model this graph was exported from, or export the plan's model")
+    check_plan_weights(plan.model_digest, recorded, STAGE, "the graph's model",
+                       "calibrate the model this graph was exported from, or export the plan's model")
     if meta.get("num_layers") is not None and int(meta["num_layers"]) != plan.num_layers:
         raise PreconditionError(STAGE, f"the plan is for a {plan.num_layers}-layer model but the graph "
                                        f"has {meta['num_layers']} layers")
@@ -133,7 +101,7 @@ def check_foreign_graph(plan: Plan, facts: Mapping[str, Any], model_config: Mapp
                                 "pass the --model this graph was exported from (and a plan calibrated on it)")
 
 
-def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 1900,
+def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = EXTERNAL_DATA_THRESHOLD >> 20,
                  head_dim: int | None = None, model_config: Mapping[str, Any] | None = None,
                  model_ref: str | None = None) -> dict[str, Any]:
     """Load ``src`` (with external data), apply the HARP pass for ``plan``, save to ``out_path``
@@ -156,14 +124,14 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
                 "harp_alphas": {str(k): v for k, v in plan.alpha_map.items()}}
         model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
     shapes_fixed = fix_constant_shapes(model.graph)
-    model.metadata_props["harp_trt.plan"] = json.dumps(
+    model.metadata_props[PLAN_META_KEY] = json.dumps(
         {"model_digest": plan.model_digest, "layers": list(plan.layers), "alphas": list(plan.alphas)})
     external = save_graph(model, out_path, external_threshold_bytes=external_data_mb * (1 << 20))
     report = result.to_dict()
     report["external_data"] = external
     report["shape_annotations_fixed"] = shapes_fixed
     report["source"] = {"harp_export": bool(meta), **({"graph_facts": facts} if facts is not None else {})}
-    report["kv_inputs"] = sum(1 for v in model.graph.inputs if "past" in v.name)
+    report["kv_inputs"] = sum(1 for v in model.graph.inputs if (k := parse_kv_name(v.name)) and k.direction == "past")
     del model, result  # the checker loads the saved file again: one copy of the weights at a time
     try:
         check_onnx(out_path, full_check=True, strict_shapes=True)
@@ -184,7 +152,7 @@ class RewriteStage(Stage[RewriteConfig]):
     def _source(inputs: Mapping[str, Any]) -> Path:
         if isinstance(inputs.get("export"), Artifact):
             art = inputs["export"]
-            return art.path / art.manifest.get("onnx", "model.onnx")
+            return art.path / art.manifest.get("onnx", MODEL_FILE)
         if inputs.get("onnx") is not None:
             return Path(inputs["onnx"])
         raise PreconditionError(STAGE, "needs inputs {'plan': Plan, 'export': Artifact} or {'plan': Plan, 'onnx': path}")
@@ -207,12 +175,10 @@ class RewriteStage(Stage[RewriteConfig]):
         if not src.is_file():
             raise PreconditionError(STAGE, f"no ONNX graph at {src}")
         export = inputs.get("export")
-        check_plan_matches(plan, _graph_meta(src), export.manifest if isinstance(export, Artifact) else None)
+        check_plan_graph(plan, read_export_meta(src, STAGE), export.manifest if isinstance(export, Artifact) else None)
         resolved = inputs.get("model")
-        if resolved is not None and getattr(resolved, "digest", None) and resolved.digest != plan.model_digest:
-            raise PreconditionError(STAGE, f"--model {resolved.ref!r} has weights {resolved.digest[:16]}... but "
-                                           f"the plan is for {plan.model_digest[:16]}...",
-                                    "pass the model the plan was calibrated on")
+        if resolved is not None:
+            check_plan_weights(plan.model_digest, getattr(resolved, "digest", None), STAGE, f"--model {resolved.ref!r}")
         if not plan.layers:
             raise PreconditionError(STAGE, "the plan prunes no layers; there is nothing to rewrite")
 
@@ -224,11 +190,11 @@ class RewriteStage(Stage[RewriteConfig]):
         resolved = self._resolved(inputs, plan, required=config.verify)
         cfg_file = Path(resolved.folder) / "config.json" if resolved is not None else None
         model_config = json.loads(cfg_file.read_text()) if cfg_file is not None and cfg_file.is_file() else None
-        report = rewrite_onnx(src, plan, out_dir / "model.onnx", config.external_data_mb,
+        report = rewrite_onnx(src, plan, out_dir / MODEL_FILE, config.external_data_mb,
                               model_config=model_config, model_ref=resolved.ref if resolved is not None else None)
         verify = None
         if config.verify:  # the reference is read layer by layer from the weights: bounded memory
-            verify = verify_rewrite(out_dir / "model.onnx", Path(resolved.folder), plan.alpha_map,
+            verify = verify_rewrite(out_dir / MODEL_FILE, Path(resolved.folder), plan.alpha_map,
                                     config.verify_config()).to_dict()
         report["verification"] = verify if verify is not None else {"skipped": "config.verify is false"}
         report["plan"] = {"layers": list(plan.layers), "alphas": list(plan.alphas),
@@ -238,7 +204,7 @@ class RewriteStage(Stage[RewriteConfig]):
         copied = self._copy_tokenizer(inputs, resolved, out_dir)
         return {
             "model": resolved.to_dict() if resolved is not None else {"ref": plan.model_ref},
-            "source": str(src), "onnx": "model.onnx", "external_data": report["external_data"],
+            "source": str(src), "onnx": MODEL_FILE, "external_data": report["external_data"],
             "layers": list(plan.layers), "alphas": list(plan.alphas), "kv_inputs": report["kv_inputs"],
             "kv_inputs_removed": [n for r in report["layers"] for n in r["kv_inputs_removed"]],
             "removed_params": report["params_removed"],
@@ -272,20 +238,12 @@ class RewriteStage(Stage[RewriteConfig]):
             sources.append(Path(resolved.folder))
         if isinstance(inputs.get("export"), Artifact):
             sources.append(inputs["export"].path)
-        copied = []
-        for name in TOKENIZER_FILES:
-            for folder in sources:
-                if (folder / name).is_file():
-                    shutil.copy2(folder / name, out_dir / name)
-                    copied.append(name)
-                    break
-        return copied
+        return copy_tokenizer(sources, out_dir)
 
     def check_postconditions(self, config: RewriteConfig, inputs: Mapping[str, Any], out_dir) -> None:
         super().check_postconditions(config, inputs, out_dir)
         plan: Plan = inputs["plan"]
-        m = onnx.load(str(Path(out_dir) / "model.onnx"), load_external_data=False)
-        names = {i.name for i in m.graph.input}
-        left = sorted(n for n in names for l in plan.layers if n.startswith(f"past_key_values.{l}."))
+        m = onnx.load(str(Path(out_dir) / MODEL_FILE), load_external_data=False)
+        left = sorted(i.name for i in m.graph.input if (k := parse_kv_name(i.name)) and k.layer in plan.alpha_map)
         if left:
             raise PostconditionError(STAGE, f"rewritten graph still has KV inputs {left}")

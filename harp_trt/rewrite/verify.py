@@ -15,7 +15,7 @@ relative to the logit scale:
 with ``rtol = 1e-4`` by default (fp32). A failure raises ``VerificationError`` naming the output,
 the step and the max diff.
 
-Graphs other exporters wrote are fed what they take (``GraphFeeder``): optimum-onnx's have
+Graphs other exporters wrote are fed what they take (``OrtCausalLM``): optimum-onnx's have
 harp-trt's names; onnxruntime-genai's have no ``position_ids`` (``GroupQueryAttention`` derives
 positions from ``attention_mask``, so its prompts cannot be left-padded: both prompts then have
 full length) and a symbolic head size (read from the reference model's config)."""
@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import VerificationError
+from ..errors import GraphError, VerificationError
 from .graph import STAGE
 
-__all__ = ["VerifyConfig", "VerifyResult", "GraphFeeder", "verify_rewrite", "make_prompts"]
+__all__ = ["VerifyConfig", "VerifyResult", "verify_rewrite", "make_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -73,79 +72,6 @@ def make_prompts(vocab_size: int, cfg: VerifyConfig) -> tuple[np.ndarray, np.nda
     ids[1, :cfg.pad] = 0
     mask[1, :cfg.pad] = 0
     return ids, mask
-
-
-_PAST = re.compile(r"^past_key_values\.(\d+)\.key$")
-_NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-
-
-class GraphFeeder:
-    """One ONNX Runtime session over a causal-LM graph with a KV cache, fed by name whatever the
-    exporter: ``input_ids``, ``attention_mask``, ``position_ids`` only if the graph takes it,
-    ``past_key_values.{i}.key|value`` for the layers that have them -> ``logits``,
-    ``present.{i}.key|value``. ``kv_hint`` = (kv_heads, head_dim, vocab) from the reference model
-    for dimensions the graph leaves symbolic (the genai builder's ``kv_cache_dim``)."""
-
-    def __init__(self, onnx_path: Path, kv_hint: tuple[int, int, int] | None = None,
-                 session_options: Mapping[str, str] | None = None):
-        import onnxruntime as ort
-
-        from ..ort_session import default_providers
-
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        for k, v in (session_options or {}).items():
-            so.add_session_config_entry(k, v)
-        try:
-            self.session = ort.InferenceSession(str(onnx_path), so, providers=default_providers())
-        except Exception as e:  # ORT raises InvalidProtobuf, Fail, NoSuchFile... as distinct types
-            raise VerificationError(STAGE, f"ONNX Runtime cannot load {onnx_path}: "
-                                           f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__}") from None
-        ins = {i.name: i for i in self.session.get_inputs()}
-        self.outputs = [o.name for o in self.session.get_outputs()]
-        missing = [n for n in ("input_ids", "attention_mask") if n not in ins] + \
-            ([] if "logits" in self.outputs else ["logits"])
-        if missing:
-            raise VerificationError(STAGE, f"{Path(onnx_path).name} is not a causal LM graph (no {', '.join(missing)})")
-        self.takes_positions = "position_ids" in ins
-        self.kv_layers = sorted(int(m.group(1)) for n in ins if (m := _PAST.match(n)))
-        heads = hd = None
-        self.kv_dtype = np.float32
-        if self.kv_layers:
-            arg = ins[f"past_key_values.{self.kv_layers[0]}.key"]
-            heads, hd = _static(arg.shape, 1), _static(arg.shape, 3)
-            self.kv_dtype = _NP_DTYPES.get(arg.type, np.float32)
-        hint = kv_hint or (None, None, None)
-        self.kv_heads, self.head_dim = heads or hint[0], hd or hint[1]
-        self.vocab_size = _static(self.session.get_outputs()[self.outputs.index("logits")].shape, 2) or hint[2]
-        if self.kv_layers and not (self.kv_heads and self.head_dim):
-            raise VerificationError(STAGE, "cannot tell the KV cache's heads/head size: the graph leaves them "
-                                           "symbolic and no reference config gave them")
-
-    def forward(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past) -> tuple[np.ndarray, dict]:
-        b = ids.shape[0]
-        if past is None:
-            z = np.zeros((b, self.kv_heads, 0, self.head_dim), self.kv_dtype)
-            past = {i: (z, z) for i in self.kv_layers}
-        feed = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
-        if self.takes_positions:
-            feed["position_ids"] = pos.astype(np.int64)
-        for i, (k, v) in past.items():
-            feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = k, v
-        res = dict(zip(self.outputs, self.session.run(self.outputs, feed)))
-        present = {i: (res[f"present.{i}.key"], res[f"present.{i}.value"]) for i in self.kv_layers}
-        return res["logits"], present
-
-
-def _static(shape, dim: int) -> int | None:
-    try:
-        v = shape[dim]
-    except (IndexError, TypeError):
-        return None
-    return int(v) if isinstance(v, int) else None
 
 
 def _reference_hint(reference) -> tuple[int, int, int] | None:
@@ -202,8 +128,13 @@ def verify_rewrite(onnx_path: Path, reference, alphas: Mapping[int, float],
     """Compare the graph at ``onnx_path`` with the HARP model of ``alphas`` built from
     ``reference`` (a loaded ``*ForCausalLM``, patched in place, or a model folder read layer by
     layer). See the module docstring."""
-    sess = GraphFeeder(onnx_path, _reference_hint(reference),
-                       dict(session_options or {"session.disable_prepacking": "1"}))
+    from ..ort_session import OrtCausalLM
+
+    try:
+        sess = OrtCausalLM(onnx_path, session_config=dict(session_options or {"session.disable_prepacking": "1"}),
+                           kv_hint=_reference_hint(reference))
+    except GraphError as e:  # the graph cannot run at all: the rewrite failed its check
+        raise VerificationError(STAGE, e.message, e.hint) from None
     vocab = sess.vocab_size
     if not sess.takes_positions and cfg.pad:
         # GroupQueryAttention takes positions and lengths from attention_mask as if right-padded
