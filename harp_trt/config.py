@@ -63,6 +63,14 @@ class StageConfig:
     def validate(self) -> None:
         """Raise ConfigError for out-of-range values. Override in subclasses."""
 
+    def check_ints(self, names: tuple[str, ...], minimum: int) -> None:
+        """ConfigError unless every field in ``names`` is an int (not a bool) >= ``minimum``."""
+        for name in names:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+                what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+                raise ConfigError(f"{name} must be {what}, got {v!r}")
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}

@@ -3,9 +3,27 @@ sizes), read once from a Hugging Face config."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["ModelDims"]
+__all__ = ["ModelDims", "attention_dims"]
+
+
+def attention_dims(cfg: Any) -> tuple[int, int, int] | None:
+    """(heads, kv_heads, head_dim) of a Hugging Face config, given as a config object or as the
+    ``config.json`` dict (a multimodal ``text_config`` is used); None when it has no heads.
+    ``num_key_value_heads`` defaults to the heads (MHA), ``head_dim`` to hidden / heads."""
+    if isinstance(cfg, Mapping):
+        cfg = cfg.get("text_config", cfg)
+        get = cfg.get
+    else:
+        def get(name, default=None):
+            return getattr(cfg, name, default)
+    heads = get("num_attention_heads")
+    if not heads:
+        return None
+    hidden = get("hidden_size")
+    hd = get("head_dim") or (hidden // heads if hidden else None)
+    return (int(heads), int(get("num_key_value_heads") or heads), int(hd)) if hd else None
 
 
 @dataclass(frozen=True)
@@ -23,9 +41,7 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ModelDims":
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        heads, kv, hd = attention_dims(cfg)
         n = cfg.num_hidden_layers
         windows = tuple(_family(cfg).layer_windows(cfg))
         return cls(n, cfg.hidden_size, heads, kv, hd, cfg.intermediate_size, cfg.vocab_size, windows)

@@ -191,7 +191,6 @@ class OrtCausalLM:
                    for i in self.kv_layers}
         return logits, present
 
-    # -- generation -----------------------------------------------------------------------------
     # -- in-place KV cache ----------------------------------------------------------------------
     @property
     def shares_kv_buffer(self) -> bool:
@@ -235,6 +234,7 @@ class OrtCausalLM:
         cache.length += 1
         return bind.get_outputs()[-1].numpy()  # logits is bound last
 
+    # -- generation -----------------------------------------------------------------------------
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

@@ -11,10 +11,10 @@ source, the corpus, progress callbacks). Artifact ``bench-<key>/``:
 * ``accuracy.{parquet,csv}``     perplexity, agreement and lm-eval metrics, dense vs HARP;
 * ``report.md``, ``latency.png``, ``accuracy.png``, ``summary.json`` (what ``--json`` prints).
 
-The key hashes the stage version, the config, the plan, the weights' digest (torch) or the engines'
-keys/digests (ort), the corpus digest, the library versions and the machine (CPU model, cores,
-threads): timings from another machine are not this machine's. Gates are *not* part of the key:
-``check_gates`` reads a finished (or cached) summary."""
+The key hashes the stage version, the stage's code version, the config, the plan, the weights'
+digest (torch) or the engines' keys/digests (ort), the corpus digest, the library versions and the
+machine (CPU model, cores, threads): timings from another machine are not this machine's. Gates
+are *not* part of the key: ``check_gates`` reads a finished (or cached) summary."""
 from __future__ import annotations
 
 import json

@@ -61,14 +61,9 @@ class TritonRepoConfig(StageConfig):
                 or self.model_name in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm"):
             raise ConfigError(f"model_name {self.model_name!r} is not a usable Triton model name",
                               "use letters, digits, '_', '-' or '.'")
-        for name in ("instances", "preprocessing_instances", "postprocessing_instances"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("threads", "max_batch_size", "max_queue_delay_microseconds", "max_queue_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        self.check_ints(("instances", "preprocessing_instances", "postprocessing_instances", "max_active"), 1)
+        self.check_ints(("threads", "max_batch_size", "max_queue_delay_microseconds", "max_queue_size",
+                         "max_input_len", "max_seq_len"), 0)
         if not 0.0 < float(self.kv_cache_free_gpu_mem_fraction) <= 1.0:
             raise ConfigError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1], got "
                               f"{self.kv_cache_free_gpu_mem_fraction!r}")
@@ -79,12 +74,6 @@ class TritonRepoConfig(StageConfig):
         if self.serving not in ("python", "onnx"):
             raise ConfigError(f"serving must be 'python' (text in/out, generation in the server) or 'onnx' "
                               f"(Triton's onnxruntime backend), got {self.serving!r}")
-        for name in ("max_active",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("max_input_len", "max_seq_len"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         from .compat import TRITON_ORT
 
         if self.triton_release not in TRITON_ORT:

@@ -36,11 +36,8 @@ class TrtllmCheckpointConfig(StageConfig):
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"unsupported TensorRT-LLM dtype {self.dtype!r}; valid: {', '.join(DTYPE_NAMES)}",
                               "fp16 -> float16, bf16 -> bfloat16, fp32 -> float32")
-        for name in ("tp_size", "pp_size", "max_batch_size", "max_input_len", "max_seq_len",
-                     "max_num_tokens", "verify_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        self.check_ints(("tp_size", "pp_size", "max_batch_size", "max_input_len", "max_seq_len",
+                         "max_num_tokens", "verify_tokens"), 1)
         if self.max_input_len > self.max_seq_len:
             raise ConfigError(f"max_input_len ({self.max_input_len}) exceeds max_seq_len ({self.max_seq_len})",
                               "max_seq_len counts prompt plus generated tokens")

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import onnx
 
 from ..config import digest_of
+from ..dims import attention_dims
 from ..errors import GraphError, PostconditionError, PreconditionError
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, PLAN_META_KEY, check_plan_weights, copy_tokenizer, file_digest,
                        parse_kv_name, read_export_meta)
@@ -89,10 +90,9 @@ def check_foreign_graph(plan: Plan, facts: Mapping[str, Any], model_config: Mapp
     if not model_config:
         return
     cfg = model_config.get("text_config", model_config)
-    heads = cfg.get("num_attention_heads")
+    heads, kv_heads, head_dim = attention_dims(cfg) or (None, None, None)
     want = {"num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
-            "num_heads": heads, "num_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "head_dim": cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)}
+            "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim}
     bad = [f"{k} {facts[k]} (model: {v})" for k, v in want.items()
            if v is not None and facts.get(k) is not None and int(facts[k]) != int(v)]
     if bad:

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..dims import attention_dims
 from ..errors import GraphError, VerificationError
 from .graph import STAGE
 
@@ -83,11 +84,8 @@ def _reference_hint(reference) -> tuple[int, int, int] | None:
         cfg = json.loads(f.read_text())
     else:
         cfg = reference.config.to_dict()
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg.get("num_attention_heads")
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
-    return (kv, hd, cfg.get("vocab_size")) if kv and hd else None
+    dims = attention_dims(cfg)
+    return (dims[1], dims[2], cfg.get("text_config", cfg).get("vocab_size")) if dims else None
 
 
 def _positions(mask: np.ndarray, new: int) -> np.ndarray:
