@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 # An HF DeciLM folder names its tensors as a Llama checkpoint does, plus one tensor for a linear
 # attention: TensorRT-LLM reads exactly these (tensorrt_llm/models/nemotron_nas/convert.py,
-# load_model_weights). The writer here and reader.read_hf_decilm both take the names from this.
+# load_model_weights). The writer here takes the names from this; reader.read_hf_decilm has its own
+# (trtllm_models.HF_DECILM_NAMES, from the same converter), so each checks the other.
 _DECILM_LAYOUT = FAMILIES.get("llama")()
 _DECILM_ROLES = {"linear_attn": "self_attn.linear_attn.weight"}
 

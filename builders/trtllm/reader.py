@@ -1,21 +1,24 @@
 """A pure-PyTorch reader for TensorRT-LLM checkpoints: loads ``config.json`` and every
-``rank{N}.safetensors`` and runs the forward pass the config describes, so a written checkpoint can
-be checked against the PyTorch HARP reference on a machine without TensorRT-LLM or a GPU.
+``rank{N}.safetensors`` and runs the forward pass TensorRT-LLM 1.2 builds from them, so a written
+checkpoint can be checked against the PyTorch HARP reference on a machine without TensorRT-LLM or a GPU.
 
-The reader knows nothing about Hugging Face models or HARP plans: everything comes from the files,
-plus what each architecture's TensorRT-LLM model adds to the Llama layout (the family tables'
-``TrtllmTarget``, the writer's own source of those facts).
+The reader is an oracle independent of the writer: what an architecture computes (embedding scale,
+soft-capping, extra norms, biases, per-layer implementations, tensor renames) comes from its own
+table, ``trtllm_models.py``, keyed by the checkpoint's ``architecture`` as TensorRT-LLM's
+``MODEL_MAP`` is, each fact citing the TensorRT-LLM source that implements it; config fields are read
+with TensorRT-LLM's defaults. It imports nothing from ``harp_trt.families``, whose ``FamilySpec.trtllm``
+tables the writer follows, so a wrong fact there fails the golden test instead of passing both.
+
 Tensors are read from disk when a layer needs them and dropped after it (embedding rows for the
 tokens at hand, the LM head in row chunks), so checking a 7B checkpoint holds one layer in fp32.
-It simulates the parallel execution rather than undoing it: each tensor-parallel rank computes its
-heads / MLP columns from its own shard and the partial outputs are summed (the all-reduce) or
-concatenated (``gather_output``); pipeline stages run their local layers in order. Full-sequence
-causal prefill only (no KV cache), fp32 throughout.
-
-Architectures: ``DeciLMForCausalLM`` (per-layer ``attention`` / ``linear`` / ``no_op``),
-``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` (optionally with qkv bias) and ``Gemma2ForCausalLM``.
-Per-layer attention windows come from ``runtime_defaults.max_attention_window`` (cyclic, like the
-runtime); a window of w lets token i see tokens i-w+1 .. i."""
+Every tensor's per-rank shape is checked, as ``PretrainedModel.load`` does, and a missing one is an
+error ("Required but not provided tensors"). The parallel execution is simulated rather than undone:
+each tensor-parallel rank computes its heads / MLP columns from its own shard and the partial outputs
+are summed (the all-reduce; a ``RowLinear`` bias added once after it) or concatenated
+(``gather_output``); pipeline stages run their local layers in order. Full-sequence causal prefill
+only (no KV cache), fp32 throughout. Per-layer attention windows come from
+``runtime_defaults.max_attention_window`` (cyclic, like the runtime); a window of w lets token i see
+tokens i-w+1 .. i."""
 from __future__ import annotations
 
 import json
@@ -25,49 +28,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
-from harp_trt.families import FAMILIES, TrtllmTarget
+
+from .trtllm_models import (ACTIVATIONS, HF_DECILM_NAMES, MODELS, LayerConfig, ModelConfig,
+                            ffn_mult_to_intermediate, pad_vocab, resolve)
 
 __all__ = ["TrtllmCheckpoint", "read_checkpoint", "read_hf_decilm", "SUPPORTED_ARCHITECTURES"]
 
-@dataclass(frozen=True)
-class _Arch:
-    """What an architecture's TensorRT-LLM model does beyond the Llama layout (from its ``TrtllmTarget``)."""
-    embedding_scale: bool = False   # hidden states start as embedding * sqrt(hidden) (Gemma)
-    inter_layernorms: bool = False  # post-attention, pre/post feed-forward norms (Gemma2)
-    softcapping: bool = False       # attention / final logit soft-capping, query_pre_attn_scalar (Gemma2)
-    heterogeneous: bool = False     # per-layer layer_configs (DeciLM)
-    mlp_prefix: str = "mlp"
-
-    @classmethod
-    def of(cls, t: TrtllmTarget) -> "_Arch":
-        return cls(t.embedding_scale, t.inter_layernorms, t.softcapping, t.layer_configs, t.mlp_prefix)
-
-
-def _architectures() -> dict[str, _Arch]:
-    """Every architecture a family is written as (the family tables), plus the stock Llama-layout
-    ones, which need nothing beyond the defaults."""
-    out = {"LlamaForCausalLM": _Arch(), "MistralForCausalLM": _Arch()}
-    for name in FAMILIES:
-        t = FAMILIES.get(name).trtllm
-        if t is not None:
-            out[t.architecture] = _Arch.of(t)
-    return out
-
-
-ARCHITECTURES: dict[str, _Arch] = _architectures()
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = tuple(MODELS)
 HEAD_CHUNK_BYTES = 64 << 20  # LM head rows read at once (fp32)
 
 
 class _LazyRank:
-    """One rank file's tensors, read on access (nothing cached)."""
+    """One rank file's tensors, read on access (nothing cached), by the name TensorRT-LLM's model
+    looks them up under; ``rename`` maps such a name to the name in the file, or to names
+    concatenated (HF DeciLM folders)."""
 
-    def __init__(self, reader, rename: dict[str, str | tuple[str, ...]] | None = None):
+    def __init__(self, reader, rename: dict[str, str | tuple[str, ...]] | None = None, label: str = ""):
         self.reader = reader
-        self.rename = rename  # our name -> name in the file, or names concatenated (HF DeciLM folders)
+        self.rename = rename
+        self.label = label
 
     def _name(self, name: str):
         if self.rename is None:
@@ -77,32 +58,52 @@ class _LazyRank:
     def __contains__(self, name: str) -> bool:
         return self._name(name) is not None
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def _real(self, name: str):
         real = self._name(name)
         if real is None:
-            raise KeyError(name)
+            raise CorruptWeightsError(f"{self.label} has no {name}; TensorRT-LLM's PretrainedModel.load refuses "
+                                      "the checkpoint (\"Required but not provided tensors\")")
+        return real
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        real = self._real(name)
         if isinstance(real, tuple):
             return torch.cat([self.reader.get(r) for r in real])
         return self.reader.get(real)
 
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.reader.get(self._name(name), rows=(start, stop))
+    def weight(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in fp32, refused unless it has the shape the model's parameter has."""
+        t = self[name]
+        if tuple(t.shape) != tuple(shape):
+            raise CorruptWeightsError(f"{self.label}: {name} has shape {tuple(t.shape)}, the model's parameter "
+                                      f"{tuple(shape)} (TensorRT-LLM's load fails on it)")
+        return t.float()
 
-    def num_rows(self, name: str) -> int:
-        return self.reader.spec(self._name(name)).shape[0]
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.reader.get(self._real(name), rows=(start, stop))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.reader.spec(self._real(name)).shape)
 
     def keys(self) -> list[str]:
         return sorted(self.rename) if self.rename is not None else self.reader.names()
 
-_ACTS = {
-    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-}
+
+def _renamed(reader, renames: tuple[tuple[str, str], ...]) -> dict[str, str] | None:
+    """Model name -> file name after the load-time renames (DeciLM's preprocess hook)."""
+    if not renames:
+        return None
+    out = {}
+    for n in reader.names():
+        m = n
+        for old, new in renames:
+            m = m.replace(old, new)
+        out[m] = n
+    return out
 
 
 def _pp_layers(num_layers: int, pp: int, rank: int) -> list[int]:
+    """mapping.py ``Mapping.pp_layers``: the first ``L % pp`` stages get one extra layer."""
     base, extra = divmod(num_layers, pp)
     start = rank * base + min(rank, extra)
     return list(range(start, start + base + (1 if rank < extra else 0)))
@@ -113,15 +114,17 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _inv_freq(dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """functional.py ``RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_plugin`` (linear:
+    inv / factor) and ``apply_llama3_scaling`` (with its defaults)."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if not scaling:
         return inv.float()
     kind = scaling.get("type") or scaling.get("rope_type")
     if kind == "linear":
-        return (inv / scaling["factor"]).float()
+        return (inv / scaling.get("factor", 1.0)).float()
     if kind == "llama3":
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old = scaling["original_max_position_embeddings"]
+        factor, lo = scaling.get("factor", 8.0), scaling.get("low_freq_factor", 1.0)
+        hi, old = scaling.get("high_freq_factor", 4.0), scaling.get("original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
         smooth = (old / wavelen - lo) / (hi - lo)
@@ -141,28 +144,21 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 @dataclass
 class _Layer:
-    kind: str               # attention | linear | no_op
-    kv_heads: int           # this layer's KV heads (0 for linear / no_op)
+    cfg: LayerConfig
     window: int | None      # attention window (None: full)
 
 
 class TrtllmCheckpoint:
-    """A TensorRT-LLM checkpoint folder loaded into memory (all ranks)."""
+    """A TensorRT-LLM checkpoint folder (all ranks), read lazily, run as TensorRT-LLM runs it."""
 
     def __init__(self, config: dict[str, Any], ranks: list):
         self.config = config
-        self.ranks = ranks
-        arch = config["architecture"]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitectureError(f"reader: architecture {arch!r} is not supported; "
-                                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        m = config.get("mapping", {})
-        self.tp = int(m.get("tp_size", 1))
-        self.pp = int(m.get("pp_size", 1))
+        self.m: ModelConfig = resolve(config)
+        self.arch = self.m.architecture
+        self.tp, self.pp = self.m.tp, self.m.pp
         if len(ranks) != self.tp * self.pp:
             raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, mapping needs {self.tp * self.pp}")
-        self.arch = arch
-        self.traits = ARCHITECTURES[arch]
+        self.ranks = ranks
         self.layers = self._layer_specs()
 
     # ---- loading ------------------------------------------------------------------------------
@@ -175,6 +171,7 @@ class TrtllmCheckpoint:
             config = json.loads((p / "config.json").read_text())
         except FileNotFoundError:
             raise CorruptWeightsError(f"{p} has no config.json; not a TensorRT-LLM checkpoint") from None
+        facts = MODELS.get(config.get("architecture"))
         m = config.get("mapping", {})
         world = int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))
         ranks = []
@@ -182,7 +179,8 @@ class TrtllmCheckpoint:
             f = p / f"rank{r}.safetensors"
             if not f.is_file():
                 raise CorruptWeightsError(f"{p} is missing {f.name} (mapping has {world} ranks)")
-            ranks.append(_LazyRank(WeightReader(f)))
+            reader = WeightReader(f)
+            ranks.append(_LazyRank(reader, _renamed(reader, facts.renames if facts else ()), f.name))
         return cls(config, ranks)
 
     def rank_weights(self, tp_rank: int, pp_rank: int) -> _LazyRank:
@@ -190,147 +188,153 @@ class TrtllmCheckpoint:
 
     # ---- structure ----------------------------------------------------------------------------
     def _layer_specs(self) -> list[_Layer]:
-        c = self.config
-        n = c["num_hidden_layers"]
-        kv = c.get("num_key_value_heads") or c["num_attention_heads"]
-        windows = (c.get("runtime_defaults") or {}).get("max_attention_window") or None
+        windows = (self.config.get("runtime_defaults") or {}).get("max_attention_window") or None
         specs, attn_idx = [], 0
-        for i in range(n):
-            if self.traits.heterogeneous and c.get("layer_configs"):
-                a = c["layer_configs"][i]["attention"]
-                kind = a.get("impl", "attention")
-                heads = (a.get("num_key_value_heads") or kv) if kind == "attention" else 0
-            else:
-                kind, heads = "attention", kv
+        for lc in self.m.layers:
             w = None
-            if kind == "attention" and windows:
+            if lc.attention == "attention":
                 # the runtime indexes the list by attention-layer ordinal, cyclically
                 # (TransformerBuffers: maxAttentionWindowVec[(firstLayerId + i) % len])
-                w = int(windows[attn_idx % len(windows)])
-            if kind == "attention":
+                if windows:
+                    w = int(windows[attn_idx % len(windows)])
                 attn_idx += 1
-            specs.append(_Layer(kind, heads, w))
+            specs.append(_Layer(lc, w))
         return specs
 
     def kv_heads_per_layer(self) -> list[int]:
-        return [s.kv_heads for s in self.layers]
+        return [s.cfg.kv_heads if s.cfg.attention == "attention" else 0 for s in self.layers]
 
     def kv_cache_tokens(self, seq_len: int) -> list[int]:
         """Tokens of K/V each layer keeps for one sequence of ``seq_len`` tokens (before paging)."""
-        return [0 if s.kind != "attention" else min(s.window or seq_len, seq_len) for s in self.layers]
+        return [0 if s.cfg.attention != "attention" else min(s.window or seq_len, seq_len) for s in self.layers]
 
     # ---- forward ------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (fp32, ``[batch, seq, vocab]``) of a full causal prefill of ``input_ids``."""
-        c = self.config
+        m = self.m
         ids = input_ids if input_ids.dim() == 2 else input_ids[None]
         T = ids.shape[1]
-        head = c.get("head_size") or c["hidden_size"] // c["num_attention_heads"]
-        rot_dim = c.get("rotary_embedding_dim") or head
-        inv = _inv_freq(rot_dim, float(c.get("rotary_base", 10000.0)), c.get("rotary_scaling"))
+        inv = _inv_freq(m.rotary_dim, m.rotary_base, m.rotary_scaling)
         ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
         cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None]
         sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None]
-        h = self._embed(ids)
+        h = self._embed(ids) * m.embed_scale  # GemmaModel.forward: embedding * sqrt(hidden)
         for p in range(self.pp):
-            for local, g in enumerate(_pp_layers(c["num_hidden_layers"], self.pp, p)):
+            for local, g in enumerate(_pp_layers(m.num_layers, self.pp, p)):
                 h = self._layer(h, p, local, self.layers[g], cos, sin)
         last = self.pp - 1
-        h = _rms(h, self.rank_weights(0, last)["transformer.ln_f.weight"].float(), c["norm_epsilon"])
+        h = _rms(h, self.rank_weights(0, last).weight("transformer.ln_f.weight", (m.hidden,)), m.eps)
+        rows = pad_vocab(m.vocab, self.tp) // self.tp  # ColumnLinear(vocab_size_padded, gather_output)
+        step = max(1, HEAD_CHUNK_BYTES // (4 * m.hidden))
         parts = []
         for t in range(self.tp):
             w = self.rank_weights(t, last)
-            n = w.num_rows("lm_head.weight")
-            step = max(1, HEAD_CHUNK_BYTES // (4 * h.shape[-1]))
-            parts += [h @ w.rows("lm_head.weight", r, min(r + step, n)).float().T for r in range(0, n, step)]
-        logits = torch.cat(parts, -1)[..., : c["vocab_size"]]
-        cap = c.get("final_logit_softcapping") if self.traits.softcapping else None
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+            if w.shape("lm_head.weight") != (rows, m.hidden):
+                raise CorruptWeightsError(f"{w.label}: lm_head.weight has shape {w.shape('lm_head.weight')}, "
+                                          f"the model's parameter {(rows, m.hidden)}")
+            parts += [h @ w.rows("lm_head.weight", r, min(r + step, rows)).float().T for r in range(0, rows, step)]
+        logits = torch.cat(parts, -1)[..., : m.vocab] * m.logit_scale
+        if m.final_softcap:  # DecoderModelForCausalLM.forward
+            logits = torch.tanh(logits / m.final_softcap) * m.final_softcap
         return logits if input_ids.dim() == 2 else logits[0]
 
     __call__ = forward
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the (possibly vocab-split) table for the tokens at hand only."""
-        c = self.config
-        name = "transformer.vocab_embedding.weight"
-        shards = [self.rank_weights(0, 0)]
-        if c.get("use_parallel_embedding"):
-            if c.get("embedding_sharding_dim", 0) != 0:
-                raise UnsupportedArchitectureError("reader: only vocab-dim (0) embedding sharding is supported")
-            shards = [self.rank_weights(t, 0) for t in range(self.tp)]
-        per = shards[0].num_rows(name)
+        """Rows of the (possibly split) table for the tokens at hand only (layers/embedding.py
+        ``Embedding``: vocab rows padded to a multiple of tp and split, or hidden columns split)."""
+        m, name = self.m, "transformer.vocab_embedding.weight"
         uniq, local = torch.unique(ids, return_inverse=True)
-        rows = torch.cat([shards[int(r) // per].rows(name, int(r) % per, int(r) % per + 1).float() for r in uniq])
-        h = F.embedding(local, rows)
-        if self.traits.embedding_scale:
-            h = h * math.sqrt(c["hidden_size"])
-        return h
+        if not m.parallel_embedding or self.tp == 1:
+            w = self.rank_weights(0, 0)
+            if w.shape(name) != (m.vocab, m.hidden):
+                raise CorruptWeightsError(f"{w.label}: {name} has shape {w.shape(name)}, the model's parameter "
+                                          f"{(m.vocab, m.hidden)} (a replicated embedding)")
+            rows = torch.cat([w.rows(name, int(r), int(r) + 1).float() for r in uniq])
+        elif m.embedding_sharding_dim == 0:
+            per = pad_vocab(m.vocab, self.tp) // self.tp
+            shards = [self.rank_weights(t, 0) for t in range(self.tp)]
+            for s in shards:
+                if s.shape(name) != (per, m.hidden):
+                    raise CorruptWeightsError(f"{s.label}: {name} has shape {s.shape(name)}, the model's "
+                                              f"vocab-split parameter {(per, m.hidden)}")
+            rows = torch.cat([shards[int(r) // per].rows(name, int(r) % per, int(r) % per + 1).float() for r in uniq])
+        else:
+            shards = [self.rank_weights(t, 0) for t in range(self.tp)]
+            rows = torch.cat([torch.cat([s.rows(name, int(r), int(r) + 1).float() for s in shards], -1) for r in uniq])
+        return rows[local]
 
     def _layer(self, h, pp_rank, local, spec: _Layer, cos, sin):
-        c = self.config
-        eps = c["norm_epsilon"]
+        """One decoder layer: LLaMA / QWen / Gemma ``*DecoderLayer.forward``, DeciLMDecoderLayer.forward
+        (no_op attention / FFN contribute nothing and have no norm)."""
+        m, lc = self.m, spec.cfg
         pre = f"transformer.layers.{local}."
         w0 = self.rank_weights(0, pp_rank)
-        mlp = self.traits.mlp_prefix
-        if spec.kind != "no_op":
-            x = _rms(h, w0[pre + "input_layernorm.weight"].float(), eps)
-            if spec.kind == "linear":  # ColumnLinear with gather_output: concatenate the shards
-                W = torch.cat([self.rank_weights(t, pp_rank)[pre + "attention.weight"].float()
+        norm = (m.hidden,)
+        if lc.attention != "no_op":
+            x = _rms(h, w0.weight(pre + "input_layernorm.weight", norm), m.eps)
+            if lc.attention == "linear":  # LinearAttention: ColumnLinear(hidden, hidden, gather_output)
+                W = torch.cat([self.rank_weights(t, pp_rank).weight(pre + "attention.weight", (m.hidden // self.tp, m.hidden))
                                for t in range(self.tp)])
                 a = x @ W.T
             else:
                 a = sum(self._attention_shard(x, self.rank_weights(t, pp_rank), pre, spec, cos, sin)
                         for t in range(self.tp))
-            if self.traits.inter_layernorms:
-                a = _rms(a, w0[pre + "post_layernorm.weight"].float(), eps)
+                if m.dense_bias:
+                    a = a + w0.weight(pre + "attention.dense.bias", norm)
+            if m.inter_layernorms:  # GemmaDecoderLayer: post_layernorm on the attention output
+                a = _rms(a, w0.weight(pre + "post_layernorm.weight", norm), m.eps)
             h = h + a
-        if self.traits.inter_layernorms:
-            x = _rms(h, w0[pre + "pre_feedforward_layernorm.weight"].float(), eps)
-            m = self._mlp(x, pp_rank, pre, mlp)
-            return h + _rms(m, w0[pre + "post_feedforward_layernorm.weight"].float(), eps)
-        if pre + "post_layernorm.weight" not in w0:  # DeciLM no_op FFN
+        if lc.ffn == "no_op":
             return h
-        x = _rms(h, w0[pre + "post_layernorm.weight"].float(), eps)
-        return h + self._mlp(x, pp_rank, pre, mlp)
+        if m.inter_layernorms:
+            x = _rms(h, w0.weight(pre + "pre_feedforward_layernorm.weight", norm), m.eps)
+            y = self._mlp(x, pp_rank, pre, lc)
+            return h + _rms(y, w0.weight(pre + "post_feedforward_layernorm.weight", norm), m.eps)
+        x = _rms(h, w0.weight(pre + "post_layernorm.weight", norm), m.eps)
+        return h + self._mlp(x, pp_rank, pre, lc)
 
-    def _mlp(self, x, pp_rank, pre, mlp):
-        act = _ACTS[self.config["hidden_act"]]
+    def _mlp(self, x, pp_rank, pre, lc: LayerConfig):
+        """layers/mlp.py ``GatedMLP``: ``proj(act(fc(x)) * gate(x))``, fc/gate column-split, proj
+        row-split (bias after the all-reduce); DeciLM's LinearFFN: one gathered ColumnLinear."""
+        m = self.m
+        p = pre + m.facts.mlp_module + "."
+        if lc.ffn == "linear":
+            return x @ torch.cat([self.rank_weights(t, pp_rank).weight(p + "weight", (m.hidden // self.tp, m.hidden))
+                                  for t in range(self.tp)]).T
+        act, n = ACTIVATIONS[m.act], lc.intermediate // self.tp
         out = 0
         for t in range(self.tp):
             w = self.rank_weights(t, pp_rank)
-            inter = act(x @ w[pre + f"{mlp}.fc.weight"].float().T) * (x @ w[pre + f"{mlp}.gate.weight"].float().T)
-            out = out + inter @ w[pre + f"{mlp}.proj.weight"].float().T
+            fc, gate = x @ w.weight(p + "fc.weight", (n, m.hidden)).T, x @ w.weight(p + "gate.weight", (n, m.hidden)).T
+            if m.mlp_bias:
+                fc, gate = fc + w.weight(p + "fc.bias", (n,)), gate + w.weight(p + "gate.bias", (n,))
+            out = out + (act(fc) * gate) @ w.weight(p + "proj.weight", (m.hidden, n)).T
+        if m.mlp_bias:
+            out = out + self.rank_weights(0, pp_rank).weight(p + "proj.bias", (m.hidden,))
         return out
 
     def _attention_shard(self, x, w, pre, spec: _Layer, cos, sin):
-        """One tensor-parallel rank's share of an attention layer, already through its dense slice."""
-        c = self.config
-        hd = c.get("head_size") or c["hidden_size"] // c["num_attention_heads"]
-        nq = c["num_attention_heads"] // self.tp
-        nkv = (spec.kv_heads + self.tp - 1) // self.tp
-        qkv = x @ w[pre + "attention.qkv.weight"].float().T
-        if pre + "attention.qkv.bias" in w:
-            qkv = qkv + w[pre + "attention.qkv.bias"].float()
-        if qkv.shape[-1] != (nq + 2 * nkv) * hd:
-            raise CorruptWeightsError(f"{pre}attention.qkv has {qkv.shape[-1]} rows per rank, "
-                                      f"expected {(nq + 2 * nkv) * hd}")
+        """One tensor-parallel rank's share of an attention layer, through its dense slice
+        (layers/attention.py ``Attention``: scores / (q_scaling * sqrt(head_size)), then
+        ``max_attn_value * tanh(scores / max_attn_value)`` when soft-capped)."""
+        m = self.m
+        hd, nq = m.head_size, m.heads // self.tp
+        nkv = (spec.cfg.kv_heads + self.tp - 1) // self.tp
+        rows = (nq + 2 * nkv) * hd
+        qkv = x @ w.weight(pre + "attention.qkv.weight", (rows, m.hidden)).T
+        if m.attn_bias:
+            qkv = qkv + w.weight(pre + "attention.qkv.bias", (rows,))
         B, T, _ = x.shape
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], -1)
         q, k, v = q.view(B, T, nq, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         rep = nq // nkv
         k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-        q_scaling = 1.0
-        cap = None
-        if self.traits.softcapping:
-            q_scaling = math.sqrt(c["query_pre_attn_scalar"]) / math.sqrt(hd)
-            cap = c.get("attn_logit_softcapping")
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hd) * q_scaling)
-        if cap:
-            s = torch.tanh(s / cap) * cap
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hd) * m.q_scaling)
+        if m.attn_softcap > 0:
+            s = torch.tanh(s / m.attn_softcap) * m.attn_softcap
         i = torch.arange(T)[:, None]
         j = torch.arange(T)[None]
         allowed = j <= i
@@ -338,57 +342,64 @@ class TrtllmCheckpoint:
             allowed = allowed & (j > i - spec.window)
         s = s.masked_fill(~allowed, float("-inf"))
         o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, nq * hd)
-        return o @ w[pre + "attention.dense.weight"].float().T
+        return o @ w.weight(pre + "attention.dense.weight", (m.hidden, nq * hd)).T
+
+
+def _hf_layer(i: int, block: dict, heads: int, hidden: int, names: dict) -> dict:
+    """One HF ``block_configs`` entry as a layer config, and its tensors' names
+    (nemotron_nas/convert.py ``hf_block_config_to_layer_config``, ``load_model_weights``)."""
+    a, f = block["attention"], block["ffn"]
+    dst = f"transformer.layers.{i}."
+    hf = {k: v.format(i=i) for k, v in HF_DECILM_NAMES.items()}
+    if a.get("sparsify") or f.get("sparsify"):
+        raise UnsupportedArchitectureError("reader: sparsified DeciLM blocks (TensorRT-LLM: NotImplementedError)")
+    if a.get("no_op"):
+        attn = {"impl": "no_op", "num_key_value_heads": None}
+    elif a.get("replace_with_linear"):
+        attn = {"impl": "linear", "num_key_value_heads": None}
+        names[dst + "attention.weight"] = hf["linear_attn"]
+    else:
+        attn = {"impl": "attention", "num_key_value_heads": heads // a["n_heads_in_group"]}
+        names[dst + "attention.qkv.weight"] = (hf["q"], hf["k"], hf["v"])
+        names[dst + "attention.dense.weight"] = hf["o"]
+    if not a.get("no_op"):
+        names[dst + "input_layernorm.weight"] = hf["input_ln"]
+    if f.get("no_op"):
+        return {"attention": attn, "ffn": {"impl": "no_op", "intermediate_size": None}}
+    names[dst + "post_layernorm.weight"] = hf["post_ln"]
+    if f.get("replace_with_linear"):
+        names[dst + "ffn.weight"] = hf["linear_mlp"]
+        return {"attention": attn, "ffn": {"impl": "linear", "intermediate_size": None}}
+    for role in ("fc", "gate", "proj"):
+        names[dst + f"ffn.{role}.weight"] = hf[role]
+    return {"attention": attn, "ffn": {"impl": "mlp", "intermediate_size": ffn_mult_to_intermediate(f["ffn_mult"], hidden)}}
 
 
 def read_hf_decilm(path: str | Path) -> TrtllmCheckpoint:
-    """Open an HF heterogeneous DeciLM folder (``block_configs``) as a single-rank checkpoint, so
-    the same forward pass checks it. Names and shapes follow the HF DeciLM / Nemotron-NAS layout
-    (``tensorrt_llm/models/nemotron_nas/convert.py``); tensors are read lazily."""
+    """Open an HF heterogeneous DeciLM folder (``block_configs``) as a single-rank checkpoint, as
+    TensorRT-LLM's ``DeciLMForCausalLM.from_hugging_face`` converts it (``DeciConfig.from_hugging_face``,
+    ``load_weights_from_hf_safetensors``), so the same forward pass checks it; tensors are read lazily."""
     from harp_trt.weights import WeightReader
-
-    from .hf_format import decilm_name
 
     p = Path(path)
     hf = json.loads((p / "config.json").read_text())
     reader = WeightReader(p)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     names: dict[str, str | tuple[str, ...]] = {
-        "transformer.vocab_embedding.weight": decilm_name("embed"),
-        "transformer.ln_f.weight": decilm_name("final_norm"), "lm_head.weight": decilm_name("lm_head")}
-    if decilm_name("lm_head") not in reader:
-        raise CorruptWeightsError(f"{p} has no {decilm_name('lm_head')}; "
+        "transformer.vocab_embedding.weight": HF_DECILM_NAMES["embed"],
+        "transformer.ln_f.weight": HF_DECILM_NAMES["final_norm"], "lm_head.weight": HF_DECILM_NAMES["lm_head"]}
+    if HF_DECILM_NAMES["lm_head"] not in reader:
+        raise CorruptWeightsError(f"{p} has no {HF_DECILM_NAMES['lm_head']}; "
                                   "TensorRT-LLM's DeciLM converter always reads it")
-    layer_configs, inter = [], None
-    for i, block in enumerate(hf["block_configs"]):
-        a, f = block["attention"], block["ffn"]
-        dst = f"transformer.layers.{i}."
-        if a.get("no_op"):
-            layer_configs.append({"attention": {"impl": "no_op", "num_key_value_heads": None}})
-        elif a.get("replace_with_linear"):
-            layer_configs.append({"attention": {"impl": "linear", "num_key_value_heads": None}})
-            names[dst + "attention.weight"] = decilm_name("linear_attn", i)
-        else:
-            layer_configs.append({"attention": {"impl": "attention",
-                                                "num_key_value_heads": heads // a["n_heads_in_group"]}})
-            names[dst + "attention.qkv.weight"] = tuple(decilm_name(n, i) for n in "qkv")
-            names[dst + "attention.dense.weight"] = decilm_name("o", i)
-        if not a.get("no_op"):
-            names[dst + "input_layernorm.weight"] = decilm_name("input_ln", i)
-        n = int(2 * f["ffn_mult"] * hidden / 3)
-        inter = n if n % 256 == 0 else n + 256 - n % 256
-        layer_configs[-1]["ffn"] = {"impl": "mlp", "intermediate_size": inter}
-        names[dst + "post_layernorm.weight"] = decilm_name("post_attn_ln", i)
-        for role, trt in (("gate", "fc"), ("up", "gate"), ("down", "proj")):
-            names[dst + f"ffn.{trt}.weight"] = decilm_name(role, i)
+    layer_configs = [_hf_layer(i, b, heads, hidden, names) for i, b in enumerate(hf["block_configs"])]
     config = {"architecture": "DeciLMForCausalLM", "vocab_size": hf["vocab_size"], "hidden_size": hidden,
               "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": heads,
               "num_key_value_heads": hf.get("num_key_value_heads") or heads,
-              "head_size": hf.get("head_dim") or hidden // heads, "intermediate_size": inter,
+              "head_size": hf.get("head_dim") or hidden // heads, "intermediate_size": hf.get("intermediate_size"),
               "hidden_act": hf["hidden_act"], "norm_epsilon": hf["rms_norm_eps"],
               "rotary_base": hf.get("rope_theta", 10000.0), "rotary_scaling": hf.get("rope_scaling"),
               "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}, "layer_configs": layer_configs}
-    return TrtllmCheckpoint(config, [_LazyRank(reader, names)])
+    return TrtllmCheckpoint(config, [_LazyRank(reader, names, p.name)])
 
 
 def read_checkpoint(path: str | Path) -> TrtllmCheckpoint:

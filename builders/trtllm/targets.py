@@ -1,7 +1,9 @@
 """How each model family lands in stock TensorRT-LLM (1.x, TensorRT backend). The facts are plain
 data in the family tables (``FamilySpec.trtllm``, a ``harp_trt.families.TrtllmTarget``: one file per
-family, nothing to register here); this module looks them up. The writer (``checkpoint.py``) and the
-reader (``reader.py``) never branch on family or architecture names; they read these fields.
+family, nothing to register here); this module looks them up for the writer (``checkpoint.py``), which
+never branches on family or architecture names. The reader (``reader.py``) does not read them: it has
+its own table of what TensorRT-LLM computes per architecture (``trtllm_models.py``), so that a wrong
+fact here fails the golden test instead of passing both sides.
 
 Two routes exist for a HARP-pruned layer (arXiv 2507.01900, Eq. 4-5: the layer computes the per-token
 linear map ``alpha * V.O``):

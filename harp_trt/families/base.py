@@ -30,7 +30,6 @@ class TrtllmTarget:
     layer_configs: bool = False       # per-layer ``layer_configs`` (attention impl) in config.json (DeciLM)
     mlp_prefix: str = "mlp"           # tensor prefix of the MLP (DeciLM: ``ffn``)
     inter_layernorms: bool = False    # Gemma2: post-attention, pre/post feed-forward norms
-    embedding_scale: bool = False     # Gemma: the model scales embeddings by sqrt(hidden) itself
     softcapping: bool = False         # Gemma2: query_pre_attn_scalar, attention / final logit soft-capping
     parallel_embedding: bool = False  # Gemma forces use_parallel_embedding when tp > 1
     share_embedding: bool = False     # Gemma ties lm_head to the embedding table

@@ -24,10 +24,10 @@ class Gemma2Family(FamilySpec):
     weight_names = {**FamilySpec.weight_names,
                     "pre_feedforward_layernorm": "pre_feedforward_layernorm.weight",
                     "post_feedforward_layernorm": "post_feedforward_layernorm.weight"}
-    # TensorRT-LLM's Gemma2ForCausalLM: norms are stored as 1 + w (tensorrt_llm/models/gemma/convert.py)
-    # and the model scales embeddings by sqrt(hidden) itself (tensorrt_llm/models/gemma/model.py
-    # GemmaForCausalLM); docs/trtllm-contract.md row gemma-norm
-    trtllm = TrtllmTarget("Gemma2ForCausalLM", ROUTE_WINDOW1, inter_layernorms=True, embedding_scale=True,
+    # TensorRT-LLM's Gemma2ForCausalLM: norms are stored as 1 + w (tensorrt_llm/models/gemma/convert.py);
+    # the model scales embeddings by sqrt(hidden) itself, so the writer stores them unscaled
+    # (tensorrt_llm/models/gemma/model.py GemmaModel.forward); docs/trtllm-contract.md row gemma-norm
+    trtllm = TrtllmTarget("Gemma2ForCausalLM", ROUTE_WINDOW1, inter_layernorms=True,
                           softcapping=True, parallel_embedding=True, share_embedding=True,
                           extra_config={"attn_bias": False, "mlp_bias": False, "inter_layernorms": True})
 
