@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["CodeKey", "Closure", "code_key", "import_closure", "library_versions_of", "installed_version", "LIBRARIES",
-           "REPO_ROOT", "clear_cache"]
+           "IMPLIES", "REPO_ROOT", "clear_cache"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +64,10 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "lm_eval": ("lm_eval", "lm-eval"),
     "tensorrt_llm": ("tensorrt_llm", "tensorrt-llm"),
 }
+
+# a library that works through another: its version shapes the output of code importing the first
+# (transformers tokenizes with tokenizers and reads weights with safetensors)
+IMPLIES: dict[str, tuple[str, ...]] = {"transformers": ("tokenizers", "safetensors")}
 
 _REGISTRY_ENTRY = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_]\w*")
 _FILE_NAME = re.compile(r"\w[\w.-]*")
@@ -219,8 +223,9 @@ def import_closure(roots: tuple[str, ...], root: Path = REPO_ROOT) -> Closure:
 
 def library_versions_of(names: set[str] | tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
     """(import name, version) for each of ``names`` in ``LIBRARIES``; None when not installed."""
+    names = set(names) | {dep for n in names for dep in IMPLIES.get(n, ())}
     out = []
-    for name in sorted(set(names) & set(LIBRARIES)):
+    for name in sorted(names & set(LIBRARIES)):
         versions = (installed_version(dist) for dist in LIBRARIES[name])
         out.append((name, next((v for v in versions if v is not None), None)))
     return tuple(out)

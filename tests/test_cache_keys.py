@@ -223,3 +223,32 @@ def test_the_scan_rules_on_a_small_package(tmp_path):
     with pytest.raises(ValueError, match="no module 'nosuch'"):
         import_closure(("nosuch",), tmp_path)
     codekey.clear_cache()
+
+
+def test_forbid_model_loads_blocks_every_weight_reader(tmp_path, monkeypatch):
+    """The guard the cache-hit tests use trips on every way weights are read: harp-trt's readers,
+    transformers' ``from_pretrained``, safetensors and GGUF readers, ONNX loading and ONNX Runtime
+    sessions, also where a module imported the function by name (transformers' own ``safe_open``)."""
+    import gguf
+    import onnx
+    import onnxruntime
+    import safetensors
+    import safetensors.torch
+    import transformers.modeling_utils
+    from conftest import forbid_model_loads, save_tiny
+    from transformers import AutoModelForCausalLM
+
+    from harp_trt import layerwise, models, weights
+
+    folder = save_tiny("llama", tmp_path / "tiny")
+    st = next(folder.glob("*.safetensors"))
+    assert weights.WeightReader(folder).names()   # readable before the guard
+    forbid_model_loads(monkeypatch)
+    readers = [lambda: weights.WeightReader(folder), lambda: AutoModelForCausalLM.from_pretrained(folder),
+               lambda: models.load_model_folder(folder), lambda: layerwise.LayerStack.open(folder),
+               lambda: safetensors.safe_open(str(st), "pt"), lambda: safetensors.torch.load_file(str(st)),
+               lambda: transformers.modeling_utils.safe_open(str(st), "pt"), lambda: gguf.GGUFReader(str(st)),
+               lambda: onnx.load(str(st)), lambda: onnxruntime.InferenceSession(str(st))]
+    for read in readers:
+        with pytest.raises(AssertionError, match="a cache hit read model weights"):
+            read()
