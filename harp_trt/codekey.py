@@ -39,6 +39,7 @@ import functools
 import hashlib
 import importlib.metadata as md
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +182,15 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _loaded_elsewhere(name: str, root: Path) -> _Source | None:
+    """A loaded module whose file lies under ``root`` but not at its name's place (a stage defined
+    in a test module, ``tests/test_x.py`` imported as ``test_x``)."""
+    f = getattr(sys.modules.get(name), "__file__", None)
+    if f and Path(f).suffix == ".py" and Path(f).resolve().is_relative_to(root):
+        return _Source(name, Path(f).resolve(), Path(f).name == "__init__.py")
+    return None
+
+
 @dataclass(frozen=True)
 class Closure:
     """``modules``: every repository module the roots reach -> its file; ``parents``: those reached
@@ -196,8 +206,9 @@ class Closure:
 def import_closure(roots: tuple[str, ...], root: Path = REPO_ROOT) -> Closure:
     """The closure of ``roots`` (module names) under ``root``, by the rules in the module docstring.
     Raises ``ValueError`` for a root that is not a module file under ``root``."""
+    loaded = {r: src for r in roots if _resolve(r, root) is None and (src := _loaded_elsewhere(r, root))}
     for r in roots:
-        if _resolve(r, root) is None:
+        if _resolve(r, root) is None and r not in loaded:
             raise ValueError(f"no module {r!r} under {root} to take a code version from")
     full: dict[str, Path] = {}
     parents: dict[str, Path] = {}
@@ -208,7 +219,7 @@ def import_closure(roots: tuple[str, ...], root: Path = REPO_ROOT) -> Closure:
         name, is_full = todo.pop()
         if name in full or (not is_full and name in parents):
             continue
-        src = _resolve(name, root)
+        src = _resolve(name, root) or loaded.get(name)
         if src is None:
             continue  # a namespace folder, or a name that is an attribute rather than a module
         (full if is_full else parents)[name] = src.path

@@ -252,3 +252,16 @@ def test_forbid_model_loads_blocks_every_weight_reader(tmp_path, monkeypatch):
     for read in readers:
         with pytest.raises(AssertionError, match="a cache hit read model weights"):
             read()
+
+
+def test_a_stage_defined_in_a_test_module_has_a_code_version():
+    """A stage class outside the four packages (here, in this test file) keys on its own file and
+    what it imports; the stages' base class still needs no list."""
+    from harp_trt.stage import Stage
+
+    class Probe(Stage):
+        name = "probe"
+
+    key = Probe.code_key()
+    assert "tests/test_cache_keys.py" in key.files and "harp_trt.codekey" in key.modules
+    assert len(Probe.code_version()) == 16
