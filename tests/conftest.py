@@ -5,10 +5,13 @@ The persistent cache (``TEST_CACHE``, ``~/.cache/harp-trt-tests``) outlives a ru
 decide a result: ``.ci/run`` on a fresh clone starts with it empty and fills it, and a warm cache
 can pass a test only if a cold one would. What makes that hold:
 
-- Shared across runs are content-addressed inputs only: the SmolLM2 wheel member and the folder it
-  resolves to (``harp_trt.models``: the GGUF's sha256 names the folder, the folder's *weight digest*
-  is the model's identity in every key), written atomically under a lock, so a half-written or
-  stale download is never served.
+- Shared across runs are content-addressed inputs only, each written into a temporary name and
+  renamed, so a half-written one is never served: the SmolLM2 GGUF (named by its pinned PyPI
+  requirement; a release's files never change), the folder converted from it (``harp_trt.models``:
+  named by the GGUF's identity *and* the converter, ``models.py``'s source and the converting
+  libraries' versions, so a folder another converter wrote is not reused; its *weight digest* is
+  the model's identity in every key), and the tritonserver wheel (``_tritonserver.fetch_server``:
+  named by its pin and this Python).
 - Stage artifacts in it (tests that run stages into ``test_cache``) are keyed by complete keys:
   stage version, config, upstream keys, content digests, and the code version
   (``harp_trt.codekey``: the source of every repository module the stage imports and the versions
