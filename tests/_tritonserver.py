@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -42,24 +44,36 @@ def available() -> str | None:
 
 
 def fetch_server(root: Path) -> Path:
-    """Unzipped wheel under ``root`` (downloaded once)."""
-
-    done = root / "pytriton" / "tritonserver" / "bin" / "tritonserver"
-    if done.is_file():
-        return root
-    dl = root / "_wheel"
-    dl.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl), PYTRITON], check=True)
-    (whl,) = glob.glob(str(dl / "nvidia_pytriton-*.whl"))
-    with zipfile.ZipFile(whl) as z:
-        z.extractall(root)
-    ts = root / "pytriton" / "tritonserver"
+    """The unzipped wheel, in a folder under ``root`` named by the pinned requirement and this
+    Python (``root`` is the tests' persistent cache): downloaded once, unzipped into a temporary
+    folder and renamed into place, so an interrupted download never looks complete and another pin
+    gets a folder of its own (a warm cache holds exactly what a cold run would fetch)."""
     ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    stub = ts / "backends" / "python" / "triton_python_backend_stub"
-    stub.write_bytes((ts / "python_backend_stubs" / ver / "triton_python_backend_stub").read_bytes())
-    for f in (done, stub):
-        f.chmod(0o755)
-    return root
+    home = root / f"{PYTRITON.replace('==', '-')}-py{ver}"
+    if (home / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
+        return home
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=root))
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "wheel"), PYTRITON],
+                       check=True)
+        (whl,) = glob.glob(str(tmp / "wheel" / "nvidia_pytriton-*.whl"))
+        tree = tmp / "tree"
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(tree)
+        ts = tree / "pytriton" / "tritonserver"
+        stub = ts / "backends" / "python" / "triton_python_backend_stub"
+        stub.write_bytes((ts / "python_backend_stubs" / ver / "triton_python_backend_stub").read_bytes())
+        for f in (ts / "bin" / "tritonserver", stub):
+            f.chmod(0o755)
+        try:
+            os.rename(tree, home)
+        except OSError:  # another session renamed its copy first: the same pinned files
+            if not home.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return home
 
 
 def stub_venv(dest: Path) -> Path:
@@ -71,9 +85,12 @@ def stub_venv(dest: Path) -> Path:
     if not py.exists():
         base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
         subprocess.run([str(base), "-m", "venv", "--without-pip", str(dest)], check=True)
-    if not (sp / "numpy").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(sp), STUB_NUMPY],
+    if not (sp / "numpy").is_dir():  # installed beside, then renamed: never half a numpy
+        part = Path(tempfile.mkdtemp(prefix=".site-packages-", dir=dest))
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(part), STUB_NUMPY],
                        check=True)
+        shutil.rmtree(sp, ignore_errors=True)
+        os.rename(part, sp)
     (sp / "zz_project_site.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
                                                    for d in site.getsitepackages()))
     return dest

@@ -1,5 +1,24 @@
 """Shared fixtures: tiny random models for every family (built from a config, 4 layers, vocab 128)
-and the real SmolLM2-135M (resolved offline from PyPI once, cached under HARP_TRT_TEST_CACHE)."""
+and the real SmolLM2-135M (resolved offline from PyPI once, cached under HARP_TRT_TEST_CACHE).
+
+The persistent cache (``TEST_CACHE``, ``~/.cache/harp-trt-tests``) outlives a run, so it must not
+decide a result: ``.ci/run`` on a fresh clone starts with it empty and fills it, and a warm cache
+can pass a test only if a cold one would. What makes that hold:
+
+- Shared across runs are content-addressed inputs only, each written into a temporary name and
+  renamed, so a half-written one is never served: the SmolLM2 GGUF (named by its pinned PyPI
+  requirement; a release's files never change), the folder converted from it (``harp_trt.models``:
+  named by the GGUF's identity *and* the converter, ``models.py``'s source and the converting
+  libraries' versions, so a folder another converter wrote is not reused; its *weight digest* is
+  the model's identity in every key), and the tritonserver wheel (``_tritonserver.fetch_server``:
+  named by its pin and this Python).
+- Stage artifacts in it (tests that run stages into ``test_cache``) are keyed by complete keys:
+  stage version, config, upstream keys, content digests, and the code version
+  (``harp_trt.codekey``: the source of every repository module the stage imports and the versions
+  of the libraries that shape its output). Any change to that code or those libraries is a new key,
+  so the stage reruns exactly as on a cold cache; an artifact other code wrote is never reused.
+- Tests that assert on cache behaviour (hits, ``--force``) use their own ``tmp_path`` stores.
+"""
 from __future__ import annotations
 
 import os
@@ -33,16 +52,53 @@ def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     return model
 
 
+# Library entry points that read weights: (module, attribute, what it reads). A module that took one
+# by name (``from safetensors import safe_open``) holds the same object and is patched too.
+_WEIGHT_READERS = (
+    ("safetensors", "safe_open", "safetensors"), ("safetensors.torch", "load_file", "safetensors"),
+    ("safetensors.torch", "load", "safetensors"), ("safetensors.torch", "safe_open", "safetensors"),
+    ("safetensors.numpy", "load_file", "safetensors"), ("gguf", "GGUFReader", "a GGUF file"),
+    ("onnx", "load", "an ONNX graph"), ("onnx", "load_model", "an ONNX graph"),
+    ("onnx", "load_external_data_for_model", "ONNX external data"), ("onnx_ir", "load", "an ONNX graph"),
+    ("onnxruntime", "InferenceSession", "an ONNX Runtime session"),
+)
+
+
 def forbid_model_loads(monkeypatch) -> None:
-    """Make every way harp-trt loads model weights raise: a cache hit must load nothing."""
-    from harp_trt import layerwise, models
+    """Make every way weights can be read raise: a cache hit must read none. harp-trt's own readers
+    (``load_model``/``load_model_folder``, ``LayerStack.open``, ``weights.WeightReader``), a
+    transformers model's ``from_pretrained`` (every ``*ForCausalLM`` inherits it), the safetensors and
+    GGUF readers, and ONNX: an ONNX graph holds weights (inline under 2 GB), so loading one or opening
+    an ONNX Runtime session on a hit is reading weights too. Patched where they are defined and in
+    every loaded module that imported them by name."""
+    import importlib
+    import sys
 
-    def boom(*args, **kwargs):
-        raise AssertionError("a cache hit loaded model weights")
+    from transformers import PreTrainedModel
 
-    monkeypatch.setattr(layerwise.LayerStack, "open", classmethod(boom))
-    monkeypatch.setattr(models, "load_model", boom)
-    monkeypatch.setattr(models, "load_model_folder", boom)
+    from harp_trt import layerwise, models, weights
+
+    def boom(what: str):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a cache hit read model weights ({what})")
+        return refuse
+
+    monkeypatch.setattr(layerwise.LayerStack, "open", classmethod(boom("LayerStack.open")))
+    monkeypatch.setattr(models, "load_model", boom("load_model"))
+    monkeypatch.setattr(models, "load_model_folder", boom("load_model_folder"))
+    monkeypatch.setattr(weights.WeightReader, "__init__", boom("WeightReader"))
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(boom("from_pretrained")))
+    originals: dict[int, str] = {}   # id of the reader -> what it reads (onnx.load is onnx.load_model)
+    for module, attr, what in _WEIGHT_READERS:
+        try:
+            originals[id(getattr(importlib.import_module(module), attr))] = f"{module}.{attr}: {what}"
+        except (ImportError, AttributeError):  # not installed: nothing reads weights through it
+            continue
+    names = {attr for _, attr, _ in _WEIGHT_READERS}
+    for mod in list(sys.modules.values()):
+        for name in names:
+            if id(getattr(mod, name, None)) in originals:
+                monkeypatch.setattr(mod, name, boom(originals[id(getattr(mod, name))]))
 
 
 def save_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from harp_trt.config import StageConfig
 from harp_trt.errors import UnknownNameError
 from harp_trt.registry import BACKENDS, PHASES, STAGES, Registry
-from harp_trt.stage import Stage, code_digest
+from harp_trt.stage import Stage
 
 HEAVY = ("torch", "onnx", "onnxruntime", "onnx_ir", "transformers", "numpy", "polars", "safetensors")
 
@@ -95,19 +95,3 @@ def test_registry_checks_the_base_class():
     assert reg.get("stage").name == "export"
     with pytest.raises(TypeError, match="not a subclass of Stage"):
         reg.get("config")
-
-
-def test_code_version_follows_the_source(tmp_path, monkeypatch):
-    """A stage's key changes with its code, so a cache never serves an artifact other code wrote."""
-    pkg = tmp_path / "fakestage"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "run.py").write_text("X = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = code_digest(("fakestage",))
-    assert code_digest(("fakestage",)) == before
-    (pkg / "run.py").write_text("X = 2\n")
-    code_digest.cache_clear()
-    assert code_digest(("fakestage",)) != before
-    with pytest.raises(ValueError, match="no module 'nosuchmodule'"):
-        code_digest(("nosuchmodule",))

@@ -104,7 +104,6 @@ def _model_limits(source: Any) -> tuple[int, str]:
 
 class BenchStage(Stage[BenchConfig]):
     name = "bench"
-    code = ("bench.stage", "harp_trt.harp", "harp_trt.ort_session", "harp_trt.ppl", "harp_trt.data", "harp_trt.layerwise")
     version = 1
     outputs = ("latency.parquet", "latency.csv", "latency_samples.parquet", "speedup.parquet", "speedup.csv",
                "accuracy.parquet", "accuracy.csv", "report.md", "latency.png", "accuracy.png", "summary.json")

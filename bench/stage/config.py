@@ -8,7 +8,7 @@ from typing import Any
 
 from harp_trt.config import StageConfig, digest_of
 from harp_trt.errors import ConfigError
-from harp_trt.registry import Registry
+from harp_trt.lazy import Registry
 
 __all__ = ["BenchConfig", "ENGINES", "DEFAULT_TASKS"]
 

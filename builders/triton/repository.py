@@ -189,7 +189,6 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
     artifact and the config) or through :func:`write_repository` (a folder of the user's choice)."""
 
     name: ClassVar[str] = STAGE
-    code: ClassVar[tuple[str, ...]] = ("builders.triton", "harp_trt.onnx_io", "harp_trt.serving")
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ("README.md", "client.py", REPO_MANIFEST)
     INPUT_KEYS: ClassVar[tuple[str, ...]] = ("artifact", "engine", "onnx", "trtllm")

@@ -1,7 +1,7 @@
 """Layer-scoring strategies, one module each, looked up by name (``STRATEGIES.get("sink")``)."""
 from __future__ import annotations
 
-from harp_trt.registry import Registry
+from harp_trt.lazy import Registry
 
 
 __all__ = ["STRATEGIES", "ScoreContext", "Strategy", "get_strategy"]

@@ -3,7 +3,7 @@ config (``family_of(config)``)."""
 from __future__ import annotations
 
 from ..errors import UnsupportedArchitectureError
-from ..registry import Registry
+from ..lazy import Registry
 from .base import ROUTE_LINEAR, ROUTE_WINDOW1, FamilySpec, TrtllmTarget
 
 __all__ = ["FAMILIES", "FamilySpec", "TrtllmTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "family_of",

@@ -142,8 +142,6 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
 
 class RewriteStage(Stage[RewriteConfig]):
     name = "rewrite"
-    code = ("harp_trt.rewrite", "harp_trt.harp", "harp_trt.onnx_io", "harp_trt.families", "harp_trt.ort_session",
-            "harp_trt.layerwise", "harp_trt.weights")
     version = 1
     outputs = ("model.onnx", "plan.json", REPORT)
 
