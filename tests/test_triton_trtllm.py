@@ -118,7 +118,7 @@ def test_llama_decilm_and_overrides(artifacts, tmp_path):
     assert cfgs["tensorrt_llm"].model_transaction_policy.decoupled is True
     assert {c.max_batch_size for c in cfgs.values()} == {4}
     assert [g.count for g in cfgs["preprocessing"].instance_group] == [3]
-    assert report["tokenizer_from"] == str(art.path / "hf")
+    assert report["tokenizer_from"] == str(art.path / "tokenizer")  # the artifact's own, on every route
     spec = importlib.util.spec_from_file_location("c", tmp_path / "repo" / "client.py")
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
@@ -187,10 +187,12 @@ def test_python_backend_helpers_on_the_copied_tokenizer(artifacts, tmp_path):
 def test_trtllm_errors(artifacts, tmp_path, capsys):
     art = artifacts["qwen2"]
     moved = tmp_path / "elsewhere"
-    artifacts["tokenizer"].rename(moved)  # the plan's model folder is gone: no tokenizer anywhere
+    artifacts["tokenizer"].rename(moved)  # the plan's model folder is gone: the artifact has its own
     try:
+        assert write_repository(art.path, tmp_path / "repo0")["tokenizer_from"] == str(art.path / "tokenizer")
+        (tmp_path / "empty").mkdir()
         with pytest.raises(PreconditionError, match="no tokenizer files found.*\n.*--tokenizer-dir"):
-            write_repository(art.path, tmp_path / "repo")
+            write_repository(art.path, tmp_path / "repo", TritonRepoConfig(tokenizer_dir=str(tmp_path / "empty")))
         assert not (tmp_path / "repo").exists()
         rc = main(["deploy", "triton", "--artifact", str(art.path), "--out", str(tmp_path / "repo"),
                    "--tokenizer-dir", str(moved), "--json"])
