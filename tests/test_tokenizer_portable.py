@@ -37,7 +37,8 @@ for folder in sys.argv[2:]:
          "special": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id],
          "decoded": [tok.decode(tok(t).input_ids, skip_special_tokens=True) for t in texts]}
     if getattr(tok, "chat_template", None):
-        r["chat"] = list(tok.apply_chat_template([{"role": "user", "content": texts[0]}], tokenize=True))
+        r["chat"] = list(tok.apply_chat_template([{"role": "user", "content": texts[0]}], tokenize=True,
+                                                 return_dict=False))
     out["folders"][folder] = r
 print(json.dumps(out))
 """
