@@ -28,7 +28,8 @@ from .errors import GraphError, PreconditionError
 __all__ = ["EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
-           "copy_tokenizer", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest", "read_export_meta", "check_plan_weights"]
+           "copy_tokenizer", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest", "read_export_meta",
+           "check_plan_weights"]
 
 EXPORT_META_KEY = "harp_trt.export"
 PLAN_META_KEY = "harp_trt.plan"

@@ -13,13 +13,13 @@ onnx, no torch): ``TritonRepoConfig`` takes its default from here, the one place
   TensorRT-LLM is not the one our checkpoints target is refused (exit 2).
 
 ``DEFAULT_TRITON_RELEASE`` is computed, not listed: the first release that carries the targeted
-TensorRT-LLM (``builders.trtllm.config.TRTLLM_VERSION``) and whose ONNX Runtime is known."""
+TensorRT-LLM (``harp_trt.versions.TRTLLM_VERSION``) and whose ONNX Runtime is known."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from builders.trtllm.config import TRTLLM_VERSION
 from harp_trt.errors import ConfigError
+from harp_trt.versions import TRTLLM_VERSION
 
 __all__ = ["TRITON_ORT", "TRITON_TRTLLM", "TrtllmRelease", "DEFAULT_TRITON_RELEASE", "KNOWN_RELEASES",
            "ngc_image", "check_trtllm_release", "TRTLLM_VERSION"]

@@ -187,7 +187,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
     artifact and the config) or through :func:`write_repository` (a folder of the user's choice)."""
 
     name: ClassVar[str] = STAGE
-    code: ClassVar[tuple[str, ...]] = ("builders.triton", "harp_trt.onnx_io", "harp_trt.serving")
+    code: ClassVar[tuple[str, ...]] = ("builders.triton", "harp_trt.onnx_io", "harp_trt.serving", "harp_trt.versions")
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ("README.md", "client.py", REPO_MANIFEST)
     INPUT_KEYS: ClassVar[tuple[str, ...]] = ("artifact", "engine", "onnx", "trtllm")

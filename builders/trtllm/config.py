@@ -7,14 +7,11 @@ from typing import ClassVar
 
 from harp_trt.config import StageConfig
 from harp_trt.errors import ConfigError
+from harp_trt.versions import TRTLLM_VERSION  # the TensorRT-LLM these checkpoints target
 
 __all__ = ["TrtllmCheckpointConfig", "DTYPE_NAMES", "TRTLLM_VERSION"]
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # checkpoint dtypes (the keys of checkpoint.DTYPES)
-# The TensorRT-LLM our checkpoints and launch files are written for (docs/trtllm-contract.md reads its
-# 1.2 source). An engine is built and served by one version: the manifest and every launch file name it,
-# and the Triton image is chosen to carry it (builders/triton/releases.py).
-TRTLLM_VERSION = "1.2.1"
 
 
 @dataclasses.dataclass(frozen=True)

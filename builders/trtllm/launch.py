@@ -3,9 +3,10 @@ pool (``docs/trtllm-contract.md``, rows kv-*).
 
 Two runtimes, each fed from its own files:
 
-* **engine** (TensorRT backend, 1.2.x (``config.TRTLLM_VERSION``), the last line with ``trtllm-build``): ``build_engine.sh``
-  then ``serve_engine.sh`` (``trtllm-serve <engine> --backend tensorrt``) with
+* **engine** (TensorRT backend, ``TRTLLM_VERSION`` 1.2.1: the 1.2 line is the last with ``trtllm-build``):
+  ``build_engine.sh`` then ``serve_engine.sh`` (``trtllm-serve <engine> --backend tensorrt``) with
   ``engine_llm_api_options.yaml``; the Triton tensorrtllm model gets the same values.
+* both take the tokenizer from the artifact's ``tokenizer/`` (``TOKENIZER_DIR``).
 * **pytorch** (TensorRT-LLM's PyTorch backend, where users are going): ``serve_pytorch.sh``
   (``trtllm-serve hf/ --backend pytorch --trust_remote_code``) with ``pytorch_llm_api_options.yaml``,
   Llama / Mistral only (the heterogeneous NemotronNAS model: ``_torch/models/modeling_nemotron_nas.py``

@@ -85,7 +85,7 @@ def _script(cfg: TrtllmCheckpointConfig) -> str:
 class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
     name: ClassVar[str] = STAGE_NAME
     code: ClassVar[tuple[str, ...]] = ("builders.trtllm", "harp_trt.families", "harp_trt.harp", "harp_trt.layerwise",
-                                       "harp_trt.weights", "harp_trt.dims", "harp_trt.onnx_io")
+                                       "harp_trt.weights", "harp_trt.dims", "harp_trt.onnx_io", "harp_trt.versions")
     version: ClassVar[int] = 2
     outputs: ClassVar[tuple[str, ...]] = ("plan.json", "checkpoint/config.json", "build_engine.sh",
                                           f"{TOKENIZER_DIR}/tokenizer_config.json")
