@@ -36,8 +36,7 @@ from .pbtxt import STAGE, parse_model_config
 from .readme import readme_llm, readme_onnx, readme_trtllm
 
 __all__ = ["TritonRepoStage", "ArtifactInfo", "inspect_artifact", "write_repository",
-           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST",
-           "docker_run"]
+           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST"]
 
 log = logging.getLogger(__name__)
 
@@ -304,11 +303,10 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
                                 "pass --tokenizer-dir with the model's tokenizer folder")
 
     def _run_trtllm(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
-        from .trtllm_repo import read_checkpoint_config, trtllm_model_configs, write_trtllm_models
-
         from .releases import TRTLLM_VERSION, check_trtllm_release
-        from .trtllm_repo import check_engine_windows
+        from .trtllm_repo import check_engine_windows, read_checkpoint_config, trtllm_model_configs, write_trtllm_models
 
+        # the version the checkpoint was written for (artifacts older than the field: this code's target)
         target = (info.manifest.get("tensorrt_llm") or {}).get("version") or TRTLLM_VERSION
         release = check_trtllm_release(config.triton_release, target)
         ckpt = read_checkpoint_config(info.path)
