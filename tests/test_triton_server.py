@@ -164,11 +164,14 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, body, matc
 
 
 def test_trtllm_pre_and_postprocessing_in_the_server(server):
-    """text -> preprocessing (real tokenizer) -> stand-in -> postprocessing (real detokenizer)."""
+    """text -> preprocessing (real tokenizer) -> stand-in -> postprocessing (real detokenizer), compared
+    with the tokenizer folder the repository ships (the model folder's own config.json would make
+    transformers 5 rebuild this tiny tokenizer as a Qwen2 one; the shipped folder is what the
+    container's transformers 4.x reads: tokenizer.json as written)."""
     from transformers import AutoTokenizer
 
     srv = server["server"]
-    tok = AutoTokenizer.from_pretrained(server["qwen"])
+    tok = AutoTokenizer.from_pretrained(server["repo"] / "preprocessing" / "1" / "tokenizer")
     code, body = _http_json(f"{srv.http}/v2/models/ensemble/generate", {"text_input": "hello world", "max_tokens": 5})
     assert code == 200, body
     ids = tok("hello world", add_special_tokens=True)["input_ids"]

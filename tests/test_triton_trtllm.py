@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import numpy as np
 import pytest
@@ -118,7 +119,7 @@ def test_llama_decilm_and_overrides(artifacts, tmp_path):
     assert cfgs["tensorrt_llm"].model_transaction_policy.decoupled is True
     assert {c.max_batch_size for c in cfgs.values()} == {4}
     assert [g.count for g in cfgs["preprocessing"].instance_group] == [3]
-    assert report["tokenizer_from"] == str(art.path / "hf")
+    assert report["tokenizer_from"] == str(art.path / "tokenizer")  # the artifact's own, on every route
     spec = importlib.util.spec_from_file_location("c", tmp_path / "repo" / "client.py")
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
@@ -187,10 +188,12 @@ def test_python_backend_helpers_on_the_copied_tokenizer(artifacts, tmp_path):
 def test_trtllm_errors(artifacts, tmp_path, capsys):
     art = artifacts["qwen2"]
     moved = tmp_path / "elsewhere"
-    artifacts["tokenizer"].rename(moved)  # the plan's model folder is gone: no tokenizer anywhere
+    artifacts["tokenizer"].rename(moved)  # the plan's model folder is gone: the artifact has its own
     try:
+        assert write_repository(art.path, tmp_path / "repo0")["tokenizer_from"] == str(art.path / "tokenizer")
+        (tmp_path / "empty").mkdir()
         with pytest.raises(PreconditionError, match="no tokenizer files found.*\n.*--tokenizer-dir"):
-            write_repository(art.path, tmp_path / "repo")
+            write_repository(art.path, tmp_path / "repo", TritonRepoConfig(tokenizer_dir=str(tmp_path / "empty")))
         assert not (tmp_path / "repo").exists()
         rc = main(["deploy", "triton", "--artifact", str(art.path), "--out", str(tmp_path / "repo"),
                    "--tokenizer-dir", str(moved), "--json"])
@@ -232,3 +235,101 @@ def test_v1_batching_is_refused():
 
     with pytest.raises(ConfigError, match="batching_strategy must be 'inflight_fused_batching'"):
         TritonRepoConfig(batching_strategy="V1").validate()
+
+
+# ---- the Triton image: release table, TensorRT-LLM version, docker run -----------------------
+_DOCKER_VALUE_OPTS = {"-p", "-v", "-e", "--gpus", "--shm-size", "--name", "--network", "--ulimit"}
+
+
+def _docker_runs(readme: str) -> list[list[str]]:
+    """Every ``docker run`` command of a README's bash blocks, as shell words."""
+    import shlex
+
+    runs = []
+    for block in readme.split("```bash")[1:]:
+        text = block.split("```")[0].replace("\\\n", " ")
+        runs += [shlex.split(line) for line in text.splitlines() if line.startswith("docker run")]
+    return runs
+
+
+def _parse_docker_run(words: list[str]) -> tuple[dict[str, list[str]], str, list[str]]:
+    """(options, image, command) as ``docker run`` reads them: options up to the first word that is
+    neither an option nor an option's value; that word is the image, the rest the container's command."""
+    assert words[:2] == ["docker", "run"]
+    opts: dict[str, list[str]] = {}
+    i = 2
+    while words[i].startswith("-"):
+        name, eq, value = words[i].partition("=")
+        if not eq and name in _DOCKER_VALUE_OPTS:
+            value, i = words[i + 1], i + 1
+        opts.setdefault(name, []).append(value)
+        i += 1
+    return opts, words[i], words[i + 1:]
+
+
+def test_docker_run_lines_parse_as_docker_arguments(tmp_path):
+    """Every VAR=value sits behind -e; the command after the image is tritonserver itself (a tp=2
+    Qwen2 engine: orchestrator mode and window shares both need an environment variable)."""
+    from builders.triton.readme import docker_run
+    from harp_trt.models import ResolvedModel
+
+    folder = save_tiny("qwen2", tmp_path / "qwen2")
+    art = TrtllmCheckpointStage().execute(ArtifactStore(tmp_path / "cache"), TrtllmCheckpointConfig(
+        **BUILD, tp_size=2, verify=False, build="never"), {
+        "plan": _plan("qwen2", str(folder)), "model": ResolvedModel(str(folder), folder, "", "folder")})
+    report = write_repository(art.path, tmp_path / "repo")
+    runs = _docker_runs((tmp_path / "repo" / "README.md").read_text())
+    runs.append(_docker_runs("```bash\n" + docker_run("img:1", "tritonserver --model-repository=/models",
+                                                        gpus=False) + "\n```")[0])
+    assert len(runs) == 2
+    for words in runs:
+        opts, image, command = _parse_docker_run(words)
+        assert command[0] == "tritonserver" and command[1:] == ["--model-repository=/models"]
+        assert not any("=" in w and not w.startswith("-") for w in command), command
+        for name, values in opts.items():  # VAR=value only as the value of -e
+            assert name == "-e" or not any(re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", v) for v in values), (name, values)
+    opts, image, _ = _parse_docker_run(runs[0])
+    assert image == report["image"] == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
+    shares = art.manifest["launch"]["kv_runtime"]["shares_env"]
+    assert sorted(opts["-e"]) == sorted(["TRTLLM_ORCHESTRATOR=1", shares])
+    assert opts["--gpus"] == ["all"] and f"{art.path}:{art.path}" in opts["-v"]
+
+
+def test_release_table_is_data_with_a_citation_per_row():
+    from builders.triton.releases import (DEFAULT_TRITON_RELEASE, TRITON_ORT, TRITON_TRTLLM, TRTLLM_VERSION,
+                                          check_trtllm_release)
+
+    assert len(TRITON_TRTLLM) >= 8
+    for release, row in TRITON_TRTLLM.items():
+        assert re.fullmatch(r"\d\d\.\d\d", release) and row.release == release
+        assert re.fullmatch(r"\d+\.\d+\.\d+(rc\d+)?", row.tensorrt_llm)
+        assert (f"triton-inference-server/tensorrtllm_backend@r{release} (" in row.source
+                and f"dockerfile/Dockerfile.triton.trt_llm_backend line" in row.source
+                and row.source.endswith(f"ARG TENSORRTLLM_VER={row.tensorrt_llm}")), row
+    # the pins the issue names, read on the backend's release branches
+    assert [TRITON_TRTLLM[r].tensorrt_llm for r in ("25.10", "26.03", "26.04")] == ["1.0.0", "1.2.0rc8", "1.2.1"]
+    assert TRITON_TRTLLM[DEFAULT_TRITON_RELEASE].tensorrt_llm == TRTLLM_VERSION
+    assert DEFAULT_TRITON_RELEASE in TRITON_ORT and TritonRepoConfig().triton_release == DEFAULT_TRITON_RELEASE
+    assert all(TRITON_TRTLLM[r].tensorrt_llm != TRTLLM_VERSION for r in TRITON_TRTLLM if r < DEFAULT_TRITON_RELEASE)
+    assert check_trtllm_release("26.05", TRTLLM_VERSION).image.endswith(":26.05-trtllm-python-py3")
+
+
+def test_default_release_carries_the_checkpoint_version_and_a_mismatch_exits_2(artifacts, tmp_path, capsys):
+    from builders.triton.releases import DEFAULT_TRITON_RELEASE, TRITON_TRTLLM
+
+    art = artifacts["qwen2"]
+    target = art.manifest["tensorrt_llm"]["version"]
+    assert main(["deploy", "triton", "--artifact", str(art.path), "--out", str(tmp_path / "ok"), "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["triton_release"] == DEFAULT_TRITON_RELEASE and last["tensorrt_llm"] == target
+    assert TRITON_TRTLLM[last["triton_release"]].tensorrt_llm == target
+    readme = (tmp_path / "ok" / "README.md").read_text()
+    assert f"TensorRT-LLM {target}" in readme and f"tritonserver:{DEFAULT_TRITON_RELEASE}-trtllm-python-py3" in readme
+    assert json.loads((tmp_path / "ok" / "harp_triton.json").read_text())["tensorrt_llm_version"] == target
+    for release, have in (("25.10", "1.0.0"), ("26.03", "1.2.0rc8")):
+        rc = main(["deploy", "triton", "--artifact", str(art.path), "--out", str(tmp_path / release),
+                   "--triton-release", release])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"Triton {release} carries TensorRT-LLM {have}" in err
+        assert f"targets TensorRT-LLM {target}" in err
+        assert not (tmp_path / release).exists()

@@ -24,8 +24,12 @@ from conftest import FAMILY_NAMES, make_tiny
 
 
 def _save(model, folder):
-    """A model as a Hugging Face folder: the writer reads safetensors, never a loaded module."""
+    """A model as a Hugging Face folder (with a tokenizer): the writer reads safetensors, never a
+    loaded module."""
+    from conftest import _tiny_tokenizer
+
     model.save_pretrained(folder, safe_serialization=True)
+    _tiny_tokenizer().save_pretrained(folder)
     return folder
 
 TOL = 1e-4
@@ -166,7 +170,9 @@ def test_qwen2_window_layers_keep_v_bias_and_zero_qk(cases, tmp_path):
     write_checkpoint(folder, _plan("qwen2"), tmp_path, dtype="float32", max_seq_len=256)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architecture"] == "Qwen2ForCausalLM" and cfg["qwen_type"] == "qwen2" and cfg["attn_bias"]
-    assert cfg["seq_length"] == model.config.max_position_embeddings
+    # as QWenConfig.from_hugging_face writes it: getattr(hf_config, "seq_length", 8192); the HF Qwen2
+    # config has none, and nothing in models/qwen/model.py reads it
+    assert cfg["seq_length"] == 8192 and not hasattr(model.config, "seq_length")
     assert cfg["runtime_defaults"] == {"max_attention_window": [256, 256, 1, 1]}  # no sink_token_length
     w = load_file(str(tmp_path / "rank0.safetensors"))
     qkv, bias = w["transformer.layers.2.attention.qkv.weight"], w["transformer.layers.2.attention.qkv.bias"]

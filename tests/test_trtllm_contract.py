@@ -43,5 +43,16 @@ def test_the_issue_items_are_all_rows():
     # the findings that started this document: seq_length, sink, pp windows, KV split, user
     # windows, empty pp stages, tied lm_head, Triton keys, ORT versions, V1 / GPU / bf16
     for rid in ("qwen-seq-length", "sink", "pp-windows", "kv-shares", "user-window", "pp-attention", "hf-lm-head",
-                "tb-keys", "ort-release", "tb-batching", "ort-gpu-gqa", "tb-version-folder", "ort-bf16"):
+                "tb-keys", "ort-release", "tb-batching", "ort-gpu-gqa", "tb-version-folder", "ort-bf16",
+                # deployments that start: tokenizer folder, portable tokenizers, Triton image, docker -e
+                "tokenizer-folder", "tokenizer-portable", "triton-trtllm-release", "triton-docker-env"):
         assert rid in ids
+
+
+def test_qwen_seq_length_row_says_what_the_source_does():
+    """QWenConfig.from_hugging_face writes getattr(hf_config, "seq_length", 8192) and QWenDecoderLayer
+    never reads it: the row must say so, not that the decoder reads it (the writer's value is checked by
+    the row's own test)."""
+    row = {r[0]: r for r in _rows()}["qwen-seq-length"]
+    assert "8192" in row[1] and "never read" in row[1] and "read it with no default" not in row[1]
+    assert "QWenConfig.from_hugging_face" in row[2] and "QWenDecoderLayer" in row[2]

@@ -2,7 +2,7 @@
 
 Triton's onnxruntime backend links the ONNX Runtime of its release, usually older than ours:
 * release -> ORT version: ``build.py`` ``TRITON_VERSION_MAP`` of triton-inference-server/server
-  (24.10: 1.19.2 ... 25.10: 1.23.1, 25.11-26.01: 1.23.2);
+  (24.10: 1.19.2 ... 25.10: 1.23.1, 26.04: 1.24.4; the table is ``releases.TRITON_ORT``);
 * ORT version -> newest ONNX opset it runs: onnxruntime ``docs/Versioning.md`` (1.19/1.20: 21,
   1.21: 22, 1.22 and 1.23: 23);
 * GroupQueryAttention attributes/inputs by the first ORT that knows them (read from each wheel's
@@ -21,16 +21,10 @@ from typing import Any
 from harp_trt.errors import ConfigError
 
 from .pbtxt import STAGE
+from .releases import DEFAULT_TRITON_RELEASE, TRITON_ORT  # the release tables live there
 
 __all__ = ["TRITON_ORT", "required_ort", "check_triton_release", "DEFAULT_TRITON_RELEASE"]
 
-TRITON_ORT: dict[str, str] = {
-    "24.10": "1.19.2", "24.11": "1.19.2", "24.12": "1.20.1", "25.01": "1.20.1", "25.02": "1.20.1",
-    "25.03": "1.21.0", "25.04": "1.21.0", "25.05": "1.22.0", "25.06": "1.22.0", "25.07": "1.22.0",
-    "25.08": "1.23.0", "25.09": "1.23.0", "25.10": "1.23.1", "25.11": "1.23.2", "25.12": "1.23.2",
-    "26.01": "1.23.2",
-}
-DEFAULT_TRITON_RELEASE = "25.10"
 _ORT_MAX_OPSET = {(1, 19): 21, (1, 20): 21, (1, 21): 22, (1, 22): 23, (1, 23): 23}
 # GroupQueryAttention: attribute or input -> first ORT version that accepts it
 _GQA_SINCE = {"smooth_softmax": "1.19.2", "softcap": "1.20.0", "qk_output": "1.23.0"}

@@ -8,6 +8,8 @@ from typing import ClassVar
 from harp_trt.config import StageConfig
 from harp_trt.errors import ConfigError
 
+from .releases import DEFAULT_TRITON_RELEASE, KNOWN_RELEASES
+
 __all__ = ["TritonRepoConfig"]
 
 
@@ -22,7 +24,9 @@ class TritonRepoConfig(StageConfig):
     ORT's default), ``link`` (hard-link model files instead of copying where the filesystem
     allows), ``max_active`` / ``max_input_len`` / ``max_seq_len`` (python serving: concurrent
     sequences batched together, prompt and total token limits; 0 = the model's), and
-    ``triton_release`` (onnx serving: the tritonserver release whose ONNX Runtime must load the graph).
+    ``triton_release``: the tritonserver release the repository is for (onnx serving: its ONNX Runtime
+    must load the graph; TensorRT-LLM: its TensorRT-LLM must be the one the checkpoint targets;
+    default: the first release carrying that TensorRT-LLM, ``releases.DEFAULT_TRITON_RELEASE``).
     TensorRT-LLM: ``max_batch_size`` (0 = the engine's), ``engine_dir`` (path *as the server sees
     it*; empty = ``<artifact>/engine``, where build_engine.sh writes), ``tokenizer_dir`` (where to
     copy the tokenizer from; empty = the artifact's ``hf/`` or the plan's model folder), and the
@@ -51,7 +55,7 @@ class TritonRepoConfig(StageConfig):
     max_active: int = 8
     max_input_len: int = 0
     max_seq_len: int = 0
-    triton_release: str = "25.10"
+    triton_release: str = DEFAULT_TRITON_RELEASE
 
     def validate(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -74,10 +78,8 @@ class TritonRepoConfig(StageConfig):
         if self.serving not in ("python", "onnx"):
             raise ConfigError(f"serving must be 'python' (text in/out, generation in the server) or 'onnx' "
                               f"(Triton's onnxruntime backend), got {self.serving!r}")
-        from .compat import TRITON_ORT
-
-        if self.triton_release not in TRITON_ORT:
-            raise ConfigError(f"unknown triton_release {self.triton_release!r}; known: {', '.join(TRITON_ORT)}")
+        if self.triton_release not in KNOWN_RELEASES:
+            raise ConfigError(f"unknown triton_release {self.triton_release!r}; known: {', '.join(KNOWN_RELEASES)}")
         if self.batch_scheduler_policy not in ("guaranteed_no_evict", "max_utilization"):
             raise ConfigError(f"batch_scheduler_policy must be 'guaranteed_no_evict' or 'max_utilization', "
                               f"got {self.batch_scheduler_policy!r}")

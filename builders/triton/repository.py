@@ -26,26 +26,23 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.onnx_io import TOKENIZER_FILES, VOCAB_FILES
+from harp_trt.onnx_io import TOKENIZER_FILES, VOCAB_FILES, copy_tokenizer
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
 from harp_trt.stage import Stage
 from harp_trt.store import MANIFEST
 
 from .config import TritonRepoConfig
 from .pbtxt import STAGE, parse_model_config
+from .readme import readme_llm, readme_onnx, readme_trtllm
 
 __all__ = ["TritonRepoStage", "ArtifactInfo", "inspect_artifact", "write_repository",
-           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST",
-           "NGC_ONNX_IMAGE", "NGC_TRTLLM_IMAGE"]
+           "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST"]
 
 log = logging.getLogger(__name__)
 
 ONNX_STAGES = ("export", "rewrite", "build-ort")
 TRTLLM_STAGES = ("trtllm",)
 REPO_MANIFEST = "harp_triton.json"
-# NGC images (pick the release whose backends match your build; see README.md in the repository)
-NGC_ONNX_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
-NGC_TRTLLM_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,14 +263,13 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         tok_files = _tokenizer_files(info.path)
         if tok_files:
             (out / config.model_name / "tokenizer").mkdir()
-            for f in tok_files:
-                shutil.copy2(info.path / f, out / config.model_name / "tokenizer" / f)
+            copy_tokenizer(info.path, out / config.model_name / "tokenizer")
         else:
             log.warning("artifact %s has no tokenizer files; client.py will need --tokenizer", info.path)
         defaults = {"model": config.model_name, "tokenizer": f"{config.model_name}/tokenizer",
                     "url": "localhost:8001", "max_tokens": 32}
         _write_client(out, "ort_client.py", defaults)
-        (out / "README.md").write_text(_readme_onnx(config, info, summary, bool(tok_files)))
+        (out / "README.md").write_text(readme_onnx(config, info, {**summary, "compat": compat}, bool(tok_files)))
         return {"kind": "onnx", "serving": "onnx", "device": config.device, "instance_kind": kind, **summary,
                 "tokenizer_files": tok_files, "compat": compat}
 
@@ -283,7 +279,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         summary = write_llm_model(info.onnx, info.engine, info.path, out, config.model_name, config, header)
         defaults = {"model": config.model_name, "url": "localhost:8001", "max_tokens": 32}
         _write_client(out, "llm_client.py", defaults)
-        (out / "README.md").write_text(_readme_llm(config, info, summary))
+        (out / "README.md").write_text(readme_llm(config, info, summary))
         return {"kind": "onnx", "device": config.device,
                 "instance_kind": "KIND_GPU" if config.device == "gpu" else "KIND_CPU", **summary}
 
@@ -292,8 +288,8 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         candidates = []
         if config.tokenizer_dir:
             candidates.append(Path(config.tokenizer_dir))
-        else:
-            candidates.append(info.path / "hf")
+        else:  # the artifact's own tokenizer/ (every trtllm artifact has one), then older layouts
+            candidates += [info.path / "tokenizer", info.path / "hf"]
             refs = [(info.manifest.get("model") or {}).get("ref")]
             if (info.path / "plan.json").is_file():
                 refs.append(json.loads((info.path / "plan.json").read_text()).get("model_ref"))
@@ -306,10 +302,12 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
                                 "pass --tokenizer-dir with the model's tokenizer folder")
 
     def _run_trtllm(self, config, info: ArtifactInfo, out: Path, header: list[str]) -> dict[str, Any]:
-        from .trtllm_repo import read_checkpoint_config, trtllm_model_configs, write_trtllm_models
+        from .releases import TRTLLM_VERSION, check_trtllm_release
+        from .trtllm_repo import check_engine_windows, read_checkpoint_config, trtllm_model_configs, write_trtllm_models
 
-        from .trtllm_repo import check_engine_windows
-
+        # the version the checkpoint was written for (artifacts older than the field: this code's target)
+        target = (info.manifest.get("tensorrt_llm") or {}).get("version") or TRTLLM_VERSION
+        release = check_trtllm_release(config.triton_release, target)
         ckpt = read_checkpoint_config(info.path)
         engine_dir = config.engine_dir or str(info.path / "engine")
         check_engine_windows(engine_dir, (ckpt.get("runtime_defaults") or {}).get("max_attention_window"))
@@ -324,8 +322,10 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
                    "engine_built": engine_built, "tokenizer_from": str(tok_src), "tokenizer_files": tok_files,
                    "architecture": ckpt.get("architecture"), "world_size": (ckpt.get("mapping") or {}).get(
                        "world_size", build.get("tp_size", 1) * build.get("pp_size", 1)),
-                   "template_values": values}
-        (out / "README.md").write_text(_readme_trtllm(config, info, summary))
+                   "template_values": values, "triton_release": release.release,
+                   "tensorrt_llm_version": release.tensorrt_llm, "image": release.image,
+                   "image_source": release.source}
+        (out / "README.md").write_text(readme_trtllm(config, info, summary))
         return summary
 
 
@@ -337,168 +337,6 @@ def _write_client(out: Path, asset: str, defaults: dict[str, Any]) -> None:
     client = out / "client.py"
     client.write_text(src.replace(marker, f"DEFAULTS: dict = {defaults!r}", 1))
     client.chmod(0o755)
-
-
-# ---- README -----------------------------------------------------------------------------------
-def _readme_llm(config, info: ArtifactInfo, s: dict[str, Any]) -> str:
-    p = s["parameters"]
-    return f"""# Triton model repository: `{config.model_name}` (text in, text out; ONNX Runtime inside)
-
-Written by `harp-trt deploy triton` from `{info.path}` ({info.stage or 'folder'}).
-
-```
-{config.model_name}/config.pbtxt   backend python, decoupled (streaming), max_batch_size 0
-{config.model_name}/1/model.py     generation loop: KV cache in the server, continuous batching
-{config.model_name}/1/engine/      {', '.join(s['files'])}, engine.json, tokenizer
-client.py                  streaming gRPC client
-harp_triton.json           what was written, from which artifact
-```
-
-The model speaks the I/O of Triton's vLLM backend: `text_input` (string), optional `stream`
-(bool), `sampling_parameters` (JSON string: max_tokens, temperature, top_k, top_p, seed,
-stop_token_ids, ignore_eos; default greedy) and `exclude_input_in_output` (bool) -> `text_output`.
-Concurrent requests share one decode batch (up to {p['max_active']} sequences); prompts are
-limited to {p['max_input_len']} tokens and prompt + max_tokens to {p['max_seq_len']}.
-
-## Start the server
-
-The Python backend runs `1/model.py` in the Python environment it finds: that environment needs
-`harp-trt`, `onnxruntime`{'-gpu' if config.device == 'gpu' else ''} and `transformers` (for example
-`pip install harp-trt` in the image, or a conda-pack'ed `EXECUTION_ENV_PATH`). Then
-
-```bash
-tritonserver --model-repository=$(pwd)
-```
-
-## Call it
-
-```bash
-curl -s localhost:8000/v2/models/{config.model_name}/generate \
-  -d '{{"text_input": "The capital of France is", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
-curl -sN localhost:8000/v2/models/{config.model_name}/generate_stream \
-  -d '{{"text_input": "The capital of France is", "stream": true}}'
-python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
-```
-"""
-
-
-def _readme_onnx(config, info: ArtifactInfo, s: dict[str, Any], has_tokenizer: bool) -> str:
-    gpu = config.device == "gpu"
-    pruned = s["pruned_layers"]
-    harp = (f"HARP-pruned layers {pruned} have no KV cache tensors; the {len(s['kv_layers'])} kept layers "
-            f"{s['kv_layers']} do." if pruned else "All layers keep their KV cache (dense graph).")
-    tok_note = "" if has_tokenizer else ("\nThe artifact had no tokenizer files: pass `--tokenizer DIR` to "
-                                         "client.py.\n")
-    return f"""# Triton model repository: `{config.model_name}` (ONNX Runtime)
-
-Written by `harp-trt deploy triton` from `{info.path}` ({info.stage or 'folder'}).
-{harp}
-
-```
-{config.model_name}/config.pbtxt      backend onnxruntime, max_batch_size 0, weights {'hard-linked' if s['placed_by'] == 'link' else 'copied'}
-{config.model_name}/1/{'  '.join(s['files'])}
-{config.model_name}/tokenizer/        used by client.py (Triton ignores non-numeric folders)
-client.py                     greedy generation over gRPC, KV cache kept by the client
-harp_triton.json              what was written, from which artifact
-```
-
-## Start the server
-
-With the NGC container (it ships the onnxruntime backend; the graph uses opset 23, so the
-container's ONNX Runtime must be 1.22 or newer: check the release notes of the tag you pick):
-
-```bash
-docker run --rm {'--gpus all ' if gpu else ''}-p 8000:8000 -p 8001:8001 -p 8002:8002 \\
-  -v "$(pwd)":/models {NGC_ONNX_IMAGE} \\
-  tritonserver --model-repository=/models
-```
-
-or, where `tritonserver` is installed: `tritonserver --model-repository=$(pwd)`.
-Instances run on the {'GPU (KIND_GPU, CUDA execution provider)' if gpu else 'CPU (KIND_CPU)'};
-`harp-trt deploy triton --device {'cpu' if gpu else 'gpu'}` writes the other kind.
-
-## Call it
-
-```bash
-pip install "tritonclient[grpc]" transformers numpy
-python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
-```
-{tok_note}
-## Tensors
-
-`max_batch_size` is 0 and every tensor lists its batch dimension: `attention_mask` is
-[batch, past+seq] and the KV tensors are [batch, kv_heads, past, head_dim], so requests with
-different lengths cannot be concatenated by Triton's batcher, and the cache is the client's state.
-Each call sends `input_ids`, `attention_mask`, `position_ids` and `past_key_values.{{i}}.key/value`
-and receives `logits` and `present.{{i}}.key/value`, which become the next call's past.
-
-Inputs: {', '.join(f'`{n}`' for n in s['inputs'])}
-
-Outputs: {', '.join(f'`{n}`' for n in s['outputs'])}
-"""
-
-
-def _readme_trtllm(config, info: ArtifactInfo, s: dict[str, Any]) -> str:
-    v = s["template_values"]
-    world = int(s["world_size"] or 1)
-    windows = (f"`max_attention_window_size` = `{v['max_attention_window_size']}` (per layer; HARP-pruned "
-               "layers attend over one token, so their KV cache holds one block)."
-               if v["max_attention_window_size"] else
-               "No per-layer attention windows (DeciLM linear layers carry no KV cache at all).")
-    engine = ("The engine is built." if s["engine_built"] else
-              f"The engine is not built yet: run `bash {info.path / 'build_engine.sh'}` inside the container "
-              "first (it writes the engine where `gpt_model_path` points).")
-    kv = ((info.manifest.get("launch") or {}).get("kv_runtime") or {})
-    shares = kv.get("shares_env")
-    env = f"-e {shares} " if shares else ""
-    launch = ("tritonserver --model-repository=/models" if world == 1 else
-              "TRTLLM_ORCHESTRATOR=1 tritonserver --model-repository=/models")
-    if shares:
-        windows += (f" The KV pool is split between window sizes by `{shares}` (set in the command below): "
-                    "without it TensorRT-LLM 1.2 gives each window size an equal share "
-                    "(`BaseKVCacheManager::calculateMaxNumBlocks`), and the full-attention layers lose half the cache.")
-    return f"""# Triton model repository: TensorRT-LLM ({s['architecture']})
-
-Written by `harp-trt deploy triton` from `{info.path}`.
-
-```
-ensemble/        text_input, max_tokens -> text_output (preprocessing -> tensorrt_llm -> postprocessing)
-preprocessing/   Python backend: tokenizer (1/tokenizer), max_tokens clamped to the engine's max_seq_len
-tensorrt_llm/    tensorrtllm backend, gpt_model_path = {s['engine_dir']}
-postprocessing/  Python backend: detokenizer (1/tokenizer)
-client.py        sends a prompt to the ensemble and prints the reply
-harp_triton.json the values of the template keys and where everything came from
-```
-
-{engine}
-{windows}
-Batching: `{v['batching_strategy']}`, max batch size {v['triton_max_batch_size']},
-`kv_cache_free_gpu_mem_fraction` {v['kv_cache_free_gpu_mem_fraction']}, decoupled (streaming) mode
-{'on' if v['decoupled_mode'] else 'off'}.
-
-## Start the server
-
-Use the TensorRT-LLM container, the same release for `build_engine.sh` and for serving (an engine
-runs only with the TensorRT-LLM version that built it). The engine and this repository must be
-visible inside the container at the paths in the configs, so mount the artifact at its own path:
-
-```bash
-docker run --rm --gpus all --shm-size=2g -p 8000:8000 -p 8001:8001 -p 8002:8002 {env}\\
-  -v "$(pwd)":/models -v "{info.path}":"{info.path}" {NGC_TRTLLM_IMAGE} \\
-  {launch}
-```
-
-{'' if world == 1 else f'The engine spans {world} GPUs: orchestrator mode (TRTLLM_ORCHESTRATOR=1) lets the backend start its MPI workers itself. '}If the engine lives elsewhere in the container, rewrite with `--engine-dir PATH`.
-
-## Call it
-
-```bash
-pip install "tritonclient[grpc]" numpy
-python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
-```
-
-or over HTTP: `curl -s localhost:8000/v2/models/ensemble/generate -d '{{"text_input": "Hello", "max_tokens": 16}}'`.
-"""
 
 
 # ---- the entry point --------------------------------------------------------------------------

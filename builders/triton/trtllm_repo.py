@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
+
+from harp_trt.onnx_io import copy_tokenizer
 
 from .pbtxt import STAGE, Enum, render_pbtxt
 
@@ -266,8 +267,7 @@ def write_trtllm_models(repo: Path, configs: dict[str, dict[str, Any]], tokenize
         (repo / name / "1" / "model.py").write_text(_asset(src))
         tok = repo / name / "1" / "tokenizer"
         tok.mkdir()
-        for f in tokenizer_files:
-            shutil.copy2(tokenizer_src / f, tok / f)
+        copy_tokenizer(tokenizer_src, tok)  # the files of tokenizer_files, made loadable by transformers 4.x
     log.info("wrote Triton TensorRT-LLM models %s", ", ".join(configs))
 
 

@@ -363,9 +363,10 @@ def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims
         **target.extra_config,
     }
     if target.seq_length_field:
-        # TensorRT-LLM's own Qwen converter writes seq_length (models/qwen/config.py
-        # QWenConfig.from_hugging_face); some 1.x QWenDecoderLayer versions read it with no default
-        cfg["seq_length"] = int(config.max_position_embeddings)
+        # written as TensorRT-LLM's own converter writes it (models/qwen/config.py
+        # QWenConfig.from_hugging_face: getattr(hf_config, "seq_length", 8192)) so that our config.json
+        # equals its; nothing in models/qwen/model.py reads it (the span is max_position_embeddings)
+        cfg["seq_length"] = int(getattr(config, "seq_length", None) or 8192)
     if target.share_embedding:
         cfg["share_embedding_table"] = True
     if target.layer_configs:

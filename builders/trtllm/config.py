@@ -7,8 +7,9 @@ from typing import ClassVar
 
 from harp_trt.config import StageConfig
 from harp_trt.errors import ConfigError
+from harp_trt.versions import TRTLLM_VERSION  # the TensorRT-LLM these checkpoints target
 
-__all__ = ["TrtllmCheckpointConfig", "DTYPE_NAMES"]
+__all__ = ["TrtllmCheckpointConfig", "DTYPE_NAMES", "TRTLLM_VERSION"]
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # checkpoint dtypes (the keys of checkpoint.DTYPES)
 

@@ -3,9 +3,10 @@ pool (``docs/trtllm-contract.md``, rows kv-*).
 
 Two runtimes, each fed from its own files:
 
-* **engine** (TensorRT backend, 1.2.x, the last line with ``trtllm-build``): ``build_engine.sh``
-  then ``serve_engine.sh`` (``trtllm-serve <engine> --backend tensorrt``) with
+* **engine** (TensorRT backend, ``TRTLLM_VERSION`` 1.2.1: the 1.2 line is the last with ``trtllm-build``):
+  ``build_engine.sh`` then ``serve_engine.sh`` (``trtllm-serve <engine> --backend tensorrt``) with
   ``engine_llm_api_options.yaml``; the Triton tensorrtllm model gets the same values.
+* both take the tokenizer from the artifact's ``tokenizer/`` (``TOKENIZER_DIR``).
 * **pytorch** (TensorRT-LLM's PyTorch backend, where users are going): ``serve_pytorch.sh``
   (``trtllm-serve hf/ --backend pytorch --trust_remote_code``) with ``pytorch_llm_api_options.yaml``,
   Llama / Mistral only (the heterogeneous NemotronNAS model: ``_torch/models/modeling_nemotron_nas.py``
@@ -34,10 +35,14 @@ import torch
 from harp_trt.dims import ModelDims
 
 from .checkpoint import DTYPES, LayerKinds
+from .config import TRTLLM_VERSION
 
-__all__ = ["window_shares", "kv_runtime", "write_launch_files", "SHARES_ENV"]
+__all__ = ["window_shares", "kv_runtime", "write_launch_files", "SHARES_ENV", "TOKENIZER_DIR"]
 
 SHARES_ENV = "TRTLLM_WINDOW_SIZE_SHARES"
+# Every artifact carries its tokenizer here (the stage writes it for every family and route): the
+# engine folder trtllm-build writes holds none, and hf/ exists only on the DeciLM route.
+TOKENIZER_DIR = "tokenizer"
 
 
 def _pool_tokens(window: int, cfg) -> int:
@@ -118,20 +123,21 @@ def write_launch_files(out: Path, cfg, lk: LayerKinds, dims: ModelDims, hf: dict
     files = {}
     (out / "engine_llm_api_options.yaml").write_text(_yaml(windows, cfg))
     serve = ["trtllm-serve", '"${ENGINE:-$HERE/engine}"', "--backend", "tensorrt", "--tokenizer",
-             '"${TOKENIZER:-$HERE/hf}"', *par, "--extra_llm_api_options", '"$HERE/engine_llm_api_options.yaml"']
+             f'"${{TOKENIZER:-$HERE/{TOKENIZER_DIR}}}"', *par,
+             "--extra_llm_api_options", '"$HERE/engine_llm_api_options.yaml"']
     (out / "serve_engine.sh").write_text(_script(serve, env, "Serve the engine built by build_engine.sh "
-                                                 "(TensorRT-LLM 1.2.x, OpenAI-compatible HTTP on :8000)."))
-    files["engine"] = ["build_engine.sh", "serve_engine.sh", "engine_llm_api_options.yaml"]
+                                                 f"(TensorRT-LLM {TRTLLM_VERSION}, OpenAI-compatible HTTP on :8000)."))
+    files["engine"] = ["build_engine.sh", "serve_engine.sh", "engine_llm_api_options.yaml", f"{TOKENIZER_DIR}/"]
     hf_written = bool(hf.get("written"))
     if hf_written:
         (out / "pytorch_llm_api_options.yaml").write_text(_yaml(None, cfg, {"trust_remote_code": True}))
-        serve = ["trtllm-serve", '"$HERE/hf"', "--backend", "pytorch", "--tokenizer", '"$HERE/hf"', *par,
+        serve = ["trtllm-serve", '"$HERE/hf"', "--backend", "pytorch", "--tokenizer", f'"$HERE/{TOKENIZER_DIR}"', *par,
                  "--trust_remote_code", "--extra_llm_api_options", '"$HERE/pytorch_llm_api_options.yaml"']
-        (out / "serve_pytorch.sh").write_text(_script(serve, {}, "Serve hf/ with TensorRT-LLM's PyTorch backend "
-                                                      "(NemotronNAS: no KV cache for pruned layers)."))
+        (out / "serve_pytorch.sh").write_text(_script(serve, {}, f"Serve hf/ with TensorRT-LLM {TRTLLM_VERSION}'s "
+                                                      "PyTorch backend (NemotronNAS: no KV cache for pruned layers)."))
         files["pytorch"] = ["serve_pytorch.sh", "pytorch_llm_api_options.yaml", "hf/"]
     for f in ("serve_engine.sh", "serve_pytorch.sh"):
         if (out / f).exists():
             (out / f).chmod(0o755)
-    return {"files": files, "kv_runtime": kv, "window_list": windows,
+    return {"files": files, "kv_runtime": kv, "window_list": windows, "tokenizer": TOKENIZER_DIR,
             "pytorch_backend": ({"available": True} if hf_written else {"available": False, "reason": hf.get("reason")})}

@@ -31,7 +31,9 @@ from __future__ import annotations
 from harp_trt.errors import UnsupportedArchitectureError
 from harp_trt.families import FAMILIES, ROUTE_LINEAR, ROUTE_WINDOW1, TrtllmTarget
 
-__all__ = ["TrtllmTarget", "TARGETS", "target_for", "ROUTE_LINEAR", "ROUTE_WINDOW1"]
+from .config import TRTLLM_VERSION  # the TensorRT-LLM version every target is written for
+
+__all__ = ["TrtllmTarget", "TARGETS", "target_for", "ROUTE_LINEAR", "ROUTE_WINDOW1", "TRTLLM_VERSION"]
 
 
 def _targets() -> dict[str, TrtllmTarget]:

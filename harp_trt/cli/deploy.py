@@ -77,6 +77,10 @@ def add_triton_arguments(p: argparse.ArgumentParser) -> None:
                    help="export/rewrite/ORT-engine folder with model.onnx, or a trtllm artifact (folder or cache key)")
     p.add_argument("--out", required=True, help="model repository folder to write (must be new or empty)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    p.add_argument("--triton-release", default=C.default("triton_release"),
+                   help="tritonserver release (YY.MM) to serve with: onnx serving: its ONNX Runtime must load the "
+                        "graph; TensorRT-LLM: it must carry the TensorRT-LLM the checkpoint targets "
+                        "(default %(default)s, the first release that carries it)")
     g = p.add_argument_group("ONNX Runtime model")
     g.add_argument("--model-name", default=C.default("model_name"), help="Triton model name (default %(default)s)")
     g.add_argument("--serving", default=C.default("serving"), choices=["python", "onnx"],
@@ -88,9 +92,6 @@ def add_triton_arguments(p: argparse.ArgumentParser) -> None:
                    help="python serving: longest prompt in tokens, 0 = the model's context (default %(default)s)")
     g.add_argument("--context-limit", type=int, default=C.default("max_seq_len"),
                    help="python serving: prompt + max_tokens limit, 0 = the model's context (default %(default)s)")
-    g.add_argument("--triton-release", default=C.default("triton_release"),
-                   help="onnx serving: tritonserver release (YY.MM) whose ONNX Runtime must load the graph "
-                        "(default %(default)s)")
     g.add_argument("--device", default=C.default("device"), choices=["cpu", "gpu"],
                    help="instance kind: cpu -> KIND_CPU, gpu -> KIND_GPU (default %(default)s)")
     g.add_argument("--instances", type=int, default=C.default("instances"), help="model instances (default %(default)s)")
@@ -164,7 +165,8 @@ def run_triton(args) -> dict:
         result.update({"models": ", ".join(r["models"]), "engine_dir": r["engine_dir"], "engine_built": r["engine_built"],
                        "max_batch_size": v["triton_max_batch_size"],
                        "max_attention_window_size": v["max_attention_window_size"],
-                       "decoupled": v["decoupled_mode"]})
+                       "decoupled": v["decoupled_mode"], "triton_release": r["triton_release"],
+                       "tensorrt_llm": r["tensorrt_llm_version"], "image": r["image"]})
         result["_tables"] = {"template keys": [{"key": k, "value": "(backend default)" if val is None else val}
                                                for k, val in v.items()]}
     return result

@@ -34,7 +34,7 @@ class TrtllmTarget:
     parallel_embedding: bool = False  # Gemma forces use_parallel_embedding when tp > 1
     share_embedding: bool = False     # Gemma ties lm_head to the embedding table
     hf_heterogeneous: bool = False    # an HF DeciLM (block_configs) checkpoint can be written
-    seq_length_field: bool = False    # config.json carries seq_length (Qwen: QWenConfig.from_hugging_face)
+    seq_length_field: bool = False    # config.json carries seq_length as QWenConfig.from_hugging_face writes it
     extra_config: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
 
 

@@ -1,0 +1,188 @@
+"""The README.md of each Triton repository kind, and the ``docker run`` line that starts it.
+
+``docker_run`` writes every environment variable as a ``-e VAR=value`` option of ``docker run``:
+whatever follows the image is the container's command, so a ``VAR=value`` there would be run as a
+program (``docs/trtllm-contract.md``, row triton-docker-env). The image comes from the release
+table (``releases.py``): the README names the release and, for TensorRT-LLM, the version it carries."""
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from .releases import ngc_image
+
+__all__ = ["docker_run", "readme_llm", "readme_onnx", "readme_trtllm"]
+
+
+def docker_run(image: str, command: str, *, gpus: bool, env: dict[str, str] | None = None,
+               mounts: tuple[tuple[str, str], ...] = (('"$(pwd)"', "/models"),), shm: str | None = None) -> str:
+    """A ``docker run`` command (continued over lines) that starts ``command`` in ``image``.
+    Mount sources are shell words as given (``"$(pwd)"``); env values are quoted."""
+    opts = ["docker run --rm" + (" --gpus all" if gpus else "") + (f" --shm-size={shm}" if shm else "")
+            + " -p 8000:8000 -p 8001:8001 -p 8002:8002"]
+    if env:
+        opts.append(" ".join(f"-e {k}={shlex.quote(v)}" for k, v in env.items()))
+    opts.append(" ".join(f"-v {src}:{dst}" for src, dst in mounts) + f" {image}")
+    return " \\\n  ".join(opts + [command])
+
+
+def readme_llm(config, info, s: dict[str, Any]) -> str:
+    p = s["parameters"]
+    return f"""# Triton model repository: `{config.model_name}` (text in, text out; ONNX Runtime inside)
+
+Written by `harp-trt deploy triton` from `{info.path}` ({info.stage or 'folder'}).
+
+```
+{config.model_name}/config.pbtxt   backend python, decoupled (streaming), max_batch_size 0
+{config.model_name}/1/model.py     generation loop: KV cache in the server, continuous batching
+{config.model_name}/1/engine/      {', '.join(s['files'])}, engine.json, tokenizer
+client.py                  streaming gRPC client
+harp_triton.json           what was written, from which artifact
+```
+
+The model speaks the I/O of Triton's vLLM backend: `text_input` (string), optional `stream`
+(bool), `sampling_parameters` (JSON string: max_tokens, temperature, top_k, top_p, seed,
+stop_token_ids, ignore_eos; default greedy) and `exclude_input_in_output` (bool) -> `text_output`.
+Concurrent requests share one decode batch (up to {p['max_active']} sequences); prompts are
+limited to {p['max_input_len']} tokens and prompt + max_tokens to {p['max_seq_len']}.
+
+## Start the server
+
+The Python backend runs `1/model.py` in the Python environment it finds: that environment needs
+`harp-trt`, `onnxruntime`{'-gpu' if config.device == 'gpu' else ''} and `transformers` (for example
+`pip install harp-trt` in the image, or a conda-pack'ed `EXECUTION_ENV_PATH`). Then
+
+```bash
+tritonserver --model-repository=$(pwd)
+```
+
+## Call it
+
+```bash
+curl -s localhost:8000/v2/models/{config.model_name}/generate \
+  -d '{{"text_input": "The capital of France is", "sampling_parameters": "{{\\"max_tokens\\": 32}}"}}'
+curl -sN localhost:8000/v2/models/{config.model_name}/generate_stream \
+  -d '{{"text_input": "The capital of France is", "stream": true}}'
+python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
+```
+"""
+
+
+def readme_onnx(config, info, s: dict[str, Any], has_tokenizer: bool) -> str:
+    gpu = config.device == "gpu"
+    pruned = s["pruned_layers"]
+    harp = (f"HARP-pruned layers {pruned} have no KV cache tensors; the {len(s['kv_layers'])} kept layers "
+            f"{s['kv_layers']} do." if pruned else "All layers keep their KV cache (dense graph).")
+    tok_note = "" if has_tokenizer else ("\nThe artifact had no tokenizer files: pass `--tokenizer DIR` to "
+                                         "client.py.\n")
+    return f"""# Triton model repository: `{config.model_name}` (ONNX Runtime)
+
+Written by `harp-trt deploy triton` from `{info.path}` ({info.stage or 'folder'}).
+{harp}
+
+```
+{config.model_name}/config.pbtxt      backend onnxruntime, max_batch_size 0, weights {'hard-linked' if s['placed_by'] == 'link' else 'copied'}
+{config.model_name}/1/{'  '.join(s['files'])}
+{config.model_name}/tokenizer/        used by client.py (Triton ignores non-numeric folders)
+client.py                     greedy generation over gRPC, KV cache kept by the client
+harp_triton.json              what was written, from which artifact
+```
+
+## Start the server
+
+With the NGC container of Triton {config.triton_release} (it ships the onnxruntime backend with ONNX
+Runtime {s['compat']['triton_onnxruntime']}; this graph needs {s['compat']['graph_needs_onnxruntime']} or newer):
+
+```bash
+{docker_run(ngc_image(config.triton_release, "onnx"), "tritonserver --model-repository=/models", gpus=gpu)}
+```
+
+or, where `tritonserver` is installed: `tritonserver --model-repository=$(pwd)`.
+Instances run on the {'GPU (KIND_GPU, CUDA execution provider)' if gpu else 'CPU (KIND_CPU)'};
+`harp-trt deploy triton --device {'cpu' if gpu else 'gpu'}` writes the other kind.
+
+## Call it
+
+```bash
+pip install "tritonclient[grpc]" transformers numpy
+python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
+```
+{tok_note}
+## Tensors
+
+`max_batch_size` is 0 and every tensor lists its batch dimension: `attention_mask` is
+[batch, past+seq] and the KV tensors are [batch, kv_heads, past, head_dim], so requests with
+different lengths cannot be concatenated by Triton's batcher, and the cache is the client's state.
+Each call sends `input_ids`, `attention_mask`, `position_ids` and `past_key_values.{{i}}.key/value`
+and receives `logits` and `present.{{i}}.key/value`, which become the next call's past.
+
+Inputs: {', '.join(f'`{n}`' for n in s['inputs'])}
+
+Outputs: {', '.join(f'`{n}`' for n in s['outputs'])}
+"""
+
+
+def readme_trtllm(config, info, s: dict[str, Any]) -> str:
+    v = s["template_values"]
+    world = int(s["world_size"] or 1)
+    windows = (f"`max_attention_window_size` = `{v['max_attention_window_size']}` (per layer; HARP-pruned "
+               "layers attend over one token, so their KV cache holds one block)."
+               if v["max_attention_window_size"] else
+               "No per-layer attention windows (DeciLM linear layers carry no KV cache at all).")
+    engine = ("The engine is built." if s["engine_built"] else
+              f"The engine is not built yet: run `bash {info.path / 'build_engine.sh'}` inside the container "
+              "first (it writes the engine where `gpt_model_path` points).")
+    kv = ((info.manifest.get("launch") or {}).get("kv_runtime") or {})
+    shares = kv.get("shares_env")
+    env = dict([shares.split("=", 1)]) if shares else {}
+    if world > 1:
+        env["TRTLLM_ORCHESTRATOR"] = "1"  # the backend spawns its MPI workers itself
+    run = docker_run(s["image"], "tritonserver --model-repository=/models", gpus=True, env=env, shm="2g",
+                     mounts=(('"$(pwd)"', "/models"), (f'"{info.path}"', f'"{info.path}"')))
+    if shares:
+        windows += (f" The KV pool is split between window sizes by `{shares}` (set in the command below): "
+                    "without it TensorRT-LLM 1.2 gives each window size an equal share "
+                    "(`BaseKVCacheManager::calculateMaxNumBlocks`), and the full-attention layers lose half the cache.")
+    return f"""# Triton model repository: TensorRT-LLM ({s['architecture']})
+
+Written by `harp-trt deploy triton` from `{info.path}`.
+
+```
+ensemble/        text_input, max_tokens -> text_output (preprocessing -> tensorrt_llm -> postprocessing)
+preprocessing/   Python backend: tokenizer (1/tokenizer), max_tokens clamped to the engine's max_seq_len
+tensorrt_llm/    tensorrtllm backend, gpt_model_path = {s['engine_dir']}
+postprocessing/  Python backend: detokenizer (1/tokenizer)
+client.py        sends a prompt to the ensemble and prints the reply
+harp_triton.json the values of the template keys and where everything came from
+```
+
+{engine}
+{windows}
+Batching: `{v['batching_strategy']}`, max batch size {v['triton_max_batch_size']},
+`kv_cache_free_gpu_mem_fraction` {v['kv_cache_free_gpu_mem_fraction']}, decoupled (streaming) mode
+{'on' if v['decoupled_mode'] else 'off'}.
+
+## Start the server
+
+The checkpoint targets **TensorRT-LLM {s['tensorrt_llm_version']}**; Triton {s['triton_release']}'s image
+`{s['image']}` carries it ({s['image_source']}). Use this container for `build_engine.sh` and for
+serving (an engine runs only with the TensorRT-LLM version that built it; another release:
+`harp-trt deploy triton --triton-release YY.MM`, refused when its TensorRT-LLM differs). The engine
+and this repository must be visible inside the container at the paths in the configs, so mount the
+artifact at its own path:
+
+```bash
+{run}
+```
+
+{'' if world == 1 else f'The engine spans {world} GPUs: orchestrator mode (TRTLLM_ORCHESTRATOR=1) lets the backend start its MPI workers itself. '}If the engine lives elsewhere in the container, rewrite with `--engine-dir PATH`.
+
+## Call it
+
+```bash
+pip install "tritonclient[grpc]" numpy
+python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
+```
+
+or over HTTP: `curl -s localhost:8000/v2/models/ensemble/generate -d '{{"text_input": "Hello", "max_tokens": 16}}'`.
+"""
