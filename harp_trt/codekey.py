@@ -186,7 +186,8 @@ def _loaded_elsewhere(name: str, root: Path) -> _Source | None:
     """A loaded module whose file lies under ``root`` but not at its name's place (a stage defined
     in a test module, ``tests/test_x.py`` imported as ``test_x``)."""
     f = getattr(sys.modules.get(name), "__file__", None)
-    if f and Path(f).suffix == ".py" and Path(f).resolve().is_relative_to(root):
+    if (f and Path(f).suffix == ".py" and Path(f).resolve().is_relative_to(root)
+            and "site-packages" not in Path(f).resolve().relative_to(root).parts):  # not a venv in the clone
         return _Source(name, Path(f).resolve(), Path(f).name == "__init__.py")
     return None
 

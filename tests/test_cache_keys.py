@@ -38,7 +38,9 @@ def ours():
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)  # (torch.ops and torch.classes carry a relative one)
         if f and Path(f).is_absolute() and Path(f).resolve().is_relative_to(root):
-            out[name] = mod
+            # the repository's own files: not a virtual environment that lives inside the clone (.ci/run's .venv)
+            if Path(f).resolve().relative_to(root).parts[0] in ("harp_trt", "calib", "builders", "bench"):
+                out[name] = mod
     return out
 
 seen = -1
