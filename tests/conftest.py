@@ -71,6 +71,14 @@ def _tiny_tokenizer():
                                    bos_token="<0x02>", eos_token="<0x03>")
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """Under pytest-randomly (.ci/run's `-p randomly`) say how to replay this order: `-q` hides the
+    header that names the seed."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
+
+
 @pytest.fixture(params=FAMILY_NAMES)
 def family(request) -> str:
     return request.param
