@@ -259,16 +259,17 @@ def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
 
 def _hub_snapshot(hf_id: str, preset_name: str | None = None) -> Path:
     """Local snapshot of a hub model (safetensors only). Fails cleanly when no hub is reachable."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     try:
         from huggingface_hub import snapshot_download
 
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         folder = snapshot_download(hf_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"],
                                    local_files_only=offline)
     except Exception as e:  # network / auth / not-found errors come in many types
         what = f"preset {preset_name!r} ({hf_id})" if preset_name else repr(hf_id)
+        why = "HF_HUB_OFFLINE is set and the local hub cache has no copy" if offline else type(e).__name__
         raise HubUnavailableError(
-            f"cannot fetch {what} from the model hub: {type(e).__name__}",
+            f"cannot fetch {what} from the model hub: {why}",
             f"download it where a hub is reachable and pass the folder: --model /path/to/{hf_id.split('/')[-1]}",
         ) from None
     folder = Path(folder)

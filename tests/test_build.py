@@ -5,16 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import forbid_model_loads, save_tiny
+from conftest import forbid_model_loads
 from test_calibrate_cli import run_json, write_corpus
 
 
 @pytest.fixture(scope="module")
-def tiny_build(tmp_path_factory):
+def tiny_build(tmp_path_factory, trained_qwen2):
     d = tmp_path_factory.mktemp("build")
-    folder = save_tiny("qwen2", d / "tiny-qwen2", seed=7, max_position_embeddings=1024)
     corpus = write_corpus(d / "corpus.txt")
-    base = ["build", "--model", str(folder), "--layers", "2", "--tokens", "256", "--seq-len", "64",
+    base = ["build", "--model", str(trained_qwen2), "--layers", "2", "--tokens", "256", "--seq-len", "64",
             "--corpus", str(corpus), "--alpha-grid", "0,0.5,1", "--workdir", str(d / "cache"), "--json"]
     return base
 
@@ -69,19 +68,33 @@ def test_build_triton_wraps_the_ort_engine(tiny_build, capsys):
     assert (repo / "client.py").is_file() and list(repo.glob("*/config.pbtxt"))
 
 
-def test_build_quant_int8_benches_against_the_fp32_engines(tiny_build, capsys):
-    """--quant int8: both bench engines quantized alike, the exact fp32 engines built beside them
-    and their held-out perplexity reported next to the quantized ones."""
-    code, res, _ = run_json(capsys, *tiny_build, "--quant", "int8", "--bench", "--bench-seq-lens", "16",
+# |held-out perplexity of the quantized engine / the exact fp32 engine's - 1|. Measured on the
+# trained tiny Qwen2 (fp32 perplexity 16.4): int8 0.01 %, int4 0.05 %. A quantizer that is off
+# stays inside: every block scale 5 % high moves int8 by 0.44 % and int4 by 0.49 %, every stored int4
+# level one step up (an off-by-one zero point) moves int4 by 0.7 %. (On the random model, perplexity
+# ~130, the 5 % scale error moved int8 by 0.16 %: inside the 2 % this test had.)
+QUANT_BOUNDS = {"int8": 0.003, "int4": 0.003}
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_build_quant_benches_against_the_fp32_engines(tiny_build, capsys, quant):
+    """--quant: both bench engines quantized alike, the exact fp32 engines built beside them and
+    their held-out perplexity reported next to the quantized ones, within a stated loss of them."""
+    code, plain, _ = run_json(capsys, *tiny_build)  # the unquantized pipeline (cached after the first test)
+    assert code == 0, plain
+    code, res, _ = run_json(capsys, *tiny_build, "--quant", quant, "--bench", "--bench-seq-lens", "16",
                             "--bench-repeats", "1", "--bench-batch-sizes", "1")
     assert code == 0, res
     assert list(res["stages"]) == ["calibrate", "export", "rewrite", "build", "build:dense", "build:dense-fp32",
                                    "build:harp-fp32", "bench"]
+    # quantization is a build option: calibrate and rewrite are the unquantized run's artifacts
     assert res["stages"]["calibrate"]["cached"] and res["stages"]["rewrite"]["cached"]
-    assert res["quant"]["mode"] == "int8" and res["quant"]["bits"] == 8
+    assert res["stages"]["rewrite"]["artifact"] == plain["stages"]["rewrite"]["artifact"]
+    assert res["quant"]["mode"] == quant and res["quant"]["bits"] == int(quant[3:])
     ppl = res["bench"]["ppl"]
-    for k in ("dense", "harp", "perplexity_fp32_dense", "perplexity_fp32_harp"):
-        assert ppl[k] > 1
-    # int8 costs little: within 2 % of the fp32 engine's perplexity (tiny random model)
-    assert abs(ppl["harp"] / ppl["perplexity_fp32_harp"] - 1) < 0.02
-    assert ppl["dense"] != ppl["perplexity_fp32_dense"]  # it is a different (quantized) engine
+    # the model is far from uniform (random weights: ~127 over 128 tokens), so a weight error shows
+    assert 1 < ppl["perplexity_fp32_dense"] < 20 and 1 < ppl["perplexity_fp32_harp"] < 20, ppl
+    for variant in ("dense", "harp"):
+        loss = ppl[variant] / ppl[f"perplexity_fp32_{variant}"] - 1
+        assert abs(loss) < QUANT_BOUNDS[quant], (variant, ppl)
+        assert ppl[variant] != ppl[f"perplexity_fp32_{variant}"]  # it is a different (quantized) engine

@@ -140,9 +140,11 @@ def test_bad_models(tmp_path, capsys):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     code, _, err = run_json(capsys, "eval", "--plan", str(plan), "--workdir", cache, "--model", str(trunc))
     assert code == 2 and "not a complete safetensors file" in err
-    # preset that needs a hub
+    # preset that needs a hub: the suite runs offline (conftest), so no 15 GB download starts
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
     code, _, err = run_json(capsys, "calibrate", "--model", "qwen2-7b", "--workdir", cache)
-    assert code == 2 and "qwen2-7b" in err and "Qwen/Qwen2-7B" in err and "--model /path/to" in err
+    assert code == 2 and "preset 'qwen2-7b' (Qwen/Qwen2-7B)" in err and "--model /path/to/Qwen2-7B" in err
+    assert "HF_HUB_OFFLINE is set and the local hub cache has no copy" in err
 
 
 def _fake_plan(tmp_path, folder):

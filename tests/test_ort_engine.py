@@ -188,17 +188,13 @@ def test_generate_cli(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_smollm2_engine_generates_like_hf(smollm2, test_cache):
+def test_smollm2_engine_generates_like_hf(smollm2, smollm2_export):
     """Real model: export stage -> GQA engine -> greedy tokens equal HF's (batch 2, left padding)."""
     from builders.ort.builder import OrtBuildStage
     from harp_trt.models import load_tokenizer
-    from harp_trt.rewrite.config import ExportConfig
-    from harp_trt.rewrite.export import ExportStage
-    from harp_trt.store import ArtifactStore
 
-    resolved, model, _ = smollm2
-    store = ArtifactStore(test_cache)
-    export = ExportStage().execute(store, ExportConfig(), {"model": resolved})
+    _, model, _ = smollm2
+    store, export = smollm2_export
     eng = OrtBuildStage().execute(store, OrtBuildConfig(intra_op_threads=2), {"onnx": export})
     spec = eng.manifest["engine"]
     assert len(spec["attention"]["converted_layers"]) == 30

@@ -11,24 +11,21 @@ import pytest
 
 from harp_trt.plan import Plan
 from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage
-from harp_trt.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
 
 
-def test_smollm2_rewrite_verify_generate(smollm2, test_cache):
+def test_smollm2_rewrite_verify_generate(smollm2, smollm2_export):
     from harp_trt.harp import apply_harp
     from harp_trt.models import load_model, load_tokenizer
     from harp_trt.ort_session import OrtCausalLM
-    from harp_trt.rewrite.export import ExportConfig, ExportStage
 
     resolved, _, family = smollm2
+    store, export = smollm2_export
     n = 30
     layers, alphas = (26, 27, 28, 29), (0.6, 0.35, 0.8, 0.0)
     plan = Plan(model_ref="smollm2-135m", model_digest=resolved.digest, family=family.name, num_layers=n,
                 strategy="top", layers=layers, alphas=alphas)
-    store = ArtifactStore(test_cache / "store")
-    export = ExportStage().execute(store, ExportConfig(), {"model": resolved})
     art = RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": plan, "model": resolved},
                                  force=True)
     man = art.manifest

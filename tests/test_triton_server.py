@@ -119,9 +119,25 @@ def test_http_and_grpc_match_harp_trt_generate(server, capsys):
     assert client.stream_text(srv.grpc, "harp", PROMPT, {"max_tokens": MAX_TOKENS}) == want
 
 
+def _largest_batches_logged(srv, since: int, timeout: float = 10.0) -> list[int]:
+    """The model's "largest decode batch so far" log lines written after byte ``since`` of the
+    server log (the Python-backend stub relays them asynchronously: wait for one)."""
+    import re
+    import time
+
+    t0 = time.monotonic()
+    while True:
+        found = [int(n) for n in re.findall(rb"harp: largest decode batch so far: (\d+) sequences",
+                                            srv.log.read_bytes()[since:])]
+        if found or time.monotonic() - t0 > timeout:
+            return found
+        time.sleep(0.2)
+
+
 def test_eight_concurrent_streams_complete(server):
     srv = server["server"]
     client = _load_client(server["repo"])
+    log_start = srv.log.stat().st_size
     prompts = [f"{PROMPT} {i}" for i in range(8)]
     results: dict[int, str] = {}
     errors: list[str] = []
@@ -138,6 +154,10 @@ def test_eight_concurrent_streams_complete(server):
     for t in threads:
         t.join(120)
     assert not errors and sorted(results) == list(range(8))
+    # batched together: the model decoded several of these streams in one graph call (its own log;
+    # Triton's statistics count one execution per request, as the model batches inside itself)
+    batches = _largest_batches_logged(srv, log_start)
+    assert batches and max(batches) >= 2, (batches, srv.log_tail())
     # complete: each equals the same request served alone (greedy; batched decoding is exact here)
     for i, p in enumerate(prompts):
         code, alone = _http_json(f"{srv.http}/v2/models/harp/generate",

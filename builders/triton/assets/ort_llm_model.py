@@ -77,11 +77,20 @@ class TritonPythonModel:
         eos = [int(t) for t in params.get("eos_token_ids", "").split(",") if t.strip()]
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
+        self.largest_batch = 0
         self.gen = BatchedGenerator(self.lm, tuple(eos), max_active=int(params.get("max_active") or 8),
-                                    max_seq_len=int(params.get("max_seq_len") or 0) or None)
+                                    max_seq_len=int(params.get("max_seq_len") or 0) or None,
+                                    on_decode=self._log_batch)
         self.stop = threading.Event()
         self.worker = threading.Thread(target=self.gen.serve, args=(self.stop,), daemon=True)
         self.worker.start()
+
+    def _log_batch(self, size):
+        """Each new largest decode batch goes to the server log (Triton counts one execution per
+        request here: the batching happens inside this model, so only it can say)."""
+        if size > self.largest_batch:
+            self.largest_batch = size
+            pb_utils.Logger.log_info(f"harp: largest decode batch so far: {size} sequences")
 
     def execute(self, requests):
         from harp_trt.errors import HarpError
