@@ -121,9 +121,10 @@ def _params(graph: ir.Graph) -> int:
 def _block_constants(m: AttentionMatch, removed_block: bool) -> tuple[dict[str, int], set[str]]:
     """The layer's constants by what the rewrite does to them: ``harp`` maps the initializers HARP
     removes (Q/K projection weights and biases; V, o_proj and the norm gains too when the block
-    goes at alpha 0)
-    to how many of their parameters are HARP's (a packed QKV weight: all but V's columns);
-    ``replaced`` names the ones the edit swaps for folded copies (o_proj, the post-norm gain)."""
+    goes at alpha 0) to how many of their parameters are HARP's (-1: all; a packed QKV weight: all
+    but V's columns); ``replaced`` names the ones the edit swaps for folded copies (o_proj, the
+    post-norm gain). Only what the sweep really removes is counted: a constant another layer
+    still reads (the optimizer shares bitwise-equal initializers) stays out of the count."""
     harp: dict[str, int] = {}
     for node in m.qk_nodes:
         w = node.inputs[1]
