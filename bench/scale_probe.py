@@ -7,7 +7,7 @@ holds one tensor; a borrowed SmolLM2 tokenizer), then runs each stage as a ``har
 subprocess and reads that subprocess's peak resident memory from ``wait4``. No weights are needed to
 measure memory and time: shapes decide both. The last stdout line is one JSON object: per stage the
 command, seconds, peak RSS, peak RSS / model bf16 bytes (and / fp32 graph bytes for the ONNX stages),
-the path it took (in-memory or sequential) and its exit code.
+the path it took (in-memory or sequential), the disk bytes of each artifact it wrote and its exit code.
 
 Stages: ``calibrate`` (auto placement), ``calibrate-seq`` (``--sequential``), ``deploy`` (TensorRT-LLM
 checkpoint + HF folder, verified), ``rewrite`` (fp32 ONNX export + HARP rewrite + verification).
@@ -127,6 +127,15 @@ def _measured(cmd: list[str], env: dict) -> dict:
             "result": result, "stderr_tail": p.stderr.strip().splitlines()[-3:] if probe["code"] else []}
 
 
+def artifact_bytes(cache: Path) -> dict[str, int]:
+    """Disk bytes of every finished artifact folder in the cache (one with a ``manifest.json``),
+    by folder name (``<stage>-<hash>``)."""
+    if not cache.is_dir():
+        return {}
+    return {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            for d in sorted(cache.iterdir()) if (d / "manifest.json").is_file()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b")
@@ -181,8 +190,10 @@ def main(argv=None) -> int:
             cmd = ["rewrite", "--model", str(model_dir), "--plan", plan]
         else:
             raise SystemExit(f"unknown stage {stage!r}")
+        before = artifact_bytes(cache)
         r = _measured(exe + cmd + common, env)
         r["command"] = "harp-trt " + " ".join(cmd)
+        r["artifact_bytes"] = {k: v for k, v in artifact_bytes(cache).items() if k not in before}
         if r["peak_rss"]:
             r["peak_rss_gb"] = round(r["peak_rss"] / 1e9, 3)
             r["rss_over_bf16_bytes"] = round(r["peak_rss"] / bf16, 3)

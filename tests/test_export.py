@@ -170,3 +170,30 @@ def test_streamed_export_in_bfloat16(tmp_path):
     assert read_export_meta(path)["dtype"] == "bfloat16"
     with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
         export_folder(folder, tmp_path / "x", dtype="int8")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("path", ["in-memory", "streamed"])
+def test_export_stores_each_weight_once(tmp_path, tied, path):
+    """Every initializer is read by the graph, and together they are the model's parameter bytes
+    (a tied embedding once) plus a few small constants: no weight beside its transposed copy."""
+    from conftest import make_tiny
+    from harp_trt.rewrite.export import export_folder
+
+    model = make_tiny("qwen2", tie_word_embeddings=tied)
+    with torch.no_grad():  # random init leaves the biases at 0: equal tensors the optimizer would share
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_()
+    if path == "streamed":
+        model.save_pretrained(tmp_path / "m", safe_serialization=True)
+        onnx_path = export_folder(tmp_path / "m", tmp_path / "x")
+    else:
+        onnx_path = export_dense(model, tmp_path / "x")
+    g = onnx.load(str(onnx_path)).graph
+    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    assert [t.name for t in g.initializer if t.name not in read] == []
+    init_bytes = sum(onnx.numpy_helper.to_array(t).nbytes for t in g.initializer)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors once
+    assert param_bytes <= init_bytes <= param_bytes + 4096, (init_bytes, param_bytes)
+    verify_export(model, onnx_path, atol=ATOL)

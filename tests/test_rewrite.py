@@ -94,6 +94,23 @@ def _qk_weights(path: Path, layers) -> set[str]:
     return out
 
 
+def _harp_params(folder, family: str, alpha: float) -> tuple[int, int]:
+    """(parameters HARP removes, parameters the edit replaces by folded copies) in one pruned
+    layer, from the model's config.json alone: Q and K projections (+ biases for Qwen2); at
+    alpha = 0 also V, o_proj, the input norm gain and Gemma2's post-attention norm gain; otherwise
+    o_proj is replaced
+    (and Gemma2's post-attention norm gain when alpha != 1)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    d, h, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // h
+    bias = family == "qwen2"
+    q, k, v, o = d * h * hd + bias * h * hd, d * kv * hd + bias * kv * hd, d * kv * hd + bias * kv * hd, h * hd * d
+    gain = d if family == "gemma2" else 0
+    if alpha == 0.0:
+        return q + k + v + o + d + gain, 0
+    return q + k, o + (gain if alpha != 1.0 else 0)
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_rewrite_and_verify(exports, family):
     store, export, resolved = exports(family)
@@ -140,7 +157,15 @@ def test_rewrite_and_verify(exports, family):
             # folded W_O is kv_dim x hidden = 32 x 64 (+ the Gemma2 gain of 64)
             assert r["params_added"] == 32 * 64 + (64 if family == "gemma2" and a != 1.0 else 0)
         assert r["params_removed"] > 0 and r["nodes_removed"] > 10
-    assert report["params_removed"] == man["removed_params"] > 0
+        # HARP's own removals counted from the config; what else the sweep took is counted apart
+        assert (r["harp_params_removed"], r["params_replaced"]) == _harp_params(resolved.folder, family, a)
+        assert r["params_removed"] == r["harp_params_removed"] + r["params_replaced"] + r["cleanup_params"]
+        assert r["cleanup_params"] < 64, r["cleanup_initializers"]  # shape constants, never a weight
+    harp = sum(_harp_params(resolved.folder, family, a)[0] for a in alphas)
+    assert report["params_removed"] == report["harp"]["params_removed"] == man["removed_params"] == harp
+    assert report["harp"]["kv_inputs_removed"] == [f"past_key_values.{l}.{t}" for l in layers for t in ("key", "value")]
+    assert report["params_net_change"] == report["params_before"] - report["params_after"] == \
+        harp + report["harp"]["params_replaced"] + report["cleanup"]["params"] - report["harp"]["params_added"]
     # the artifact carries the plan and the tokenizer; a second run is a cache hit
     assert Plan.load(art.path / "plan.json") == plan
     assert (art.path / "tokenizer.json").is_file()

@@ -390,6 +390,9 @@ def test_optimum_style_graph(bias, sdpa):
     c = w["cfg"]
     assert rep.params_added == c["KV"] * c["hd"] * c["D"]
     assert rep.params_removed >= 2 * c["D"] * c["H"] * c["hd"] + c["D"] * c["KV"] * c["hd"]  # W_Q, W_O, W_K
+    qk = (c["D"] + bias) * (c["H"] + c["KV"]) * c["hd"]  # HARP's own: W_Q, W_K (+ their biases)
+    assert (rep.harp_params_removed, rep.params_replaced) == (qk, c["H"] * c["hd"] * c["D"])
+    assert result.to_dict()["params_removed"] == qk
 
 
 @pytest.mark.parametrize("stored,mode", [("gain", "alpha-in-norm-gain"), ("offset", "alpha-mul")])
@@ -430,6 +433,10 @@ def test_group_query_attention_graph(packed, skip_norm):
     assert [r.mode for r in result.layers] == ["alpha-in-o_proj", "removed"]
     assert not any(n.op_type == "GroupQueryAttention" and "layers.0/" in n.name for n in model.graph)
     assert sum(n.op_type == "GroupQueryAttention" for n in model.graph) == 1
+    c = w["cfg"]
+    q, k, v = ((c["D"] + packed) * n * c["hd"] for n in (c["H"], c["KV"], c["KV"]))  # bias with packed
+    # at alpha 0 the whole sublayer: + V, W_O and the input norm's gain
+    assert [r.harp_params_removed for r in result.layers] == [q + k, q + k + v + c["H"] * c["hd"] * c["D"] + c["D"]]
     if packed:  # only V's columns of the packed weight survive
         assert result.layers[0].initializers_added[0] == "harp.layers.0.v_proj.weight"
         assert model.graph.initializers["harp.layers.0.v_proj.weight"].const_value.shape == (32, 2 * 16)

@@ -45,7 +45,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -55,6 +54,7 @@ from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRE
                       input_names, output_names, read_export_meta)
 from ..stage import Stage
 from .config import ExportConfig
+from .initializers import bind_lazily, drop_dead_initializers, fold_weight_transposes, optimize
 
 __all__ = ["export_dense", "export_folder", "verify_export", "kv_layers_of", "ExportStage",
            "exporter_versions"]
@@ -162,7 +162,7 @@ def _fake_model(cfg, dtype: torch.dtype, attn_implementation: str):
 
 def _trace(fake_model: nn.Module, mode, kv_layers: list[int], num_layers: int, opset: int):
     """``torch.onnx.export`` of a model whose parameters are fake: the graph is traced from shapes
-    alone; every initializer is bound afterwards (``_bind``)."""
+    alone; every initializer is bound afterwards (``bind_lazily``)."""
     wrapper = _FlatKV(fake_model, kv_layers, num_layers).eval()
     ids, mask, pos, flat = _example(fake_model, kv_layers, batch=2, seq=5, past=3)
     args = (mode.from_tensor(ids), mode.from_tensor(mask), mode.from_tensor(pos), [mode.from_tensor(t) for t in flat])
@@ -179,82 +179,18 @@ def _trace(fake_model: nn.Module, mode, kv_layers: list[int], num_layers: int, o
                              "check the model loads and runs a forward pass with cache=DynamicCache()") from e
 
 
-def _ir_tensor(t: torch.Tensor, name: str):
-    import onnx_ir as ir
-
-    t = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return ir.Tensor(t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16), name=name)
-    return ir.Tensor(t.numpy(), name=name)
-
-
-def _bind(program, fetch, shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-    """Give every initializer of a fake-traced program a lazy value: ``fetch(name)`` returns the
-    tensor when the saver asks for it, so one initializer is resident at a time."""
-    import onnx_ir as ir
-
-    for name, value in program.model.graph.initializers.items():
-        if name not in shapes:
-            raise GraphError("export", f"traced graph has an initializer {name!r} that no weight or buffer "
-                             "provides", "report this with the model type")
-        dtype, shape = shapes[name]
-        ir_dtype = ir.DataType.BFLOAT16 if dtype == torch.bfloat16 else ir.DataType.from_numpy(
-            torch.empty((), dtype=dtype).numpy().dtype)
-        value.const_value = ir.LazyTensor(lambda n=name: _ir_tensor(fetch(n), n), dtype=ir_dtype,
-                                          shape=ir.Shape(shape), name=name)
-
-
-def _fold_weight_transposes(model) -> int:
-    """Replace ``Transpose(W)`` of a lazily bound 2-D weight by a lazy initializer holding ``W.T``.
-
-    The exporter writes ``linear`` as ``MatMul(x, Transpose(W))``; the optimizer would fold each
-    Transpose into a new initializer *in memory* (every weight matrix of the model at once). Doing
-    the fold here, lazily, gives the optimizer the graph it would have produced, with nothing
-    materialised. Returns how many were folded."""
-    import onnx_ir as ir
-
-    graph = model.graph
-    folded = 0
-    for node in list(graph):
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
-            continue
-        src = node.inputs[0]
-        tensor = src.const_value if src is not None else None
-        perm = node.attributes.get("perm")
-        if not isinstance(tensor, ir.LazyTensor) or len(tensor.shape) != 2 or \
-                (perm is not None and list(perm.as_ints()) != [1, 0]):
-            continue
-        out = node.outputs[0]
-        name = out.name
-        shape = ir.Shape([tensor.shape[1], tensor.shape[0]])
-        lazy = ir.LazyTensor(lambda t=tensor, n=name: _transposed(t, n), dtype=tensor.dtype, shape=shape, name=name)
-        new = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
-        graph.remove(node, safe=False)
-        out.replace_all_uses_with(new)
-        if out.is_graph_output():
-            continue
-        graph.initializers.add(new)
-        if not src.uses() and src.name in graph.initializers:
-            del graph.initializers[src.name]
-        folded += 1
-    return folded
-
-
-def _transposed(tensor, name: str):
-    import onnx_ir as ir
-
-    return ir.Tensor(np.ascontiguousarray(tensor.numpy().T), name=name)
-
-
 def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
     """Optimise (as ``torch.onnx.export(optimize=True)`` does), stamp the metadata and save; weights
-    go to ``model.onnx.data`` only past the protobuf limit, written one initializer at a time."""
+    go to ``model.onnx.data`` only past the protobuf limit, written one initializer at a time.
+    Each weight is saved once: the folded transposes replace their sources, and any initializer
+    the graph no longer reads is dropped (a dead copy doubled the fp32 export on disk)."""
     import onnx_ir as ir
 
-    _fold_weight_transposes(program.model)
-    program.optimize()
+    fold_weight_transposes(program.model)
+    optimize(program.model)
+    dead = drop_dead_initializers(program.model)
+    if dead:
+        log.info("dropped %d unused initializers (%s)", len(dead), ", ".join(dead[:5]))
     program.model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
     path = out_dir / MODEL_FILE
     data = MODEL_FILE + EXTERNAL_DATA_SUFFIX
@@ -294,7 +230,7 @@ def export_dense(model: nn.Module, out_dir: Path, opset: int = 23) -> Path:
     if alphas:
         apply_harp(fake, alphas, family_of(model.config))
     program = _trace(fake, mode, kv_layers, model.config.num_hidden_layers, opset)
-    _bind(program, lambda n: real[n], {n: (t.dtype, tuple(t.shape)) for n, t in real.items()})
+    bind_lazily(program, lambda n: real[n], {n: (t.dtype, tuple(t.shape)) for n, t in real.items()})
     return _finish(program, _meta(model, kv_layers, "float32"), out_dir)
 
 
@@ -338,7 +274,7 @@ def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "fl
     kv_layers = list(range(cfg.num_hidden_layers))
     log.info("exporting %s from %s (%d layers, %s, streamed)", cfg.model_type, folder, cfg.num_hidden_layers, dtype)
     program = _trace(fake, mode, kv_layers, cfg.num_hidden_layers, opset)
-    _bind(program, fetch, shapes)
+    bind_lazily(program, fetch, shapes)
     return _finish(program, _meta(fake, kv_layers, dtype), out_dir)
 
 

@@ -117,6 +117,16 @@ class DeadCode:
     initializers: list[str] = field(default_factory=list)
     params: int = 0
     bytes: int = 0
+    sizes: dict[str, int] = field(default_factory=dict)  # params per removed initializer
+
+    def extend(self, other: "DeadCode") -> None:
+        self.nodes += other.nodes
+        self.initializers += other.initializers
+        self.params += other.params
+        self.bytes += other.bytes
+        self.sizes.update(other.sizes)
+        for op, c in other.node_ops.items():
+            self.node_ops[op] = self.node_ops.get(op, 0) + c
 
 
 def remove_dead(graph: ir.Graph) -> DeadCode:
@@ -138,7 +148,9 @@ def remove_dead(graph: ir.Graph) -> DeadCode:
             continue
         tensor = value.const_value
         if tensor is not None:
-            out.params += int(np.prod(tensor.shape.numpy())) if tensor.shape is not None else 0
+            n = int(np.prod(tensor.shape.numpy())) if tensor.shape is not None else 0
+            out.params += n
+            out.sizes[name] = n
             out.bytes += tensor.nbytes
         del graph.initializers[name]
         out.initializers.append(name)

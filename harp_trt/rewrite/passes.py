@@ -18,8 +18,8 @@ import onnx_ir.passes as ir_passes
 
 from ..errors import GraphError, PostconditionError
 from ..onnx_io import parse_any_kv_name
-from .graph import STAGE, remove_dead
-from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, describe
+from .graph import STAGE, DeadCode, remove_dead
+from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, _is_bias_add, describe
 
 __all__ = ["HarpRewritePass", "LayerReport", "RewriteResult", "RewritePreconditionError",
            "RewritePostconditionError", "count_attention_layers"]
@@ -40,10 +40,14 @@ class LayerReport:
     nodes_added: list[str]
     initializers_removed: list[str]
     initializers_added: list[str]
-    params_removed: int
+    params_removed: int             # every initializer parameter the layer's sweep removed
     params_added: int
     kv_inputs_removed: list[str]
     kv_outputs_removed: list[str]
+    harp_params_removed: int = 0    # HARP's own: Q/K weights+biases (all of the block at alpha 0)
+    params_replaced: int = 0        # constants the edit replaced by folded ones (o_proj, norm gain)
+    cleanup_initializers: list[str] = field(default_factory=list)  # swept, not the block's
+    cleanup_params: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,10 +82,26 @@ class RewriteResult(ir_passes.PassResult):
     def kv_inputs_removed(self) -> list[str]:
         return [n for r in self.layers for n in r.kv_inputs_removed]
 
+    @property
+    def harp_params_removed(self) -> int:
+        return sum(r.harp_params_removed for r in self.layers)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": [r.to_dict() for r in self.layers], "nodes_before": self.nodes_before,
+        """``params_removed`` is what HARP removed (Q/K projections of the pruned layers, the
+        whole block at alpha 0); ``harp`` details it with the KV I/O, ``cleanup`` lists what the
+        dead-code sweep took that was not the block's, ``params_net_change`` is before - after."""
+        layers = self.layers
+        return {"layers": [r.to_dict() for r in layers], "nodes_before": self.nodes_before,
                 "nodes_after": self.nodes_after, "params_before": self.params_before,
-                "params_after": self.params_after, "params_removed": self.params_removed,
+                "params_after": self.params_after, "params_removed": self.harp_params_removed,
+                "params_net_change": self.params_removed,
+                "harp": {"params_removed": self.harp_params_removed,
+                         "params_replaced": sum(r.params_replaced for r in layers),
+                         "params_added": sum(r.params_added for r in layers),
+                         "kv_inputs_removed": [n for r in layers for n in r.kv_inputs_removed],
+                         "kv_outputs_removed": [n for r in layers for n in r.kv_outputs_removed]},
+                "cleanup": {"initializers": [n for r in layers for n in r.cleanup_initializers],
+                            "params": sum(r.cleanup_params for r in layers)},
                 "kv_inputs_before": self.kv_inputs_before, "kv_inputs_after": self.kv_inputs_after,
                 **self.extra}
 
@@ -96,6 +116,56 @@ def _params(graph: ir.Graph) -> int:
                 n *= int(d)
             total += n
     return total
+
+
+def _block_constants(m: AttentionMatch, removed_block: bool) -> tuple[dict[str, int], set[str]]:
+    """The layer's constants by what the rewrite does to them: ``harp`` maps the initializers HARP
+    removes (Q/K projection weights and biases; V, o_proj and the norm gains too when the block
+    goes at alpha 0) to how many of their parameters are HARP's (-1: all; a packed QKV weight: all
+    but V's columns); ``replaced`` names the ones the edit swaps for folded copies (o_proj, the
+    post-norm gain). Only what the sweep really removes is counted: a constant another layer
+    still reads (the optimizer shares bitwise-equal initializers) stays out of the count."""
+    harp: dict[str, int] = {}
+    for node in m.qk_nodes:
+        w = node.inputs[1]
+        if w is not None and w.name:
+            harp[w.name] = -1  # all of it
+        for use in node.outputs[0].uses():
+            b = _is_bias_add(use.node, node.outputs[0])
+            if b is not None and b.name:
+                harp[b.name] = -1
+    replaced = {v.name for v in (m.w_o, m.b_o) if v is not None and v.name}
+    if m.post_norm is not None:
+        replaced |= {v.name for v in m.post_norm.inputs[1:] if v is not None and v.name and v.const_value is not None}
+    if removed_block:  # the whole sublayer goes: V, o_proj, its norms' gains
+        norm = m.x.producer()
+        gains = [v for v in norm.inputs[1:] if v is not None and v.const_value is not None] if norm else []
+        harp.update({n: -1 for n in replaced | {v.name for v in (m.w_v, m.b_v, *gains) if v is not None and v.name}})
+        replaced = set()
+    elif m.v_cols is not None:  # packed QKV: the packed constants go, V's columns are re-added
+        lo, hi = m.v_cols
+        for v in (m.w_v, m.b_v):
+            if v is not None and v.name and v.const_value is not None:
+                shape = [int(d) for d in v.const_value.shape]
+                harp[v.name] = int(np.prod(shape)) - (hi - lo) * (shape[0] if len(shape) == 2 else 1)
+    return harp, replaced
+
+
+def _classify(dead: DeadCode, harp: Mapping[str, int], replaced: set[str]) -> tuple[int, int, list[str], int]:
+    """Split what the sweep removed: (HARP params, replaced params, clean-up names, clean-up params)."""
+    h = r = c = 0
+    cleanup = []
+    for name in dead.initializers:
+        n = dead.sizes.get(name, 0)
+        if name in harp:
+            h += n if harp[name] < 0 else harp[name]
+            r += 0 if harp[name] < 0 else n - harp[name]
+        elif name in replaced:
+            r += n
+        else:
+            cleanup.append(name)
+            c += n
+    return h, r, cleanup, c
 
 
 def _kv_inputs(graph: ir.Graph) -> list[ir.Value]:
@@ -255,6 +325,7 @@ class HarpRewritePass(ir_passes.InPlacePass):
         for layer, m in matches.items():
             alpha = self.alphas[layer]
             rule = next(r for r in self.rules if r.name == m.rule)
+            harp, replaced = _block_constants(m, alpha == 0.0)
             edit = rule.rewrite(graph, m, alpha)
             outs = [v for v in m.kv_outputs if v in list(graph.outputs)]
             for v in outs:
@@ -265,12 +336,7 @@ class HarpRewritePass(ir_passes.InPlacePass):
                 if v not in list(graph.inputs):
                     continue
                 _reroute_shape_reads(graph, v, matches)
-                late = remove_dead(graph)
-                dead.nodes += late.nodes
-                dead.initializers += late.initializers
-                dead.params += late.params
-                for op, c in late.node_ops.items():
-                    dead.node_ops[op] = dead.node_ops.get(op, 0) + c
+                dead.extend(remove_dead(graph))
                 if v.uses():
                     raise GraphError(STAGE, f"layer {layer}: KV input {v.name!r} is still used after "
                                             f"the rewrite by {[u.node.name for u in v.uses()]}")
@@ -280,16 +346,18 @@ class HarpRewritePass(ir_passes.InPlacePass):
                 raise GraphError(STAGE, f"layer {layer}: the attention core or Q/K projections are "
                                         f"still reachable after the rewrite")
             self._removed[layer] = (list(m.kv_inputs), list(m.kv_outputs), [m.core])
+            harp_params, replaced_params, cleanup, cleanup_params = _classify(dead, harp, replaced)
             rep = LayerReport(
                 layer=layer, alpha=alpha, rule=m.rule, locator=m.locator, mode=edit.mode,
                 match=describe(m), nodes_removed=len(dead.nodes), removed_ops=dead.node_ops,
                 nodes_added=edit.nodes_added, initializers_removed=dead.initializers,
                 initializers_added=edit.initializers_added, params_removed=dead.params,
                 params_added=edit.params_added, kv_inputs_removed=[v.name for v in ins],
-                kv_outputs_removed=[v.name for v in outs])
-            log.info("layer %d: %s via %s, alpha=%.4g (%s): -%d nodes, -%d/+%d params, -%d KV inputs",
-                     layer, m.rule, m.locator, alpha, edit.mode, len(dead.nodes), dead.params,
-                     edit.params_added, len(ins))
+                kv_outputs_removed=[v.name for v in outs], harp_params_removed=harp_params,
+                params_replaced=replaced_params, cleanup_initializers=cleanup, cleanup_params=cleanup_params)
+            log.info("layer %d: %s via %s, alpha=%.4g (%s): -%d nodes, -%d HARP params, %d replaced by %d, "
+                     "-%d clean-up params, -%d KV inputs", layer, m.rule, m.locator, alpha, edit.mode,
+                     len(dead.nodes), harp_params, replaced_params, edit.params_added, cleanup_params, len(ins))
             reports.append(rep)
         graph.meta.pop("harp_names", None)
         return RewriteResult(model=model, modified=bool(reports), layers=reports, nodes_before=nodes_before,
