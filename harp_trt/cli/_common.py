@@ -125,6 +125,14 @@ def given_layers_and_alphas(args) -> tuple[int | None, tuple[int, ...], tuple[fl
             have = ", ".join(n for n, p in PRESETS.items() if p.paper_alphas)
             raise ConfigError(f"--paper-alphas: the HARP paper publishes no alphas for {args.model!r}",
                               f"presets with published alphas: {have}; or pass --alphas")
+        # The published alphas belong to the top P layers (the official code applies them as
+        # alpha_list[L - 1 - layer] to layers L-P..L-1); on layers another strategy or
+        # --prune-layers picks they are numbers searched for different layers.
+        if prune or args.strategy != "top":
+            chosen = f"--prune-layers {args.prune_layers}" if prune else f"--strategy {args.strategy}"
+            raise ConfigError(f"--paper-alphas are the HARP paper's alphas for the top {len(preset.paper_alphas)} "
+                              f"layers; {chosen} would put them on other layers",
+                              "drop that flag (--strategy top is the default), or search: leave out --paper-alphas")
         alphas, order = preset.paper_alphas, "top-down"
     layers = args.layers
     for what, n in (("--prune-layers", len(prune)), ("--alphas", len(alphas))):
