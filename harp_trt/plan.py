@@ -62,6 +62,15 @@ class Plan:
         recorded always used ``halves``."""
         return str((self.extra.get("search_split") or {}).get("name", "halves"))
 
+    def reads_search_text(self, corpus_digest: str, split: str) -> bool:
+        """Whether documents of ``split`` (calib | heldout | all) of the corpus with this digest
+        chose the alphas: the even half (``halves``) or every document (``all``) of the searched
+        corpus. Stages that report held-out perplexity refuse such text."""
+        record = (self.extra.get("search_split") or {}).get("search") or {}
+        if corpus_digest != record.get("corpus_digest", self.extra.get("corpus_digest")):
+            return False
+        return split != "heldout" or self.search_split == "all"
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         """A plan from its JSON object; ConfigError naming the first wrong field (its type, a

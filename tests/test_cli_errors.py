@@ -113,6 +113,14 @@ CASES = [
      "--prune-layers 1,2,3,4 would put them on other layers"),
     (["build", "--model", "gemma2-9b", "--paper-alphas", "--strategy", "gate-norm"], ConfigError,
      "--strategy gate-norm would put them on other layers"),
+    # the search split and the paper objective's BOS (refused before the model loads)
+    (["calibrate", "--model", "T", "--search-split", "all"], ConfigError, "the held-out perplexity needs another text"),
+    (["calibrate", "--model", "T", "--heldout-corpus", "R/other.txt"], ConfigError,
+     "--heldout-corpus goes with --search-split all"),
+    (["calibrate", "--model", "T", "--search-split", "all", "--heldout-corpus", "wiki"], ConfigError,
+     "--heldout-corpus wiki is the search corpus"),
+    (["calibrate", "--model", "T", "--paper-bos", "lm-eval-0.4.7"], ConfigError,
+     "--paper-bos lm-eval-0.4.7 applies to --objective paper only"),
 ]
 
 

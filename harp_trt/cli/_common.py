@@ -77,6 +77,15 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
                    help=f"window length, or 'max' (the model's maximum length) (default {C.default('seq_len')}; "
                         "with --objective paper: max)")
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (default %(default)s)")
+    p.add_argument("--search-split", choices=("halves", "all"), default=C.default("search_split"),
+                   help="halves: search on the corpus's even documents, held-out perplexity on its odd ones "
+                        "(default); all: the HARP paper's split, search on every document of --corpus and "
+                        "report held-out perplexity on --heldout-corpus")
+    p.add_argument("--heldout-corpus", default=None,
+                   help="with --search-split all: the other text ('wiki' or a .txt/.jsonl file) for held-out perplexity")
+    p.add_argument("--paper-bos", choices=("once", "lm-eval-0.4.7"), default=C.default("paper_bos"),
+                   help="with --objective paper: once = one BOS before each document (default); lm-eval-0.4.7 = "
+                        "as that version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored")
     add_placement_arguments(p)
     p.add_argument("--naive", action="store_true", help="recompute the full model per candidate (reference search)")
 
@@ -171,7 +180,8 @@ def calibrate_config_from_args(args):
         "layers": layers, "strategy": args.strategy, "alpha_grid": parse_grid(args.alpha_grid),
         "tokens": args.tokens, "seq_len": seq_len, "corpus": args.corpus, "dtype": placement.dtype,
         "device": placement.kind, "prune_layers": prune, "alphas": alphas, "objective": args.objective,
-        "search": args.search,
+        "search": args.search, "search_split": args.search_split, "heldout_corpus": args.heldout_corpus or "",
+        "paper_bos": args.paper_bos,
     })
     return config, placement
 
