@@ -169,3 +169,17 @@ def test_an_old_plan_without_the_split_record_still_loads(setup):
     assert "search_split" not in d["extra"]
     plan = Plan.from_dict(d)
     assert plan.search_split == "halves" and plan.layers == (2, 3)
+
+
+def test_generate_refuses_a_cached_artifact_that_is_not_an_engine(tmp_path, capsys):
+    """An artifact key of another stage is named as such, and the artifact stays."""
+    from harp_trt.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "cache")
+    key = ArtifactStore.make_key("calibrate", {"probe": 1})
+    with store.lock(key), store.writing(key) as tmp:
+        ArtifactStore.write_manifest(tmp, {"stage": "calibrate"})
+    assert main(["generate", "--artifact", key, "--prompt", "hi", "--workdir", str(store.root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"harp-trt generate: error: [generate] artifact {key} is a calibrate artifact, not an engine"]
+    assert store.get(key) is not None and not list((store.root / ".tmp").iterdir())

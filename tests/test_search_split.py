@@ -69,7 +69,7 @@ def test_the_paper_split_searches_every_document_and_holds_out_the_named_text(ti
     assert code == 0, err
     plan = _plan(res)
     rec = plan["extra"]["search_split"]
-    assert rec["name"] == "all" and Plan.load(Path(res["artifact"])).search_split == "all"
+    assert rec["name"] == "all" and Plan.load(Path(res["artifact"])).search_split == res["search_split"] == "all"
     assert rec["search"] == {"corpus": "search.txt", "corpus_digest": load_corpus(str(search), cache).digest,
                              "documents": "all", "count": 7}
     assert rec["heldout"]["corpus"] == "other.txt" and rec["heldout"]["count"] == 5
