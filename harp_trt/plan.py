@@ -87,9 +87,9 @@ class Plan:
         missing = [n for n, f in fields.items() if n not in known and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
         if unknown or missing:
-            what = (f"unknown key(s) {', '.join(unknown)}" if unknown else "") + \
-                   ("; " if unknown and missing else "") + (f"missing key(s) {', '.join(missing)}" if missing else "")
-            raise ConfigError(f"malformed plan: {what}", f"a plan has the keys format, {', '.join(fields)}")
+            what = [f"unknown key(s) {', '.join(unknown)}"] * bool(unknown) + \
+                   [f"missing key(s) {', '.join(missing)}"] * bool(missing)
+            raise ConfigError(f"malformed plan: {'; '.join(what)}", f"a plan has the keys format, {', '.join(fields)}")
         for name, value in known.items():
             _check_type(name, value)
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in known.items()})
@@ -131,7 +131,7 @@ _TYPES: dict[str, tuple[Any, str]] = {
 def _check_type(name: str, value: Any) -> None:
     test, what = _TYPES[name]
     if not test(value):
-        raise ConfigError(f"malformed plan: {name!r} must be {what}, got {json.dumps(value)[:60]}")
+        raise ConfigError(f"malformed plan: {name!r} must be {what}, got {value!r:.60}")
 
 
 def open_plan(ref: str | Path, store) -> Plan:

@@ -43,6 +43,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
     from ..registry import STAGES
 
     C = STAGES.get("calibrate").config_class()  # defaults, from a light module
+    from calib.config import PAPER_BOS, SEARCH_SPLITS
 
     p.add_argument("--layers", "-P", type=int, default=None, required=layers_required,
                    help="number of layers to prune (default: the preset's value, else "
@@ -77,13 +78,13 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
                    help=f"window length, or 'max' (the model's maximum length) (default {C.default('seq_len')}; "
                         "with --objective paper: max)")
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (default %(default)s)")
-    p.add_argument("--search-split", choices=("halves", "all"), default=C.default("search_split"),
+    p.add_argument("--search-split", choices=SEARCH_SPLITS, default=C.default("search_split"),
                    help="halves: search on the corpus's even documents, held-out perplexity on its odd ones "
                         "(default); all: the HARP paper's split, search on every document of --corpus and "
                         "report held-out perplexity on --heldout-corpus")
     p.add_argument("--heldout-corpus", default=None,
                    help="with --search-split all: the other text ('wiki' or a .txt/.jsonl file) for held-out perplexity")
-    p.add_argument("--paper-bos", choices=("once", "lm-eval-0.4.7"), default=C.default("paper_bos"),
+    p.add_argument("--paper-bos", choices=PAPER_BOS, default=C.default("paper_bos"),
                    help="with --objective paper: once = one BOS before each document (default); lm-eval-0.4.7 = "
                         "as that version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored")
     add_placement_arguments(p)
