@@ -6,14 +6,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from harp_trt.config import StageConfig
+from harp_trt.data import PAPER_BOS
 from harp_trt.errors import ConfigError
 
 from .strategies import STRATEGIES
 
-__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS"]
+__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "SEARCH_SPLITS", "PAPER_BOS"]
 
 DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
 METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (calib.search)
+SEARCH_SPLITS = ("halves", "all")  # which documents the search reads (see CalibrateConfig)
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,14 @@ class CalibrateConfig(StageConfig):
     store them) fixes the alphas (no search). ``objective``: ``windows`` = fixed windows of
     ``seq_len`` tokens over the corpus; ``paper`` = lm-eval ``wikitext``-style rolling windows over
     whole BOS-prefixed documents, ``seq_len`` 0 = the model's maximum length. ``search``:
-    ``exhaustive`` (Algorithm 1 over every grid value) or ``golden`` (``calib.search.golden_search``)."""
+    ``exhaustive`` (Algorithm 1 over every grid value) or ``golden`` (``calib.search.golden_search``).
+
+    ``search_split``: ``halves`` = search on the corpus's even documents, report held-out
+    perplexity on its odd ones; ``all`` = the HARP paper's split, search on every document of
+    ``corpus`` (HARP searched all 62 WikiText-2 test documents) and report held-out perplexity on
+    ``heldout_corpus``, a different text that must be named. ``paper_bos`` (``--objective paper``):
+    ``once`` or ``lm-eval-0.4.7`` (Gemma documents scored as ``[BOS, BOS, doc]``, as that version
+    does; ``harp_trt.data.paper_add_special_tokens``)."""
 
     VERSION = 3
     layers: int = 2
@@ -35,6 +44,9 @@ class CalibrateConfig(StageConfig):
     seq_len: int = 512
     corpus: str = "wiki"
     objective: str = "windows"
+    search_split: str = "halves"
+    heldout_corpus: str = ""
+    paper_bos: str = "once"
     prune_layers: tuple[int, ...] = ()
     alphas: tuple[float, ...] = ()
     score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
@@ -61,6 +73,7 @@ class CalibrateConfig(StageConfig):
                 raise ConfigError(f"--tokens ({self.tokens}) must be at least one window (--seq-len {self.seq_len})")
         elif self.seq_len < 0:
             raise ConfigError(f"--seq-len must be >= 1 or max (0), got {self.seq_len}")
+        self.check_split()
         if self.prune_layers:
             if len(self.prune_layers) != self.layers:
                 raise ConfigError(f"--prune-layers gives {len(self.prune_layers)} layers but P is {self.layers}")
@@ -76,6 +89,23 @@ class CalibrateConfig(StageConfig):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"CalibrateConfig.device is a device kind (cpu or cuda), got {self.device!r}")
+
+    def check_split(self) -> None:
+        if self.search_split not in SEARCH_SPLITS:
+            raise ConfigError(f"--search-split must be one of {', '.join(SEARCH_SPLITS)}, got {self.search_split!r}")
+        if self.search_split == "all" and not self.heldout_corpus:
+            raise ConfigError("--search-split all searches on every document of --corpus, so the held-out "
+                              "perplexity needs another text", "name it: --heldout-corpus FILE (or wiki)")
+        if self.search_split == "halves" and self.heldout_corpus:
+            raise ConfigError("--heldout-corpus goes with --search-split all (with halves the held-out text is "
+                              "the corpus's odd documents)", "add --search-split all, or drop --heldout-corpus")
+        if self.heldout_corpus and self.heldout_corpus == self.corpus:
+            raise ConfigError(f"--heldout-corpus {self.heldout_corpus} is the search corpus; held-out "
+                              "perplexity must come from text the search never saw", "name a different text")
+        if self.paper_bos not in PAPER_BOS:
+            raise ConfigError(f"--paper-bos must be one of {', '.join(PAPER_BOS)}, got {self.paper_bos!r}")
+        if self.paper_bos != "once" and self.objective != "paper":
+            raise ConfigError(f"--paper-bos {self.paper_bos} applies to --objective paper only")
 
     def key_material(self) -> dict[str, Any]:
         d = super().key_material()

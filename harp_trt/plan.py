@@ -4,7 +4,9 @@ Only ``model``, ``family``, ``num_layers``, ``layers`` and ``alphas`` are needed
 the rest (scores, perplexities, timings, versions) is the record of how they were chosen."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,15 +54,45 @@ class Plan:
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
+    @property
+    def search_split(self) -> str:
+        """Which documents chose the alphas (``calib.config.SEARCH_SPLITS``): ``halves`` (even
+        documents searched, odd ones held out) or ``all`` (every document of the corpus searched,
+        held-out perplexity on another named text, as HARP did). Plans written before the split was
+        recorded always used ``halves``."""
+        return str((self.extra.get("search_split") or {}).get("name", "halves"))
+
+    def reads_search_text(self, corpus_digest: str, split: str) -> bool:
+        """Whether documents of ``split`` (calib | heldout | all) of the corpus with this digest
+        chose the alphas: the even half (``halves``) or every document (``all``) of the searched
+        corpus. Stages that report held-out perplexity refuse such text."""
+        record = (self.extra.get("search_split") or {}).get("search") or {}
+        if corpus_digest != record.get("corpus_digest", self.extra.get("corpus_digest")):
+            return False
+        return split != "heldout" or self.search_split == "all"
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """A plan from its JSON object; ConfigError naming the first wrong field (its type, a
+        missing or unknown key), so a hand-edited or foreign file fails in one line, not deep in a
+        stage."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"not a harp plan: a JSON {type(d).__name__}, expected an object "
+                              f"with format {PLAN_FORMAT!r}")
         if d.get("format") != PLAN_FORMAT:
             raise ConfigError(f"not a harp plan (format {d.get('format')!r}, expected {PLAN_FORMAT!r})")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
         known = {k: v for k, v in d.items() if k != "format"}
-        try:
-            return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in known.items()})
-        except TypeError as e:
-            raise ConfigError(f"malformed plan: {e}") from None
+        unknown = sorted(set(known) - set(fields))
+        missing = [n for n, f in fields.items() if n not in known and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+        if unknown or missing:
+            what = [f"unknown key(s) {', '.join(unknown)}"] * bool(unknown) + \
+                   [f"missing key(s) {', '.join(missing)}"] * bool(missing)
+            raise ConfigError(f"malformed plan: {'; '.join(what)}", f"a plan has the keys format, {', '.join(fields)}")
+        for name, value in known.items():
+            _check_type(name, value)
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in known.items()})
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -68,16 +100,46 @@ class Plan:
         if p.is_dir():
             p = p / "plan.json"
         try:
-            return cls.from_dict(json.loads(p.read_text()))
+            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
         except FileNotFoundError:
-            raise ConfigError(f"no plan at {p}", "pass a calibrate artifact folder or its plan.json") from None
-        except json.JSONDecodeError as e:
+            raise ConfigError(f"no plan at {p}", "pass a calibrate artifact folder, its key (harp-trt cache ls) "
+                              "or its plan.json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"plan {p} is not valid JSON: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"plan {p}: {e.message}", e.hint) from None
+
+
+# JSON type each plan key must have: (test, what to say)
+_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+_TYPES: dict[str, tuple[Any, str]] = {
+    "model_ref": (lambda v: isinstance(v, str), "a string"),
+    "model_digest": (lambda v: isinstance(v, str), "a string"),
+    "family": (lambda v: isinstance(v, str), "a string"),
+    "strategy": (lambda v: isinstance(v, str), "a string"),
+    "num_layers": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive integer"),
+    "layers": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+               "a list of layer indices"),
+    "alphas": (lambda v: isinstance(v, (list, tuple)) and all(_NUMBER[0](x) for x in v), "a list of numbers"),
+    "scores": (lambda v: isinstance(v, (list, tuple)) and all(_NUMBER[0](x) for x in v), "a list of numbers"),
+    "grid": (lambda v: isinstance(v, (list, tuple)) and all(_NUMBER[0](x) for x in v), "a list of numbers"),
+    "ppl": (lambda v: isinstance(v, dict), "an object"),
+    "extra": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _check_type(name: str, value: Any) -> None:
+    test, what = _TYPES[name]
+    if not test(value):
+        raise ConfigError(f"malformed plan: {name!r} must be {what}, got {value!r:.60}")
 
 
 def open_plan(ref: str | Path, store) -> Plan:
-    """A plan from a plan.json path, a calibrate artifact folder, or an artifact key in ``store``."""
+    """A plan from a plan.json path, a calibrate artifact folder, or an artifact key in ``store``.
+    A reference that looks like a path (a separator, or ``.json``) is read as one, so a mistyped
+    file name says "no plan at", not "no artifact"."""
     p = Path(ref)
-    if p.exists():
+    text = str(ref)
+    if p.exists() or os.sep in text or "/" in text or text.endswith(".json"):
         return Plan.load(p)
-    return Plan.load(store.open(str(ref)).path)
+    return Plan.load(store.open(text).path)

@@ -92,8 +92,13 @@ class ArtifactStore:
         return out
 
     def remove(self, key: str) -> None:
+        """Delete one artifact by key. A key is a plain folder name inside the cache: a path (an
+        absolute one would otherwise escape ``root``) or a dot-name (.tmp, .locks) is refused."""
+        if not key or key.startswith(".") or "/" in key or os.sep in key:
+            raise CacheError(f"{key!r} is not an artifact key (a name like calibrate-0123abcd4567ef89, not a path)",
+                             "run `harp-trt cache ls` for the keys")
         path = self.path_of(key)
-        if key.startswith(".") or not (path / MANIFEST).is_file():
+        if not (path / MANIFEST).is_file():
             raise CacheError(f"no artifact {key!r} in {self.root}", "run `harp-trt cache ls`")
         with FileLock(str(self.root / ".locks" / f"{key}.lock")):
             shutil.rmtree(path)

@@ -173,7 +173,7 @@ def test_paper_alphas_of_the_presets():
     for name in ("llama3.1-8b", "mistral-7b-v0.3", "qwen2-7b", "gemma2-9b"):
         p = PRESETS[name]
         ns = argparse.Namespace(model=name, layers=None, prune_layers=None, alphas=None, alpha_order="ascending",
-                                paper_alphas=True)
+                                paper_alphas=True, strategy="top")
         layers, prune, alphas = given_layers_and_alphas(ns)
         assert layers == p.default_layers == len(p.paper_alphas) and prune == ()
         assert alphas == tuple(reversed(p.paper_alphas))  # ascending layer order

@@ -122,6 +122,10 @@ class BenchStage(Stage[BenchConfig]):
         if not isinstance(source, (Mapping, ResolvedModel)):
             source = resolve_model(str(source or plan.model_ref), store.root)
         corpus = load_corpus(config.corpus, store.root) if config.accuracy else None
+        if corpus is not None and plan.reads_search_text(corpus.digest, "heldout"):  # --search-split all
+            held = ((plan.extra.get("search_split") or {}).get("heldout") or {}).get("corpus", "OTHER")
+            raise PreconditionError(self.name, f"the plan searched every document of {corpus.name}: its held-out "
+                                    "half is search text", f"pass the plan's held-out text: --corpus {held}")
         out: dict[str, Any] = {"plan": plan, "bench": BenchInputs(source, corpus, store.root, hooks.on_phase)}
         if isinstance(plan_artifact, Artifact):
             out["calibrate"] = plan_artifact

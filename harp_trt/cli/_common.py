@@ -43,6 +43,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
     from ..registry import STAGES
 
     C = STAGES.get("calibrate").config_class()  # defaults, from a light module
+    from calib.config import PAPER_BOS, SEARCH_SPLITS
 
     p.add_argument("--layers", "-P", type=int, default=None, required=layers_required,
                    help="number of layers to prune (default: the preset's value, else "
@@ -77,6 +78,15 @@ def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = 
                    help=f"window length, or 'max' (the model's maximum length) (default {C.default('seq_len')}; "
                         "with --objective paper: max)")
     p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (default %(default)s)")
+    p.add_argument("--search-split", choices=SEARCH_SPLITS, default=C.default("search_split"),
+                   help="halves: search on the corpus's even documents, held-out perplexity on its odd ones "
+                        "(default); all: the HARP paper's split, search on every document of --corpus and "
+                        "report held-out perplexity on --heldout-corpus")
+    p.add_argument("--heldout-corpus", default=None,
+                   help="with --search-split all: the other text ('wiki' or a .txt/.jsonl file) for held-out perplexity")
+    p.add_argument("--paper-bos", choices=PAPER_BOS, default=C.default("paper_bos"),
+                   help="with --objective paper: once = one BOS before each document (default); lm-eval-0.4.7 = "
+                        "as that version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored")
     add_placement_arguments(p)
     p.add_argument("--naive", action="store_true", help="recompute the full model per candidate (reference search)")
 
@@ -125,6 +135,14 @@ def given_layers_and_alphas(args) -> tuple[int | None, tuple[int, ...], tuple[fl
             have = ", ".join(n for n, p in PRESETS.items() if p.paper_alphas)
             raise ConfigError(f"--paper-alphas: the HARP paper publishes no alphas for {args.model!r}",
                               f"presets with published alphas: {have}; or pass --alphas")
+        # The published alphas belong to the top P layers (the official code applies them as
+        # alpha_list[L - 1 - layer] to layers L-P..L-1); on layers another strategy or
+        # --prune-layers picks they are numbers searched for different layers.
+        if prune or args.strategy != "top":
+            chosen = f"--prune-layers {args.prune_layers}" if prune else f"--strategy {args.strategy}"
+            raise ConfigError(f"--paper-alphas are the HARP paper's alphas for the top {len(preset.paper_alphas)} "
+                              f"layers; {chosen} would put them on other layers",
+                              "drop that flag (--strategy top is the default), or search: leave out --paper-alphas")
         alphas, order = preset.paper_alphas, "top-down"
     layers = args.layers
     for what, n in (("--prune-layers", len(prune)), ("--alphas", len(alphas))):
@@ -163,7 +181,8 @@ def calibrate_config_from_args(args):
         "layers": layers, "strategy": args.strategy, "alpha_grid": parse_grid(args.alpha_grid),
         "tokens": args.tokens, "seq_len": seq_len, "corpus": args.corpus, "dtype": placement.dtype,
         "device": placement.kind, "prune_layers": prune, "alphas": alphas, "objective": args.objective,
-        "search": args.search,
+        "search": args.search, "search_split": args.search_split, "heldout_corpus": args.heldout_corpus or "",
+        "paper_bos": args.paper_bos,
     })
     return config, placement
 

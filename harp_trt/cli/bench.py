@@ -90,12 +90,14 @@ def run(args) -> dict:
     from bench.stage import check_gates, run_bench
 
     from ..errors import ConfigError
+    from ..plan import open_plan
     from ..store import ArtifactStore
     from ._common import progress_bar
 
     t0 = time.perf_counter()
     config = config_from_args(args)
     store = ArtifactStore(args.workdir)
+    open_plan(args.plan, store)  # a missing or malformed plan fails here, in one line
     plan_ref = _open(args.plan, store)
     if config.engine == "ort":
         if not (args.dense_engine and args.harp_engine):

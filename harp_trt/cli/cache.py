@@ -15,12 +15,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
+    from ..errors import ConfigError
+
+    if args.action == "rm" and not args.key:
+        raise ConfigError("cache rm needs a KEY", "see `harp-trt cache ls`")
+    if args.action == "ls" and args.key:
+        raise ConfigError(f"cache ls takes no KEY (got {args.key!r})", "harp-trt cache ls lists every artifact")
     store = ArtifactStore(args.workdir)
     if args.action == "rm":
-        if not args.key:
-            from ..errors import ConfigError
-
-            raise ConfigError("cache rm needs a KEY", "see `harp-trt cache ls`")
         store.remove(args.key)
         return {"removed": args.key, "root": str(store.root)}
     rows = [{"key": a.key, "stage": a.manifest.get("stage"), "created": a.manifest.get("created"),

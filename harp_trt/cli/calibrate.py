@@ -35,5 +35,6 @@ def calibrate_summary(art, seconds: float) -> dict:
     plan = Plan.load(art.path)
     return {"artifact": str(art.path), "plan": str(art.path / "plan.json"), "model": plan.model_ref,
             "strategy": plan.strategy, "layers": list(plan.layers), "alphas": list(plan.alphas),
-            "ppl": plan.ppl, "placement": plan.extra.get("placement"), "seconds": round(seconds, 3),
+            "ppl": plan.ppl, "search_split": plan.search_split, "placement": plan.extra.get("placement"),
+            "seconds": round(seconds, 3),
             "cached": art.cached}

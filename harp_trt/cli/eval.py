@@ -24,6 +24,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_placement_arguments(p)
 
 
+def on_search_text(plan, corpus, split: str) -> bool:
+    """Whether ``split`` of ``corpus`` holds documents that chose the plan's alphas. Asking for
+    ``--split calib`` is asking for the search text; a "held-out" split that the search read
+    (the plan searched every document, ``--search-split all``) is refused."""
+    from ..errors import ConfigError
+
+    if not plan.reads_search_text(corpus.digest, split):
+        return False
+    if split == "heldout":
+        held = (plan.extra.get("search_split") or {}).get("heldout") or {}
+        raise ConfigError(f"the plan searched every document of {corpus.name}, so it has no held-out half",
+                          f"evaluate on its held-out text (--corpus {held.get('corpus', 'OTHER')}), or pass "
+                          "--split calib to see the search text")
+    return True
+
+
 def run(args) -> dict:
     from ..data import load_corpus, token_windows
     from ..harp import apply_harp, set_alpha
@@ -39,6 +55,7 @@ def run(args) -> dict:
     check_plan_weights(plan.model_digest, resolved.digest, "eval", f"model {resolved.ref!r}")
     placement = placement_from_args(args)
     corpus = load_corpus(args.corpus, store.root)
+    search_text = on_search_text(plan, corpus, args.split)
     windows = token_windows(load_tokenizer(resolved.folder), corpus, args.split, args.seq_len, args.tokens)
     stack = LayerStack.open(resolved.folder, placement)
     model, family = stack.model, stack.family
@@ -48,7 +65,8 @@ def run(args) -> dict:
     for l, a in plan.alpha_map.items():
         set_alpha(model, l, a, family)
     searched = stack.perplexity(windows)
-    return {"plan": str(args.plan), "corpus": corpus.name, "split": args.split, "tokens": int(windows.numel()),
+    return {"plan": str(args.plan), "corpus": corpus.name, "split": args.split, "search_text": search_text,
+            "tokens": int(windows.numel()),
             "layers": list(plan.layers), "alphas": list(plan.alphas),
             "dense": dense, "alpha1": alpha1, "searched": searched,
             "device": placement.device, "dtype": placement.dtype,

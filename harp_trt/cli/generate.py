@@ -46,18 +46,36 @@ def _engine_dir(ref: str, workdir):
     return art.path
 
 
+def check_arguments(args) -> None:
+    """ConfigError for a value the sampler or ORT would reject later (or silently misuse: a
+    negative top-k keeps nothing), before the engine loads."""
+    import math
+
+    from ..errors import ConfigError
+
+    if not args.prompt.strip():
+        raise ConfigError("--prompt is empty", "pass the text to continue, e.g. --prompt 'The capital of France is'")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or (args.sample and args.temperature <= 0):
+        raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 keeps every token), got {args.top_k}")
+    if args.threads is not None and args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0 (0: ORT's default), got {args.threads}")
+    if args.seed is not None and args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+
+
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
     from ..errors import ConfigError, ModelError
     from ..ort_session import OrtCausalLM
 
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.sample and args.temperature <= 0:
-        raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    check_arguments(args)
     folder = _engine_dir(args.artifact, args.workdir)
     try:
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=None,
                    help="model the plan was calibrated on (preset, HF id, folder, .gguf); default: the plan's")
-    p.add_argument("--plan", required=True, help="plan.json or a calibrate artifact folder")
+    p.add_argument("--plan", required=True, help="plan.json, a calibrate artifact folder or its key")
     p.add_argument("--onnx", default=None, help="rewrite this ONNX file instead of exporting --model")
     p.add_argument("--no-verify", action="store_true", help="skip the ONNX Runtime vs PyTorch check")
     p.add_argument("--rtol", type=float, default=C.default("rtol"),
@@ -36,20 +36,20 @@ def run(args) -> dict:
     from ..errors import ConfigError
     from ..models import resolve_model
     from ..onnx_io import check_plan_weights
-    from ..plan import Plan
+    from ..plan import open_plan
     from ..rewrite.config import RewriteConfig
     from ..rewrite.stage import RewriteStage
     from ..store import ArtifactStore
 
-    plan = Plan.load(args.plan)
+    if args.onnx and not Path(args.onnx).is_file():
+        raise ConfigError(f"--onnx {args.onnx}: no such file", "pass the .onnx file of your export")
     store = ArtifactStore(args.workdir)
+    plan = open_plan(args.plan, store)
     config = RewriteConfig.from_dict({"verify": not args.no_verify, "rtol": args.rtol,
                                       "decode_steps": args.decode_steps, "greedy_steps": args.greedy_steps})
     inputs: dict = {"plan": plan}
     model_ref = args.model or plan.model_ref
     if args.onnx:
-        if not Path(args.onnx).is_file():
-            raise ConfigError(f"--onnx {args.onnx}: no such file")
         inputs["onnx"] = Path(args.onnx)
         if config.verify or args.model:
             inputs["model"] = resolve_model(model_ref, store.root)

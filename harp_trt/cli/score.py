@@ -25,6 +25,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_placement_arguments(p)
 
 
+def check_save(text: str | None):
+    """The ``--save`` path, checked before the scoring: a .csv or .parquet file in an existing folder."""
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    if text is None:
+        return None
+    path = Path(text).expanduser()
+    if path.suffix not in (".csv", ".parquet"):
+        raise ConfigError(f"--save must end in .csv or .parquet, got {text!r}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--save {text}: folder {path.parent} does not exist", "create it first")
+    if path.is_dir():
+        raise ConfigError(f"--save {text} is a folder; give a file name ending in .csv or .parquet")
+    return path
+
+
 def run(args) -> dict:
     import polars as pl
     from transformers import AutoConfig
@@ -36,6 +54,9 @@ def run(args) -> dict:
     from ..models import load_tokenizer, resolve_model
     from ..store import ArtifactStore
 
+    save = check_save(args.save)  # before minutes of scoring
+    if args.layers is not None and args.layers < 1:
+        raise ConfigError(f"--layers must be a positive number of layers to select, got {args.layers}")
     store = ArtifactStore(args.workdir)
     strategy = get_strategy(args.strategy)
     placement = placement_from_args(args)
@@ -56,12 +77,7 @@ def run(args) -> dict:
     selected = strategy.select(scores, p)
     df = pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
                        "selected": [i in selected for i in range(len(scores))]})
-    if args.save:
-        if args.save.endswith(".parquet"):
-            df.write_parquet(args.save)
-        elif args.save.endswith(".csv"):
-            df.write_csv(args.save)
-        else:
-            raise ConfigError(f"--save must end in .csv or .parquet, got {args.save!r}")
+    if save is not None:
+        df.write_parquet(save) if save.suffix == ".parquet" else df.write_csv(save)
     return {"model": args.model, "strategy": args.strategy, "scores": scores, "selected": selected,
             "_tables": {f"{args.strategy} scores": df.to_dicts()}}
