@@ -183,3 +183,32 @@ def test_generate_refuses_a_cached_artifact_that_is_not_an_engine(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"harp-trt generate: error: [generate] artifact {key} is a calibrate artifact, not an engine"]
     assert store.get(key) is not None and not list((store.root / ".tmp").iterdir())
+
+
+def test_sigterm_mid_stage_leaves_nothing_half_written(setup, tmp_path):
+    """A runner's SIGTERM while a stage writes (here the export of a tiny model) unwinds like Ctrl-C:
+    exit 130, the stage's temp folder removed, no artifact published."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "harp_trt.cli", "build", "--model", str(setup / "tiny"), "--layers", "1",
+           "--alphas", "0.5", "--workdir", str(cache)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (cache / ".tmp").is_dir() and any((cache / ".tmp").iterdir()):
+            break  # a stage is writing now
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the build ended before a stage wrote: {proc.communicate()}"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; no artifact was written" in err
+    assert not list((cache / ".tmp").iterdir())
+    published = [p for p in cache.iterdir() if (p / "manifest.json").is_file()]
+    assert len(published) <= 2  # the stages that had finished before the signal, each complete

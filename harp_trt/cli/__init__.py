@@ -74,6 +74,19 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (what CI runners, ``timeout`` and container stops send) unwinds like Ctrl-C, so the
+    store's temp folder is removed on the way out instead of being left half-written."""
+    import signal
+    import threading
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..memory import tune_allocator
 
@@ -84,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.verbose:
         _quiet_libraries()
+    _terminate_as_interrupt()
     try:
         result = args._module.run(args)
     except HarpError as e:
