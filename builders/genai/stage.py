@@ -129,24 +129,46 @@ def _graph_facts(onnx_path: Path) -> tuple[list[int], bool, bool]:
 
 
 def _token_ids(folder: Path) -> dict[str, Any]:
-    """bos / eos / pad ids from the engine's generation_config.json, then config.json (the files
-    the build copied next to the graph). eos may be a list (genai accepts one)."""
+    """bos / eos / pad ids from the engine's generation_config.json, then config.json, then the
+    tokenizer's own special tokens (tokenizer_config.json's names looked up in tokenizer.json):
+    the files the build copied next to the graph. eos may be a list (genai accepts one)."""
     found: dict[str, Any] = {}
     for name in ("generation_config.json", "config.json"):
         f = folder / name
-        if not f.is_file():
-            continue
-        data = json.loads(f.read_text())
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if found.get(k) is None and data.get(k) is not None:
-                found[k] = data[k]
+        if f.is_file():
+            data = json.loads(f.read_text())
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if found.get(k) is None and data.get(k) is not None:
+                    found[k] = data[k]
+    for k, v in _tokenizer_special_ids(folder).items():
+        if found.get(k) is None:
+            found[k] = v
     if found.get("eos_token_id") is None:
-        raise _fail(f"{folder.name} names no eos_token_id (no generation_config.json or config.json with one)",
+        raise _fail(f"{folder.name} names no eos_token_id (generation_config.json, config.json, tokenizer files)",
                     "rebuild the engine from a model folder that has config.json")
     eos = found["eos_token_id"]
     first_eos = eos[0] if isinstance(eos, list) else eos
     return {"bos_token_id": found.get("bos_token_id", first_eos), "eos_token_id": eos,
             "pad_token_id": found.get("pad_token_id", first_eos)}
+
+
+def _tokenizer_special_ids(folder: Path) -> dict[str, int]:
+    """``{"eos_token_id": ...}`` for the special tokens tokenizer_config.json names and
+    tokenizer.json (added tokens or the model's vocabulary) maps to an id."""
+    tc, tj = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not (tc.is_file() and tj.is_file()):
+        return {}
+    names, tok = json.loads(tc.read_text()), json.loads(tj.read_text())
+    vocab = (tok.get("model") or {}).get("vocab")
+    vocab = dict(vocab) if isinstance(vocab, dict) else {}  # WordLevel / BPE / WordPiece; Unigram has a list
+    vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens") or [] if "content" in t})
+    out = {}
+    for kind in ("bos", "eos", "pad"):
+        name = names.get(f"{kind}_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str) and name in vocab:
+            out[f"{kind}_token_id"] = int(vocab[name])
+    return out
 
 
 def genai_config_for(info: EngineInfo, config: GenaiConfig) -> dict[str, Any]:
