@@ -1,6 +1,6 @@
 """onnxruntime-genai (the PyPI wheel, ``.[genai]``) runs our ORT engines from ``deploy genai``:
 greedy tokens from ``og.Generator`` equal our OrtCausalLM's on dense, top-layer and middle-layer
-HARP engines, a concatenating (opset-23 Attention) engine and an int4 engine; the KV memory a
+HARP engines, a concatenating (opset-23 Attention) engine and int8 / int4 engines; the KV memory a
 generator allocates, measured as resident bytes in a fresh process, is (L-P)/L of dense; the
 pipeline's ``build --backend genai``; bad input exits 2 and writes nothing."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ KV_TOLERANCE = 0.05  # measured RSS delta vs the kept layers' KV bytes (it also 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """{name: ORT engine folder} for the dense and HARP plans (fp32, GQA), plus the middle plan as
-    an int4 engine and as a concatenating (attention='onnx') engine; every engine has the tokenizer
+    int8 and int4 engines and as a concatenating (attention='onnx') engine; every engine has the tokenizer
     and config files a build copies."""
     from builders.ort.builder import OrtBuilder
     from builders.ort.config import OrtBuildConfig
@@ -49,6 +49,8 @@ def built(tmp_path_factory):
     mid = out["export-middle"] / "model.onnx"
     out["int4"] = root / "engine-int4"
     OrtBuilder().build(mid, out["int4"], OrtBuildConfig(quant="int4", quant_block_size=16, intra_op_threads=2))
+    out["int8"] = root / "engine-int8"
+    OrtBuilder().build(mid, out["int8"], OrtBuildConfig(quant="int8", quant_block_size=16, intra_op_threads=2))
     out["concat"] = root / "engine-concat"
     OrtBuilder().build(mid, out["concat"], OrtBuildConfig(attention="onnx", intra_op_threads=2))
     return out
@@ -72,7 +74,7 @@ def _ours(engine: Path, n: int) -> list[int]:
 
 @pytest.mark.parametrize("name,kept,share", [("dense", [0, 1, 2, 3], True), ("top", [0, 1], True),
                                              ("middle", [0, 3], True), ("concat", [0, 3], False),
-                                             ("int4", [0, 3], True)])
+                                             ("int8", [0, 3], True), ("int4", [0, 3], True)])
 def test_genai_greedy_equals_ort(built, name, kept, share):
     from builders.genai.probe import genai_greedy
 
@@ -86,11 +88,11 @@ def test_genai_greedy_equals_ort(built, name, kept, share):
     got = genai_greedy(folder, PROMPT, 24)
     assert got == _ours(built[name], 24)
     assert len(set(got)) > 1  # a real continuation, not one token repeated
-    if name == "int4":
+    if name in ("int8", "int4"):
         import onnx
 
         ops = {n.op_type for n in onnx.load(str(folder / "model.onnx")).graph.node}
-        assert report["quant"] == "int4" and "MatMulNBits" in ops
+        assert report["quant"] == name and "MatMulNBits" in ops
 
 
 def test_genai_kv_memory_is_kept_layers_only(built):

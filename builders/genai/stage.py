@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.errors import ConfigError, PreconditionError, VerificationError
+from harp_trt.errors import ConfigError, PostconditionError, PreconditionError, VerificationError
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, MODEL_FILE, TOKENIZER_FILES, kv_layers_of_names,
                               present_name, read_export_meta)
 from harp_trt.stage import Stage
@@ -277,6 +277,11 @@ class GenaiStage(Stage[GenaiConfig]):
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = (GENAI_CONFIG, MODEL_FILE, REPORT)
 
+    def key_material(self, config: GenaiConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """The base material plus the engine's key (or folder, for an engine outside the cache)."""
+        info = self._info(inputs)
+        return {**super().key_material(config, inputs), "engine": info.manifest.get("key") or str(info.path)}
+
     def check_preconditions(self, config: GenaiConfig, inputs: Mapping[str, Any]) -> None:
         self._info(inputs)
 
@@ -296,7 +301,7 @@ class GenaiStage(Stage[GenaiConfig]):
         super().check_postconditions(config, inputs, out_dir)
         cfg = json.loads((Path(out_dir) / GENAI_CONFIG).read_text())
         if not (Path(out_dir) / cfg["model"]["decoder"]["filename"]).is_file():
-            raise PreconditionError(self.name, f"{GENAI_CONFIG} names a graph the folder does not hold")
+            raise PostconditionError(self.name, f"{GENAI_CONFIG} names a graph the folder does not hold")
 
 
 def deploy_genai(artifact: str | os.PathLike, out: str | os.PathLike | None, config: GenaiConfig | None = None,
