@@ -237,7 +237,8 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
             "pruned_layers": [i for i in range(int(meta["num_layers"])) if i not in info.kv_layers],
             "past_present_share_buffer": info.gqa_kv, "context_length": cfg["model"]["context_length"],
             "quant": (info.spec.get("quant") or {}).get("mode", "none"),
-            "kv_bytes_per_token": kv.get("bytes_per_token"), "dense_kv_bytes_per_token": kv.get("dense_bytes_per_token")}
+            "kv_bytes_per_token": kv.get("bytes_per_token"),
+            "dense_kv_bytes_per_token": kv.get("dense_bytes_per_token")}
     if config.verify:
         body["verify"] = verify_folder(out, config.verify_tokens)
     (out / REPORT).write_text(json.dumps({"format": "harp-genai/1", **body}, indent=2))
