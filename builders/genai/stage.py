@@ -140,16 +140,9 @@ def _token_ids(folder: Path) -> dict[str, Any]:
             for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 if found.get(k) is None and data.get(k) is not None:
                     found[k] = data[k]
-    special = _tokenizer_special_ids(folder)
-    for k, v in special.items():
+    for k, v in _tokenizer_special_ids(folder).items():
         if found.get(k) is None:
             found[k] = v
-    # `harp-trt generate` stops on the tokenizer's eos too (SmolLM2: <|endoftext|> besides the
-    # config's <|im_end|>); genai takes a list, so both stop it alike
-    eos = found.get("eos_token_id")
-    if eos is not None and special.get("eos_token_id") is not None:
-        ids = list(eos) if isinstance(eos, list) else [eos]
-        found["eos_token_id"] = ids + [special["eos_token_id"]] if special["eos_token_id"] not in ids else eos
     if found.get("eos_token_id") is None:
         raise _fail(f"{folder.name} names no eos_token_id (generation_config.json, config.json, tokenizer files)",
                     "rebuild the engine from a model folder that has config.json")
