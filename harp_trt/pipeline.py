@@ -11,7 +11,8 @@ every later one. Backends:
              the dense engine is built too so both are measured on the same backend.
 - ``trtllm`` TensorRT-LLM checkpoint + build_engine.sh from the plan (``builders/trtllm``); the
              engine itself is built only where ``tensorrt_llm`` imports and a GPU exists.
-- ``triton`` the ``ort`` engine wrapped as a Triton model repository (``builders/triton``)."""
+- ``triton`` the ``ort`` engine wrapped as a Triton model repository (``builders/triton``).
+- ``genai``  the ``ort`` engine as a folder onnxruntime-genai opens (``builders/genai``)."""
 from __future__ import annotations
 
 import dataclasses

@@ -81,6 +81,8 @@ STAGES.register("trtllm", StageSpec("builders.trtllm.stage:TrtllmCheckpointStage
 STAGES.register("triton", StageSpec("builders.triton.repository:TritonRepoStage",
                                     "builders.triton.config:TritonRepoConfig", "build",
                                     "Triton model repository around an engine"))
+STAGES.register("genai", StageSpec("builders.genai.stage:GenaiStage", "builders.genai.config:GenaiConfig", "build",
+                                   "onnxruntime-genai folder (og.Model) around an engine"))
 STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
                                    "latency and accuracy, dense vs HARP"))
 
@@ -100,5 +102,7 @@ BACKENDS.register("ort", BackendSpec(_ORT_STEPS, _ORT_ENGINES,
                                      "export + rewrite, then the ONNX Runtime engine (builders/ort)"))
 BACKENDS.register("triton", BackendSpec(_ORT_STEPS + (Step("build:triton", "triton", (("engine", "build"),)),),
                                         _ORT_ENGINES, "the ort engine wrapped as a Triton model repository"))
+BACKENDS.register("genai", BackendSpec(_ORT_STEPS + (Step("build:genai", "genai", (("engine", "build"),)),),
+                                       _ORT_ENGINES, "the ort engine as an onnxruntime-genai folder (og.Model)"))
 BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
                                         "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)"))

@@ -85,7 +85,7 @@ def _ort_config(args):
     if args.quant != "none" and args.backend == "trtllm":
         from ..errors import ConfigError
 
-        raise ConfigError("--quant applies to the ORT engine (backends ort and triton), not trtllm")
+        raise ConfigError("--quant applies to the ORT engine (backends ort, triton and genai), not trtllm")
     return OrtBuildConfig(quant=args.quant, quant_block_size=args.quant_block_size,
                           quant_symmetric=not args.quant_asymmetric, quant_accuracy_level=args.quant_accuracy_level)
 
@@ -97,7 +97,7 @@ def _bench_config(args, placement):
     from ._common import parse_batch_sizes, parse_ints, parse_tasks
 
     return BenchConfig.from_dict({
-        "engine": "ort" if args.backend in ("ort", "triton") else "torch",
+        "engine": "ort" if args.backend in ("ort", "triton", "genai") else "torch",
         "seq_lens": parse_ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": parse_tasks(args.bench_tasks),
         "limit": args.bench_limit, "repeats": args.bench_repeats,
         "batch_sizes": parse_batch_sizes(args.bench_batch_sizes, "--bench-batch-sizes"), "corpus": args.corpus,

@@ -6,7 +6,10 @@ it back in PyTorch.
 
 ``deploy triton --artifact A --out REPO``: an ONNX artifact (export, rewrite, ORT engine) or a
 TensorRT-LLM artifact -> a Triton Inference Server model repository (config.pbtxt files checked
-against Triton's schema, client.py, README.md)."""
+against Triton's schema, client.py, README.md).
+
+``deploy genai --artifact ENGINE [--out DIR]``: an ORT engine -> a folder onnxruntime-genai opens with
+``og.Model(DIR)`` (graph, tokenizer, genai_config.json from the engine's metadata; builders/genai)."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +18,9 @@ import time
 from ._common import add_model_argument
 
 NAME = "deploy"
-HELP = "deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint) or triton (model repository)"
-TARGETS = ("trtllm", "triton")
+HELP = ("deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint), triton (model repository) "
+        "or genai (onnxruntime-genai folder)")
+TARGETS = ("trtllm", "triton", "genai")
 
 
 def _common_suppressed(p: argparse.ArgumentParser) -> None:
@@ -34,7 +38,7 @@ def _common_suppressed(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="target", required=True, metavar="{trtllm,triton}")
+    sub = p.add_subparsers(dest="target", required=True, metavar="{trtllm,triton,genai}")
     t = sub.add_parser("trtllm", help="TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
                        description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan")
     add_trtllm_arguments(t)
@@ -44,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "schema, client.py, README.md) for an ONNX or TensorRT-LLM artifact")
     add_triton_arguments(r)
     _common_suppressed(r)
+    g = sub.add_parser("genai", help="onnxruntime-genai folder (og.Model) for an ORT engine",
+                       description="write a folder onnxruntime-genai opens with og.Model: the engine's graph, "
+                                   "tokenizer files and a genai_config.json read from its metadata")
+    add_genai_arguments(g)
+    _common_suppressed(g)
 
 
 def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,7 +131,44 @@ def add_triton_arguments(p: argparse.ArgumentParser) -> None:
                    help="(default %(default)s)")
 
 
+def add_genai_arguments(p: argparse.ArgumentParser) -> None:
+    from ..registry import STAGES
+
+    C = STAGES.get("genai").config_class()  # defaults, from a light module
+
+    p.add_argument("--artifact", required=True, help="ORT engine folder (build-ort artifact) or its cache key")
+    p.add_argument("--out", default=None,
+                   help="folder to write (new or empty); default: the cached genai-<key> artifact in --workdir")
+    p.add_argument("--context-length", type=int, default=C.default("context_length"),
+                   help="longest prompt + new tokens, 0 = the model's max_position_embeddings (default %(default)s)")
+    p.add_argument("--copy", action="store_true", help="copy the graph instead of hard-linking it")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the check that og.Generator's greedy tokens equal ONNX Runtime's on the graph")
+    p.add_argument("--force", action="store_true", help="replace --out if it is not empty / rebuild the cached folder")
+
+
+def run_genai(args) -> dict:
+    from ..registry import STAGES
+
+    GenaiConfig = STAGES.get("genai").config_class()
+    from builders.genai.stage import deploy_genai
+
+    from ..store import ArtifactStore
+
+    t0 = time.perf_counter()
+    config = GenaiConfig.from_dict({"context_length": args.context_length, "link": not args.copy,
+                                    "verify": not args.no_verify})
+    store = ArtifactStore(getattr(args, "workdir", None))  # resolves a cache key; holds the folder without --out
+    r = deploy_genai(args.artifact, args.out, config, force=args.force, store=store)
+    return {"folder": r["folder"], "cached": r["cached"], "artifact": r["artifact"]["path"],
+            "kv_layers": r["kv_layers"], "pruned_layers": r["pruned_layers"], "quant": r["quant"],
+            "past_present_share_buffer": r["past_present_share_buffer"], "context_length": r["context_length"],
+            "verified": bool((r.get("verify") or {}).get("equal")), "seconds": round(time.perf_counter() - t0, 3)}
+
+
 def run(args) -> dict:
+    if args.target == "genai":
+        return run_genai(args)
     if args.target == "triton":
         return run_triton(args)
     return run_trtllm(args)

@@ -1,0 +1,30 @@
+"""``GenaiConfig``: how the onnxruntime-genai folder is written. Light on purpose (no onnx, no
+onnxruntime-genai): the CLI builds its parser from these fields."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from harp_trt.config import StageConfig
+
+__all__ = ["GenaiConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenaiConfig(StageConfig):
+    """``context_length``: the longest sequence (prompt + new tokens) genai accepts and the
+    ``search.max_length`` default; 0 = the model's ``max_position_embeddings`` (it may not exceed
+    it: the graph's rotary tables end there). ``link``: hard-link the graph and its weights from
+    the engine instead of copying where the filesystem allows. ``verify``: after writing, open the
+    folder with ``og.Model`` (where onnxruntime-genai is installed) and check its greedy tokens
+    against our ORT session on the same graph for ``verify_tokens`` steps."""
+
+    VERSION: ClassVar[int] = 1
+    context_length: int = 0
+    link: bool = True
+    verify: bool = True
+    verify_tokens: int = 8
+
+    def validate(self) -> None:
+        self.check_ints(("context_length",), 0)
+        self.check_ints(("verify_tokens",), 1)

@@ -1,0 +1,184 @@
+"""onnxruntime-genai (the PyPI wheel, ``.[genai]``) runs our ORT engines from ``deploy genai``:
+greedy tokens from ``og.Generator`` equal our OrtCausalLM's on dense, top-layer and middle-layer
+HARP engines, a concatenating (opset-23 Attention) engine and int8 / int4 engines; the KV memory a
+generator allocates, measured as resident bytes in a fresh process, is (L-P)/L of dense; the
+pipeline's ``build --backend genai``; bad input exits 2 and writes nothing."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny, save_tiny
+from test_calibrate_cli import run_json, write_corpus
+
+pytest.importorskip("onnxruntime_genai", reason="pip install -e '.[genai]'")
+
+CONTEXT = 131072  # tiny models with a long context, so one generator's KV is tens of MiB
+PLANS = {"dense": {}, "top": {2: 0.5, 3: 1.0}, "middle": {1: 0.5, 2: 1.0}}
+PROMPT = [40, 41, 42, 43, 44, 45, 46]
+KV_TOLERANCE = 0.05  # measured RSS delta vs the kept layers' KV bytes (it also holds the prompt's activations)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """{name: ORT engine folder} for the dense and HARP plans (fp32, GQA), plus the middle plan as
+    int8 and int4 engines and as a concatenating (attention='onnx') engine; every engine has the tokenizer
+    and config files a build copies."""
+    from builders.ort.builder import OrtBuilder
+    from builders.ort.config import OrtBuildConfig
+    from harp_trt.harp import apply_harp
+    from harp_trt.onnx_io import copy_tokenizer
+    from harp_trt.rewrite.export import export_dense
+
+    root = tmp_path_factory.mktemp("genai")
+    hf = save_tiny("llama", root / "hf", max_position_embeddings=CONTEXT)
+    out = {"root": root}
+    for name, alphas in PLANS.items():
+        model = make_tiny("llama", max_position_embeddings=CONTEXT)
+        if alphas:
+            apply_harp(model, dict(alphas))
+        graph = export_dense(model, root / f"export-{name}")
+        copy_tokenizer(hf, graph.parent)
+        out[name] = root / f"engine-{name}"
+        OrtBuilder().build(graph, out[name], OrtBuildConfig(intra_op_threads=2))
+        out[f"export-{name}"] = graph.parent
+    mid = out["export-middle"] / "model.onnx"
+    out["int4"] = root / "engine-int4"
+    OrtBuilder().build(mid, out["int4"], OrtBuildConfig(quant="int4", quant_block_size=16, intra_op_threads=2))
+    out["int8"] = root / "engine-int8"
+    OrtBuilder().build(mid, out["int8"], OrtBuildConfig(quant="int8", quant_block_size=16, intra_op_threads=2))
+    out["concat"] = root / "engine-concat"
+    OrtBuilder().build(mid, out["concat"], OrtBuildConfig(attention="onnx", intra_op_threads=2))
+    return out
+
+
+def _deploy(built, name: str) -> tuple[dict, Path]:
+    from builders.genai.stage import deploy_genai
+
+    folder = built["root"] / f"genai-{name}"
+    if not folder.exists():
+        deploy_genai(built[name], folder)
+    return json.loads((folder / "harp_genai.json").read_text()), folder
+
+
+def _ours(engine: Path, n: int) -> list[int]:
+    from harp_trt.ort_session import OrtCausalLM
+
+    lm = OrtCausalLM.from_engine(engine)
+    return [int(t) for t in lm.generate(np.asarray([PROMPT]), max_new_tokens=n)[0, len(PROMPT):]]
+
+
+@pytest.mark.parametrize("name,kept,share", [("dense", [0, 1, 2, 3], True), ("top", [0, 1], True),
+                                             ("middle", [0, 3], True), ("concat", [0, 3], False),
+                                             ("int8", [0, 3], True), ("int4", [0, 3], True)])
+def test_genai_greedy_equals_ort(built, name, kept, share):
+    from builders.genai.probe import genai_greedy
+
+    report, folder = _deploy(built, name)
+    cfg = json.loads((folder / "genai_config.json").read_text())
+    dec = cfg["model"]["decoder"]
+    assert (dec["num_hidden_layers"], dec["num_attention_heads"], dec["num_key_value_heads"], dec["head_size"],
+            dec["hidden_size"]) == (4, 4, 2, 16, 64)
+    assert report["kv_layers"] == kept and cfg["search"]["past_present_share_buffer"] is share
+    assert report["verify"]["equal"] and (folder / "tokenizer.json").is_file()
+    got = genai_greedy(folder, PROMPT, 24)
+    assert got == _ours(built[name], 24)
+    assert len(set(got)) > 1  # a real continuation, not one token repeated
+    if name in ("int8", "int4"):
+        import onnx
+
+        ops = {n.op_type for n in onnx.load(str(folder / "model.onnx")).graph.node}
+        assert report["quant"] == name and "MatMulNBits" in ops
+
+
+def test_genai_kv_memory_is_kept_layers_only(built):
+    """Resident bytes one generator of CONTEXT tokens adds, per engine, against the kept layers'
+    K+V bytes (2 * kv_heads * head_dim * 4 B per token and layer, from engine.json)."""
+    from builders.genai.probe import measure_kv_rss
+
+    figures = {}
+    for name in PLANS:
+        report, folder = _deploy(built, name)
+        spec = json.loads((built[name] / "engine.json").read_text())["kv"]
+        expected = spec["bytes_per_token"] * CONTEXT
+        got = measure_kv_rss(folder, CONTEXT)["delta_bytes"]
+        figures[name] = got
+        assert abs(got - expected) <= KV_TOLERANCE * expected, (name, got, expected)
+    for name in ("top", "middle"):
+        ratio = figures[name] / figures["dense"]
+        assert abs(ratio - 2 / 4) <= 0.03, (name, ratio)  # (L-P)/L with L=4, P=2
+
+
+def test_genai_folder_reopens_as_an_engine(built):
+    """The genai folder keeps engine.json: `harp-trt generate` and OrtCausalLM open it too."""
+    from harp_trt.ort_session import OrtCausalLM
+
+    _, folder = _deploy(built, "top")
+    assert OrtCausalLM.from_engine(folder).kv_layers == [0, 1]
+
+
+def _strip_metadata(src: Path, dst: Path) -> Path:
+    import onnx
+
+    shutil.copytree(src, dst)
+    m = onnx.load(str(dst / "model.onnx"))
+    del m.metadata_props[:]
+    onnx.save(m, str(dst / "model.onnx"))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["missing", "random", "export", "no-metadata", "bad-json", "context"])
+def test_genai_deploy_bad_input(built, tmp_path, capsys, case):
+    artifact, extra = tmp_path / "nothing", []
+    if case == "random":
+        artifact.mkdir()
+        (artifact / "notes.txt").write_text("hello")
+    elif case == "export":
+        artifact = built["export-top"]
+    elif case == "no-metadata":
+        artifact = _strip_metadata(built["top"], tmp_path / "stripped")
+    elif case == "bad-json":
+        artifact = shutil.copytree(built["top"], tmp_path / "badjson")
+        (artifact / "engine.json").write_text("{not json")
+    elif case == "context":
+        artifact, extra = built["top"], ["--context-length", str(CONTEXT + 1)]
+    out = tmp_path / "out"
+    code, res, err = run_json(capsys, "deploy", "genai", "--artifact", str(artifact), "--out", str(out),
+                              "--workdir", str(tmp_path / "cache"), "--json", *extra)
+    assert code == 2 and res is None, err
+    first = err.strip().splitlines()[0]
+    assert first.startswith("harp-trt deploy: error:") and len(first) < 240, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_genai_deploy_refuses_a_non_empty_out(built, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run_json(capsys, "deploy", "genai", "--artifact", str(built["top"]), "--out", str(out), "--json")
+    assert code == 2 and "not empty" in err and [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_build_backend_genai_then_deploy_is_cached(tmp_path, capsys):
+    """`build --backend genai`: the ORT steps then the genai folder (a cached genai-<key>/
+    artifact); `deploy genai --artifact <engine>` without --out returns that same artifact."""
+    folder = save_tiny("qwen2", tmp_path / "tiny-qwen2", seed=7, max_position_embeddings=1024)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    cache = tmp_path / "cache"
+    code, res, err = run_json(capsys, "build", "--model", str(folder), "--layers", "2", "--tokens", "256",
+                              "--seq-len", "64", "--corpus", str(corpus), "--alpha-grid", "0,0.5,1",
+                              "--workdir", str(cache), "--backend", "genai", "--json")
+    assert code == 0, err
+    assert list(res["stages"]) == ["calibrate", "export", "rewrite", "build", "build:genai"]
+    art = Path(res["stages"]["build:genai"]["artifact"])
+    assert art.name.startswith("genai-") and (art / "genai_config.json").is_file()
+    report = json.loads((art / "harp_genai.json").read_text())
+    assert report["verify"]["equal"] and report["pruned_layers"] == res["layers"]
+    code, dep, err = run_json(capsys, "deploy", "genai", "--artifact", Path(res["engine"]).name,
+                              "--workdir", str(cache), "--json")
+    assert code == 0, err
+    assert dep["folder"] == str(art) and dep["cached"] and dep["verified"]
