@@ -50,10 +50,11 @@ def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     torch.manual_seed(seed)
     attn = spec.attn_implementation_for(attn)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
-    # random init leaves some norms at exactly 1 (or 0 for Gemma); perturb so folds are tested
+    # random init leaves norms at exactly 1 (or 0 for Gemma) and biases (Qwen2's q/k/v) at 0;
+    # perturb both so the folds of norm gains and of the V bias through o_proj are tested
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n or n.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
