@@ -39,8 +39,9 @@ FAMILY_NAMES = ["llama", "mistral", "qwen2", "gemma2"]
 TEST_CACHE = Path(os.environ.get("HARP_TRT_TEST_CACHE", Path.home() / ".cache" / "harp-trt-tests"))
 
 
-def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
-    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode, fp32."""
+def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", random_biases: bool = True, **overrides):
+    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode, fp32 (``random_biases=False``: biases
+    as HF initialises them, zero)."""
     from transformers import AutoModelForCausalLM
 
     from harp_trt.families import FAMILIES
@@ -54,7 +55,7 @@ def make_tiny(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     # perturb both so the folds of norm gains and of the V bias through o_proj are tested
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n or n.endswith(".bias"):
+            if "norm" in n or (random_biases and n.endswith(".bias")):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -202,7 +203,9 @@ def trained_qwen2(tmp_path_factory) -> Path:
     folder = save_tiny("qwen2", root / "model", seed=7, max_position_embeddings=1024)
     # trained on the ids the pipeline will read: the folder's tokenizer as harp-trt loads it
     ids = load_tokenizer(folder)(text, add_special_tokens=False)["input_ids"]
-    model = train_tiny(make_tiny("qwen2", seed=7, max_position_embeddings=1024), ids)
+    # trained from HF's zero-bias init: the model test_build's quantization bounds were measured on
+    # (int8/int4 loss ~0.05 %, a 5 % scale error 0.44-0.50 %); from random biases int4 loses 1.1 %
+    model = train_tiny(make_tiny("qwen2", seed=7, random_biases=False, max_position_embeddings=1024), ids)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
