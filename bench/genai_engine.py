@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from harp_trt.errors import PreconditionError, StageError
+from builders.genai.probe import genai_version  # one owner of the installed-version lookup
 
 __all__ = [
     "GenaiUnavailableError", "GenaiBuildError", "GenaiEngine", "build_genai_int4",
@@ -72,14 +73,6 @@ class GenaiBuildError(StageError, RuntimeError):
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__("genai-build", message, hint)
-
-
-def genai_version() -> str | None:
-    """The installed onnxruntime-genai version, or None (without importing it)."""
-    try:
-        return importlib.metadata.version("onnxruntime-genai")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _require_genai() -> Any:
