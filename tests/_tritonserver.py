@@ -1,7 +1,7 @@
 """Start the real ``tritonserver`` (2.51, the 24.10 release) from the ``nvidia-pytriton`` wheel on
 PyPI, on the CPU, for integration tests. Not a test module.
 
-What it takes (measured here; see the README's Triton section):
+What it takes (measured here; see docs/deploy.md, "Triton Inference Server"):
 * the wheel, downloaded (never installed) and unzipped; the Python-backend stub for this Python
   copied into ``backends/python`` and exec bits restored (zip drops them);
 * ``LD_LIBRARY_PATH`` with the wheel's libraries and this interpreter's ``libpython`` folder;

@@ -45,7 +45,7 @@ class FamilySpec:
     hf_config_class: ClassVar[str]              # transformers config class, for tiny test models
     qkv_bias: ClassVar[bool] = False            # q/k/v projections carry a bias (Qwen2)
     # Gemma2 normalises the attention output *before* the residual add, so alpha must scale after
-    # that norm: h <- h + alpha * post_attention_layernorm(o_proj(...)) (see README, "Gemma2").
+    # that norm: h <- h + alpha * post_attention_layernorm(o_proj(...)) (README, the formula at the top).
     alpha_after_post_attn_norm: ClassVar[bool] = False
     norm_weight_offset: ClassVar[float] = 0.0   # RMSNorm gain is (offset + w): Gemma uses 1 + w
     attn_implementation: ClassVar[str] = "sdpa"  # Gemma2 needs eager (sdpa cannot soft-cap)
