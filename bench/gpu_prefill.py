@@ -179,10 +179,10 @@ def _random_cache(model, batch: int, context: int, device, dtype):
     import torch
     from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
 
+    from harp_trt.dims import attention_dims
     from harp_trt.harp import HarpAttention
 
-    cfg = model.config
-    kv, hd = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, kv, hd = attention_dims(model.config)
     cache = DynamicCache()
     layers = []
     for layer in model.model.layers:
@@ -200,12 +200,13 @@ def _random_cache(model, batch: int, context: int, device, dtype):
 
 
 def kv_bytes_per_token(model, dtype_bytes: int) -> int:
+    """KV-cache bytes per token of one sequence: layers HARP pruned keep no cache."""
+    from harp_trt.dims import attention_dims, kv_cache_bytes
     from harp_trt.harp import HarpAttention
 
-    cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, kv, hd = attention_dims(model.config)
     kept = sum(1 for l in model.model.layers if not isinstance(l.self_attn, HarpAttention))
-    return 2 * kept * cfg.num_key_value_heads * hd * dtype_bytes
+    return kv_cache_bytes(kv, hd, dtype_bytes, layers=kept)
 
 
 def max_batch(models: dict, context: int, steps: int, fraction: float, cap: int, device, dtype_bytes: int) -> dict:

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from harp_trt.dims import ModelDims
+from harp_trt.dims import ModelDims, kv_cache_bytes
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
 from harp_trt.mapping import ParallelMapping
@@ -455,7 +455,7 @@ def kv_costs(lk: LayerKinds, dims: ModelDims, dtype: str, tokens_per_block: int)
     (``KVCacheManager::addSequence``; ``WindowBlockManager::adjustBlocksIfNeeded``); their pool size
     is set by the window-size shares written into every launch file (``launch.window_size_shares``)."""
     esize = torch.finfo(DTYPES[dtype]).bits // 8
-    per_layer = 2 * dims.kv_heads * dims.head_dim * esize
+    per_layer = kv_cache_bytes(dims.kv_heads, dims.head_dim, esize)
     full = sum(1 for k, w in zip(lk.kinds, lk.windows) if k == "attention" and (w is None or w >= lk.max_seq_len))
     windowed = {i: w for i, (k, w) in enumerate(zip(lk.kinds, lk.windows))
                 if k in ("attention", "window1") and w is not None and w < lk.max_seq_len}
