@@ -21,7 +21,6 @@ else). Stages are skipped, not cut short, once ``--budget-s`` is spent. Without 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -31,11 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._gpu_common import Refused, run_main  # noqa: E402  (after the path above)
+
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
-
-
-class Refused(Exception):
-    pass
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -180,15 +177,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except Refused as e:
-        print(f"gpu_check: {e}", file=sys.stderr)
-        print(json.dumps({"status": "refused", "reason": str(e)}))
-        return 2
-    result["status"] = "ok"
-    print(json.dumps(result, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
-    return 0
+    return run_main("gpu_check", lambda: run(args),
+                    default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
 
 
 if __name__ == "__main__":

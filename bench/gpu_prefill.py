@@ -22,13 +22,18 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._gpu_common import Refused, run_main  # noqa: E402  (after the path above)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -52,10 +57,6 @@ DRY_SEQ_LENS = (16, 32, 64)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
         20: 2.086, 25: 2.060, 30: 2.042}
-
-
-class Refused(Exception):
-    """The run cannot happen here (no GPU, bad arguments): exit 2 with the reason."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -327,16 +328,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except Refused as e:
-        print(f"gpu_prefill: {e}", file=sys.stderr)
-        print(json.dumps({"status": "refused", "reason": str(e)}))
-        return 2
-    print(json.dumps({"status": "ok", **result}))
-    return 0
+    return run_main("gpu_prefill", lambda: run(args))
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())
