@@ -141,7 +141,8 @@ class OrtCausalLM:
 
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token of one sequence occupies (kept layers only, K and V)."""
-        return kv_cache_bytes(self.kv_heads, self.head_dim, np.dtype(self.kv_dtype).itemsize, layers=len(self.kv_layers))
+        itemsize = np.dtype(self.kv_dtype).itemsize
+        return kv_cache_bytes(self.kv_heads, self.head_dim, itemsize, layers=len(self.kv_layers))
 
     def empty_past(self, batch: int) -> Past:
         z = np.zeros((batch, self.kv_heads, 0, self.head_dim), self.kv_dtype)

@@ -236,7 +236,8 @@ def test_pp_layer_assignment_gives_first_stages_the_extra_layer():
     m = ParallelMapping(tp_size=2, pp_size=3)
     assert [m.rank(t, p) for p in range(3) for t in range(2)] == [0, 1, 2, 3, 4, 5]
     assert m.to_config() == {"world_size": 6, "tp_size": 2, "pp_size": 3}
-    assert ParallelMapping.from_config({"tp_size": 2}) == ParallelMapping(2, 1) and ParallelMapping.from_config(None).world_size == 1
+    assert ParallelMapping.from_config({"tp_size": 2}) == ParallelMapping(2, 1)
+    assert ParallelMapping.from_config(None).world_size == 1
 
 
 # ---- HF heterogeneous (DeciLM block_configs) checkpoint ----------------------------------------

@@ -154,7 +154,8 @@ class TrtllmCheckpoint:
         self.tp, self.pp = self.m.tp, self.m.pp
         self.mapping = ParallelMapping(self.tp, self.pp)
         if len(ranks) != self.mapping.world_size:
-            raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, mapping needs {self.mapping.world_size}")
+            raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, "
+                                      f"mapping needs {self.mapping.world_size}")
         self.ranks = ranks
         self.layers = self._layer_specs()
 
