@@ -202,7 +202,8 @@ def _random_cache(model, batch: int, context: int, device, dtype):
 
 def kv_bytes_per_token(model, dtype_bytes: int) -> int:
     """KV-cache bytes per token of one sequence: layers HARP pruned keep no cache."""
-    from harp_trt.dims import attention_dims, kv_cache_bytes
+    from harp_trt.dims import attention_dims
+    from harp_trt.kvcache import kv_cache_bytes
     from harp_trt.harp import HarpAttention
 
     _, kv, hd = attention_dims(model.config)

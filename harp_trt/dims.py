@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["ModelDims", "attention_dims", "kv_cache_bytes"]
+__all__ = ["ModelDims", "attention_dims"]
 
 
 def attention_dims(cfg: Any) -> tuple[int, int, int] | None:
@@ -24,14 +24,6 @@ def attention_dims(cfg: Any) -> tuple[int, int, int] | None:
     hidden = get("hidden_size")
     hd = get("head_dim") or (hidden // heads if hidden else None)
     return (int(heads), int(get("num_key_value_heads") or heads), int(hd)) if hd else None
-
-
-def kv_cache_bytes(kv_heads: int, head_dim: int, dtype_bytes: int, layers: int = 1, tokens: int = 1) -> int:
-    """Bytes the K and V cache of one sequence holds for ``tokens`` tokens in ``layers`` layers: a
-    key and a value of ``kv_heads x head_dim`` elements of ``dtype_bytes`` each, per token and layer
-    (the defaults give one token in one layer). Which layers keep a cache (HARP-pruned ones keep
-    none), how many tokens a windowed layer holds and the element size are the caller's to say."""
-    return 2 * kv_heads * head_dim * dtype_bytes * layers * tokens
 
 
 @dataclass(frozen=True)

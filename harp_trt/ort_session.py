@@ -23,8 +23,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .dims import kv_cache_bytes
 from .errors import ConfigError, GraphError
+from .kvcache import kv_cache_bytes
 from .onnx_io import EXPORT_META_KEY, kv_layers_of_names, past_name, present_name
 
 __all__ = ["OrtCausalLM", "StaticCache", "default_providers", "sample_next"]

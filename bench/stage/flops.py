@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from harp_trt.dims import ModelDims, kv_cache_bytes
+from harp_trt.dims import ModelDims
+from harp_trt.kvcache import kv_cache_bytes
 
 __all__ = ["SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
            "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]

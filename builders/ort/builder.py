@@ -23,8 +23,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from harp_trt.dims import kv_cache_bytes
 from harp_trt.errors import GraphError, PreconditionError, VerificationError
+from harp_trt.kvcache import kv_cache_bytes
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, VOCAB_FILES, copy_tokenizer,
                              read_export_meta)
 from harp_trt.stage import Stage

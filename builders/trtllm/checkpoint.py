@@ -31,9 +31,10 @@ from typing import Any, Iterator
 
 import torch
 
-from harp_trt.dims import ModelDims, kv_cache_bytes
+from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
+from harp_trt.kvcache import kv_cache_bytes
 from harp_trt.mapping import ParallelMapping
 from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from harp_trt.dims import ModelDims, kv_cache_bytes
+from harp_trt.dims import ModelDims
+from harp_trt.kvcache import kv_cache_bytes
 
 from .checkpoint import DTYPES, LayerKinds
 from .config import TRTLLM_VERSION
