@@ -8,11 +8,24 @@ import json
 import sys
 from typing import Any, Callable
 
-__all__ = ["Refused", "run_main"]
+__all__ = ["Refused", "run_main", "device_or_refuse"]
 
 
 class Refused(Exception):
     """The run cannot happen here (no GPU, no TensorRT-LLM, not an artifact): exit 2 with the reason."""
+
+
+def device_or_refuse(script: str, dry_run: bool):
+    """(device, dtype) to run on: a CUDA GPU in bf16, or the CPU in fp32 for a ``--dry-run``; with
+    neither, :class:`Refused`."""
+    import torch
+
+    if not torch.cuda.is_available() and not dry_run:
+        raise Refused(f"bench/{script} needs a CUDA GPU (none is visible to PyTorch); run it on a GPU machine, "
+                      "or pass --dry-run to exercise it at tiny shapes on the CPU")
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
 
 
 def run_main(tool: str, run: Callable[[], dict[str, Any]], *, passed: Callable[[dict[str, Any]], bool] | None = None,

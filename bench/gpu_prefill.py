@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import Refused, run_main  # noqa: E402  (after the path above)
+from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -285,11 +285,7 @@ def _write_csv(rows: list[dict], path: Path) -> None:
 def run(args) -> dict:
     import torch
 
-    if not torch.cuda.is_available() and not args.dry_run:
-        raise Refused("bench/gpu_prefill.py needs a CUDA GPU (none is visible to PyTorch); "
-                      "run it on a GPU machine, or pass --dry-run to exercise it at tiny shapes on the CPU")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
