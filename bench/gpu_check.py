@@ -21,7 +21,6 @@ else). Stages are skipped, not cut short, once ``--budget-s`` is spent. Without 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -31,11 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
-
-
-class Refused(Exception):
-    pass
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,11 +88,7 @@ def run(args) -> dict:
     from bench.gpu_prefill import build_models, max_batch, time_decode, time_prefill
     from harp_trt.families import family_of
 
-    if not torch.cuda.is_available() and not args.dry_run:
-        raise Refused("bench/gpu_check.py needs a CUDA GPU (none is visible to PyTorch); "
-                      "pass --dry-run to run it at tiny shapes on the CPU")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_or_refuse("gpu_check.py", args.dry_run)
     t_start = time.perf_counter()
     out: dict = {"model": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "skipped": []}
@@ -180,15 +173,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except Refused as e:
-        print(f"gpu_check: {e}", file=sys.stderr)
-        print(json.dumps({"status": "refused", "reason": str(e)}))
-        return 2
-    result["status"] = "ok"
-    print(json.dumps(result, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
-    return 0
+    return run_main("gpu_check", lambda: run(args),
+                    default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
 
 
 if __name__ == "__main__":

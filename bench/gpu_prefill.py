@@ -22,13 +22,18 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -52,10 +57,6 @@ DRY_SEQ_LENS = (16, 32, 64)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
         20: 2.086, 25: 2.060, 30: 2.042}
-
-
-class Refused(Exception):
-    """The run cannot happen here (no GPU, bad arguments): exit 2 with the reason."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -179,10 +180,10 @@ def _random_cache(model, batch: int, context: int, device, dtype):
     import torch
     from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
 
+    from harp_trt.dims import attention_dims
     from harp_trt.harp import HarpAttention
 
-    cfg = model.config
-    kv, hd = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, kv, hd = attention_dims(model.config)
     cache = DynamicCache()
     layers = []
     for layer in model.model.layers:
@@ -200,12 +201,14 @@ def _random_cache(model, batch: int, context: int, device, dtype):
 
 
 def kv_bytes_per_token(model, dtype_bytes: int) -> int:
+    """KV-cache bytes per token of one sequence: layers HARP pruned keep no cache."""
+    from harp_trt.dims import attention_dims
+    from harp_trt.kvcache import kv_cache_bytes
     from harp_trt.harp import HarpAttention
 
-    cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, kv, hd = attention_dims(model.config)
     kept = sum(1 for l in model.model.layers if not isinstance(l.self_attn, HarpAttention))
-    return 2 * kept * cfg.num_key_value_heads * hd * dtype_bytes
+    return kv_cache_bytes(kv, hd, dtype_bytes, layers=kept)
 
 
 def max_batch(models: dict, context: int, steps: int, fraction: float, cap: int, device, dtype_bytes: int) -> dict:
@@ -282,11 +285,7 @@ def _write_csv(rows: list[dict], path: Path) -> None:
 def run(args) -> dict:
     import torch
 
-    if not torch.cuda.is_available() and not args.dry_run:
-        raise Refused("bench/gpu_prefill.py needs a CUDA GPU (none is visible to PyTorch); "
-                      "run it on a GPU machine, or pass --dry-run to exercise it at tiny shapes on the CPU")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,16 +325,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except Refused as e:
-        print(f"gpu_prefill: {e}", file=sys.stderr)
-        print(json.dumps({"status": "refused", "reason": str(e)}))
-        return 2
-    print(json.dumps({"status": "ok", **result}))
-    return 0
+    return run_main("gpu_prefill", lambda: run(args))
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -48,6 +48,7 @@ def write_random_model(shape: str, folder: Path, tokenizer_from: Path | None, se
     import torch
     from transformers import AutoConfig
 
+    from harp_trt.dims import attention_dims
     from harp_trt.families import family_for_model_type
     from harp_trt.weights import SafetensorsWriter, TensorSpec
 
@@ -55,8 +56,9 @@ def write_random_model(shape: str, folder: Path, tokenizer_from: Path | None, se
     model_type = kw.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **kw, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
     fam = family_for_model_type(model_type)
-    d, n, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.hidden_size // cfg.num_attention_heads
-    q, kv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    heads, kv_heads, hd = attention_dims(cfg)
+    d, n = cfg.hidden_size, cfg.num_hidden_layers
+    q, kv, inter = heads * hd, kv_heads * hd, cfg.intermediate_size
     specs = [(fam.weight_name("embed"), (cfg.vocab_size, d))]
     for i in range(n):
         shapes = {"q": (q, d), "k": (kv, d), "v": (kv, d), "o": (d, q), "input_ln": (d,), "post_attn_ln": (d,),

@@ -27,9 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-
-class Refused(Exception):
-    pass
+from bench._gpu_common import Refused, run_main  # noqa: E402  (after the path above)
 
 
 def parse_args(argv=None):
@@ -126,15 +124,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        result = run(args)
-    except Refused as e:
-        print(f"trtllm_check: {e}", file=sys.stderr)
-        print(json.dumps({"status": "refused", "reason": str(e)}))
-        return 2
-    result["status"] = "ok" if result["passed"] else "failed"
-    print(json.dumps(result, default=str))
-    return 0 if result["passed"] else 1
+    return run_main("trtllm_check", lambda: run(args), passed=lambda r: r["passed"], default=str)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from .errors import GraphError, PreconditionError
 __all__ = ["EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
-           "copy_tokenizer", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest", "read_export_meta",
-           "check_plan_weights"]
+           "copy_tokenizer", "tokenizer_files", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest",
+           "read_export_meta", "check_plan_weights"]
 
 EXPORT_META_KEY = "harp_trt.export"
 PLAN_META_KEY = "harp_trt.plan"
@@ -124,6 +124,13 @@ def make_tokenizer_portable(folder: Path) -> bool:
     cfg["tokenizer_class"] = new
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     return True
+
+
+def tokenizer_files(folder: Path) -> list[str]:
+    """The ``TOKENIZER_FILES`` in ``folder``, or none when no ``VOCAB_FILES`` is among them (no
+    tokenizer can be built from the rest)."""
+    files = [f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()]
+    return files if set(VOCAB_FILES) & set(files) else []
 
 
 def copy_tokenizer(sources: Path | Iterable[Path], dst: Path, skip: Iterable[str] = ()) -> list[str]:

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ConfigError, GraphError
+from .kvcache import kv_cache_bytes
 from .onnx_io import EXPORT_META_KEY, kv_layers_of_names, past_name, present_name
 
 __all__ = ["OrtCausalLM", "StaticCache", "default_providers", "sample_next"]
@@ -140,7 +141,8 @@ class OrtCausalLM:
 
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token of one sequence occupies (kept layers only, K and V)."""
-        return len(self.kv_layers) * 2 * self.kv_heads * self.head_dim * np.dtype(self.kv_dtype).itemsize
+        itemsize = np.dtype(self.kv_dtype).itemsize
+        return kv_cache_bytes(self.kv_heads, self.head_dim, itemsize, layers=len(self.kv_layers))
 
     def empty_past(self, batch: int) -> Past:
         z = np.zeros((batch, self.kv_heads, 0, self.head_dim), self.kv_dtype)

@@ -5,18 +5,20 @@ postconditions whose errors name the stage (after onnx-ir's ``PassBase``).
 version (the source of every repository module the stage imports and the versions of the libraries
 that shape its output, ``harp_trt.codekey``), the config, the upstream artifact keys and any content
 digests the stage declares, returns the cached artifact when the key exists, and otherwise runs
-the stage into a temp folder that is renamed on success."""
+the stage into a temp folder that is renamed on success. ``Stage.write_to`` runs it the same way into
+a folder of the caller's choice, outside the cache (``--out``)."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
 from .codekey import CodeKey, code_key
 from .config import StageConfig
-from .errors import PostconditionError
-from .store import MANIFEST, Artifact, ArtifactStore
+from .errors import PostconditionError, PreconditionError
+from .store import MANIFEST, Artifact, ArtifactStore, publishing
 
 __all__ = ["Stage", "Hooks"]
 
@@ -78,6 +80,31 @@ class Stage(Generic[C]):
         if missing:
             raise PostconditionError(self.name, f"artifact is missing {', '.join(missing)}")
 
+    def produce(self, config: C, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
+        """``run`` into ``out_dir`` (a temp folder), then the postconditions on what it wrote."""
+        body = self.run(config, inputs, out_dir)
+        self.check_postconditions(config, inputs, out_dir)
+        return body
+
+    def write_to(self, config: C, inputs: Mapping[str, Any], out, *, source: Path | None = None,
+                 source_kind: str = "artifact", force: bool = False) -> dict[str, Any]:
+        """Run the stage outside the cache into ``out``: a new or empty folder (``force``: replaced)
+        outside ``source``, the input's folder. Bad ``out`` or inputs raise PreconditionError before
+        anything is written; ``out`` is replaced only once the postconditions pass. Returns the body."""
+        out = Path(out).absolute()
+        if out.exists() and not out.is_dir():
+            raise PreconditionError(self.name, f"--out {out} exists and is not a folder", "pick another --out")
+        if out.is_dir() and any(out.iterdir()) and not force:
+            raise PreconditionError(self.name, f"--out {out} exists and is not empty",
+                                    "pass --force to replace it, or pick another --out")
+        if source is not None and (out == source or source in out.parents):
+            raise PreconditionError(self.name, f"--out {out} lies inside the {source_kind} {source}",
+                                    "pick another --out")
+        self.check_preconditions(config, inputs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with publishing(out, out.parent, f".{out.name}.tmp-") as tmp:
+            return self.produce(config, inputs, tmp)
+
     def execute(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any],
                 force: bool = False) -> Artifact:
         key = store.make_key(self.name, self.key_material(config, inputs))
@@ -90,8 +117,7 @@ class Stage(Generic[C]):
             self.check_preconditions(config, inputs)
             t0 = time.perf_counter()
             with store.writing(key) as tmp:
-                body = self.run(config, inputs, tmp)
-                self.check_postconditions(config, inputs, tmp)
+                body = self.produce(config, inputs, tmp)
                 store.write_manifest(tmp, {
                     "stage": self.name, "stage_version": self.version, "key": key,
                     "config": config.to_dict(),

@@ -21,7 +21,7 @@ from filelock import FileLock
 from .config import digest_of
 from .errors import CacheError
 
-__all__ = ["ArtifactStore", "Artifact", "default_cache_root", "MANIFEST"]
+__all__ = ["ArtifactStore", "Artifact", "default_cache_root", "MANIFEST", "publishing"]
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -30,6 +30,32 @@ MANIFEST = "manifest.json"
 def default_cache_root() -> Path:
     env = os.environ.get("HARP_TRT_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "harp-trt"
+
+
+@contextlib.contextmanager
+def publishing(final: Path, tmp_parent: Path, prefix: str) -> Iterator[Path]:
+    """Yield a fresh temp folder under ``tmp_parent`` (same file system as ``final``); when the
+    ``with`` body ends without an error it is renamed to ``final``, an existing ``final`` being moved
+    aside first and removed after. The temp folder is gone afterwards either way, so ``final`` is
+    never half-written: the one temp-dir -> checks -> rename of every artifact and ``--out`` folder."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=tmp_parent))
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = tmp_parent / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if old is not None:
+                os.replace(old, final)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -111,19 +137,12 @@ class ArtifactStore:
 
     @contextlib.contextmanager
     def writing(self, key: str) -> Iterator[Path]:
-        """Yield a fresh temp folder; on clean exit it becomes ``<root>/<key>``. Caller holds the lock."""
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=self.root / ".tmp"))
-        try:
+        """Yield a fresh temp folder; on clean exit it becomes ``<root>/<key>`` (replacing one a
+        writer without the lock left there). Caller holds the lock."""
+        with publishing(self.path_of(key), self.root / ".tmp", f"{key}-") as tmp:
             yield tmp
             if not (tmp / MANIFEST).is_file():
                 raise CacheError(f"artifact {key} has no {MANIFEST}; refusing to publish it")
-            final = self.path_of(key)
-            if final.exists():  # a concurrent writer without the lock; keep theirs
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
 
     @staticmethod
     def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

@@ -54,8 +54,11 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
     return out
 
 
+_FOLDERS = ("harp_trt", "calib", "builders", "bench")
+
+
 def _sources():
-    for folder in ("harp_trt", "calib", "builders", "bench"):
+    for folder in _FOLDERS:
         for f in sorted((ROOT / folder).rglob("*.py")):
             if "assets" in f.parts:  # files shipped into Triton repositories, run there
                 continue
@@ -97,3 +100,104 @@ def test_the_rules_see_real_edges():
     edges = {(s, _group(t)) for f, m, s in _sources() for t, _, _ in _imports(f)}
     assert ("harp_trt.rewrite", "core") in edges and ("cli", "calib") in edges and ("scripts", "bench.stage") in edges
     assert ("builders.ort", "core") in edges and ("pipeline", "core") in edges
+
+
+# ---- import circles ---------------------------------------------------------------------------
+def _module_level(body, module_level: bool):
+    """The statements of ``body`` that run when the module is imported (into if / try / with / class
+    bodies, not into functions or ``if TYPE_CHECKING``); every statement when not ``module_level``."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and module_level:
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            sub = getattr(node, field, None)
+            if isinstance(sub, list):
+                yield from _module_level(sub, module_level)
+
+
+def _import_graph(module_level: bool) -> dict[str, set[str]]:
+    """module -> the repository modules it imports (``from pkg import mod`` names the module)."""
+    files = {mod: f for f, mod, _ in _sources()}
+    graph: dict[str, set[str]] = {}
+    for mod, f in files.items():
+        package = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
+        edges = set()
+        for node in _module_level(ast.parse(f.read_text()).body, module_level):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                        if node.level else node.module)
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+        graph[mod] = {e for e in edges if e in files and e != mod}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_at_module_level():
+    """No two modules need each other to finish importing."""
+    assert _circles(_import_graph(module_level=True)) == []
+
+
+def test_no_import_circle_even_through_imports_inside_functions():
+    """A circle hidden in function bodies is still two modules that own each other's facts (as
+    ``builders/triton/repository.py`` and ``llm_repo.py`` once did): one of them owns the fact."""
+    assert _circles(_import_graph(module_level=False)) == []
+
+
+def test_the_circle_finder_sees_circles_and_real_edges():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    top, every = _import_graph(module_level=True), _import_graph(module_level=False)
+    assert "builders.triton.onnx_repo" in top["builders.triton.llm_repo"]
+    assert "harp_trt.errors" in top["harp_trt.stage"]  # `from .errors import ...`
+    assert "builders.triton.llm_repo" in every["builders.triton.repository"] - top["builders.triton.repository"]
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``module:name`` for every underscore name ``path`` imports from a repository module."""
+    return [f"{'.' * node.level}{node.module or ''}:{a.name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.level or node.module.split(".")[0] in _FOLDERS)
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_triton_modules_import_no_private_names_of_each_other(tmp_path):
+    """``repository.py`` / ``llm_repo.py`` (and their siblings) share public names only."""
+    bad = {f.name: _private_imports(f) for f in sorted((ROOT / "builders" / "triton").glob("*.py"))}
+    assert {k: v for k, v in bad.items() if v} == {}
+    probe = tmp_path / "probe.py"
+    probe.write_text("from .repository import _a, b\ndef f():\n    from harp_trt.x import _c\n")
+    assert _private_imports(probe) == [".repository:_a", "harp_trt.x:_c"]

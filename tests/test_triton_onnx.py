@@ -248,7 +248,8 @@ def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
     Runtime) cannot go to Triton's onnxruntime backend, whose ORT is older (exit 2, with the
     versions); it becomes the text-in/text-out Python-backend model instead, whose config parses."""
     from builders.ort.builder import OrtBuilder
-    from builders.triton.compat import DEFAULT_TRITON_RELEASE, TRITON_ORT, required_ort
+    from builders.triton.compat import required_ort
+    from builders.triton.releases import DEFAULT_TRITON_RELEASE, TRITON_ORT
 
     folder, model = engine
     spec = OrtBuilder().build(folder / "model.onnx", tmp_path / "engine")

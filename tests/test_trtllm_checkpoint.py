@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 
 from builders.trtllm import (TrtllmCheckpointConfig, TrtllmCheckpointStage, read_checkpoint,
                              read_hf_decilm, write_checkpoint, write_hf_decilm)
-from builders.trtllm.checkpoint import fold_vo, pp_layers
+from builders.trtllm.checkpoint import fold_vo
 from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.harp import apply_harp
+from harp_trt.mapping import ParallelMapping
 from harp_trt.plan import Plan
 from harp_trt.store import ArtifactStore
 
@@ -225,8 +226,18 @@ def test_kv_per_layer_follows_the_plan(cases, tmp_path, family):
 
 
 def test_pp_layer_assignment_gives_first_stages_the_extra_layer():
-    assert [pp_layers(5, 2, r) for r in range(2)] == [[0, 1, 2], [3, 4]]
-    assert [pp_layers(4, 3, r) for r in range(3)] == [[0, 1], [2], [3]]
+    """The one layout both the writer and the reader use (``harp_trt.mapping``), pinned to
+    TensorRT-LLM's ``Mapping.pp_layers`` (``torch.tensor_split(range(L), pp)``) and rank numbering
+    (``rank = tp_rank + pp_rank * tp_size``) by literal values, so a wrong split fails here."""
+    assert [ParallelMapping(pp_size=2).pp_layers(5, r) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [ParallelMapping(pp_size=3).pp_layers(4, r) for r in range(3)] == [[0, 1], [2], [3]]
+    assert [ParallelMapping(pp_size=3).pp_layers(7, r) for r in range(3)] == [
+        t.tolist() for t in torch.tensor_split(torch.arange(7), 3)]
+    m = ParallelMapping(tp_size=2, pp_size=3)
+    assert [m.rank(t, p) for p in range(3) for t in range(2)] == [0, 1, 2, 3, 4, 5]
+    assert m.to_config() == {"world_size": 6, "tp_size": 2, "pp_size": 3}
+    assert ParallelMapping.from_config({"tp_size": 2}) == ParallelMapping(2, 1)
+    assert ParallelMapping.from_config(None).world_size == 1
 
 
 # ---- HF heterogeneous (DeciLM block_configs) checkpoint ----------------------------------------

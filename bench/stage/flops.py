@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from harp_trt.dims import ModelDims
+from harp_trt.kvcache import kv_cache_bytes
 
 __all__ = ["SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
            "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
@@ -87,7 +88,7 @@ def decode_flops(d: ModelDims, context: int, pruned: Mapping[int, float] | None 
 def kv_bytes_per_token(d: ModelDims, pruned: Mapping[int, float] | None = None, dtype_bytes: int = 4) -> int:
     """K and V bytes one token adds to the cache (batch 1); pruned layers keep none."""
     kept = d.num_layers - len(pruned or {})
-    return 2 * kept * d.kv_dim * dtype_bytes
+    return kv_cache_bytes(d.kv_heads, d.head_dim, dtype_bytes, layers=kept)
 
 
 def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, float] | None = None,
@@ -107,8 +108,8 @@ def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, floa
     for i in range(d.num_layers):
         if i not in pruned:
             w = d.window(i)
-            cache += 2 * d.kv_dim * (min(context, w) if w else context)
-    return (params + cache) * dtype_bytes
+            cache += kv_cache_bytes(d.kv_heads, d.head_dim, dtype_bytes, tokens=min(context, w) if w else context)
+    return params * dtype_bytes + cache
 
 
 def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_context: int,

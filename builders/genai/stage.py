@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
@@ -284,7 +283,7 @@ class GenaiStage(Stage[GenaiConfig]):
         return {**super().key_material(config, inputs), "engine": info.manifest.get("key") or str(info.path)}
 
     def check_preconditions(self, config: GenaiConfig, inputs: Mapping[str, Any]) -> None:
-        self._info(inputs)
+        genai_config_for(self._info(inputs), config)  # refuse bad settings before writing anything
 
     @staticmethod
     def _info(inputs: Mapping[str, Any]) -> EngineInfo:
@@ -323,24 +322,7 @@ def deploy_genai(artifact: str | os.PathLike, out: str | os.PathLike | None, con
         art = stage.execute(store, config, {"engine": ref}, force=force)
         return {**art.manifest["genai"], "folder": str(art.path), "cached": art.cached}
     out = Path(out).absolute()
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} exists and is not a folder", "pick another --out")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise _fail(f"--out {out} exists and is not empty", "pass --force to replace it, or pick another --out")
-    if out == info.path or info.path in out.parents:
-        raise _fail(f"--out {out} lies inside the engine {info.path}", "pick another --out")
-    genai_config_for(info, config)  # refuse bad settings before touching the filesystem
-    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        body = write_genai_folder(info, tmp, config)
-        stage.check_postconditions(config, {"engine": info}, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    body = stage.write_to(config, {"engine": info}, out, source=info.path, source_kind="engine", force=force)
     log.info("wrote onnxruntime-genai folder %s in %.2f s", out, time.perf_counter() - t0)
-    return {**body, "folder": str(out), "cached": False}
+    return {**body["genai"], "folder": str(out), "cached": False}

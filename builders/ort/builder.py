@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harp_trt.errors import GraphError, PreconditionError, VerificationError
+from harp_trt.kvcache import kv_cache_bytes
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, VOCAB_FILES, copy_tokenizer,
                              read_export_meta)
 from harp_trt.stage import Stage
@@ -136,7 +137,7 @@ class OrtBuilder:
 
         lm = OrtCausalLM(path, providers=["CPUExecutionProvider"], graph_optimization_level="disable")
         itemsize = np.dtype(lm.kv_dtype).itemsize
-        per_layer = 2 * lm.kv_heads * lm.head_dim * itemsize
+        per_layer = kv_cache_bytes(lm.kv_heads, lm.head_dim, itemsize)
         return {"layers": lm.kv_layers, "num_layers": lm.num_layers, "kv_heads": lm.kv_heads,
                 "head_dim": lm.head_dim, "dtype": np.dtype(lm.kv_dtype).name,
                 "bytes_per_token": lm.kv_bytes_per_token(), "dense_bytes_per_token": lm.num_layers * per_layer,

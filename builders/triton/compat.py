@@ -21,9 +21,9 @@ from typing import Any
 from harp_trt.errors import ConfigError
 
 from .pbtxt import STAGE
-from .releases import DEFAULT_TRITON_RELEASE, TRITON_ORT  # the release tables live there
+from .releases import TRITON_ORT  # the release tables (and the default release) live there
 
-__all__ = ["TRITON_ORT", "required_ort", "check_triton_release", "DEFAULT_TRITON_RELEASE"]
+__all__ = ["required_ort", "check_triton_release"]
 
 _ORT_MAX_OPSET = {(1, 19): 21, (1, 20): 21, (1, 21): 22, (1, 22): 23, (1, 23): 23}
 # GroupQueryAttention: attribute or input -> first ORT version that accepts it

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from harp_trt.errors import ConfigError
-from harp_trt.onnx_io import parse_kv_name
+from harp_trt.onnx_io import parse_kv_name, tokenizer_files
 
-from .onnx_repo import _place, external_data_files
+from .onnx_repo import external_data_files, place_file
 from .pbtxt import Enum, render_pbtxt
 
-__all__ = ["write_llm_model", "LLM_INPUTS", "LLM_OUTPUTS"]
+__all__ = ["write_llm_model", "check_gpu_graph", "graph_dtype", "LLM_INPUTS", "LLM_OUTPUTS"]
 
 LLM_INPUTS = [
     {"name": "text_input", "data_type": Enum("TYPE_STRING"), "dims": [1]},
@@ -36,7 +36,8 @@ def _uses_gqa(onnx_path: Path) -> bool:
     return any(n.op_type == "GroupQueryAttention" for n in m.graph.node)
 
 
-def _graph_dtype(onnx_path: Path) -> str:
+def graph_dtype(onnx_path: Path) -> str:
+    """numpy name of the graph's KV-cache element type (its first ``past_key_values`` input; float32 without one)."""
     import onnx
 
     m = onnx.load(str(onnx_path), load_external_data=False)
@@ -49,7 +50,7 @@ def _graph_dtype(onnx_path: Path) -> str:
 def check_gpu_graph(onnx_path: Path, device: str) -> None:
     """ONNX Runtime's CUDA GroupQueryAttention kernel takes float16/bfloat16 only: an fp32 GQA
     graph on a GPU silently runs attention on the CPU provider (with copies each layer)."""
-    if device == "gpu" and _uses_gqa(onnx_path) and _graph_dtype(onnx_path) == "float32":
+    if device == "gpu" and _uses_gqa(onnx_path) and graph_dtype(onnx_path) == "float32":
         raise ConfigError(f"{onnx_path.parent.name} is an fp32 GroupQueryAttention graph: ONNX Runtime's CUDA "
                           "kernel for it takes float16/bfloat16 only, so attention would fall back to the CPU",
                           "export in half precision for GPU engines (ExportConfig dtype float16), or use --device cpu")
@@ -76,21 +77,19 @@ def _eos_ids(folder: Path) -> list[int]:
 def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path, repo: Path, name: str,
                     config, header: list[str]) -> dict[str, Any]:
     """Write the Python-backend generation model; returns a summary for the report."""
-    from .repository import _tokenizer_files  # one list of tokenizer files
-
     check_gpu_graph(onnx_path, config.device)
     mdir = repo / name
     edir = mdir / "1" / "engine"
     edir.mkdir(parents=True)
-    how = _place(onnx_path, edir / onnx_path.name, config.link)
+    how = place_file(onnx_path, edir / onnx_path.name, config.link)
     files = [onnx_path.name]
     for loc in external_data_files(onnx_path):
-        _place(onnx_path.parent / loc, edir / loc, config.link)
+        place_file(onnx_path.parent / loc, edir / loc, config.link)
         files.append(loc)
     spec = dict(engine or {})
     spec["model"] = onnx_path.name
     (edir / "engine.json").write_text(json.dumps(spec, indent=2))
-    tok = _tokenizer_files(source)
+    tok = tokenizer_files(source)
     if not tok:
         raise ConfigError(f"{source} has no tokenizer files: the text-in/text-out model needs them",
                           "pass an artifact built by harp-trt (export/rewrite/ORT engine), or --serving onnx")

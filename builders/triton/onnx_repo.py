@@ -32,7 +32,7 @@ from harp_trt.onnx_io import EXPORT_META_KEY, MODEL_FILE, kv_layers_of_names
 
 from .pbtxt import ONNX_TO_TRITON, STAGE, Enum, render_pbtxt
 
-__all__ = ["TensorSpec", "onnx_io", "external_data_files", "onnx_model_config", "write_onnx_model"]
+__all__ = ["TensorSpec", "onnx_io", "external_data_files", "onnx_model_config", "write_onnx_model", "place_file"]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def onnx_model_config(name: str, inputs: list[TensorSpec], outputs: list[TensorS
     return cfg
 
 
-def _place(src: Path, dst: Path, link: bool) -> str:
+def place_file(src: Path, dst: Path, link: bool) -> str:
     """Hard-link (artifacts are immutable) or copy ``src`` to ``dst``; returns how."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     if link:
@@ -156,14 +156,14 @@ def write_onnx_model(onnx_path: Path, repo: Path, name: str, kind: str, instance
             log.warning("graph %s has no %r tensor: client.py expects the harp_trt export I/O contract",
                         onnx_path, required)
     mdir = repo / name
-    how = _place(onnx_path, mdir / "1" / MODEL_FILE, link)
+    how = place_file(onnx_path, mdir / "1" / MODEL_FILE, link)
     files = [MODEL_FILE]
     for loc in external_data_files(onnx_path):
         src = onnx_path.parent / loc
         if not src.is_file():
             raise PreconditionError(STAGE, f"{onnx_path.name} keeps its weights in {loc!r}, which is not in "
                                     f"{onnx_path.parent}", "copy the external-data file next to model.onnx")
-        _place(src, mdir / "1" / loc, link)
+        place_file(src, mdir / "1" / loc, link)
         files.append(loc)
     cfg = onnx_model_config(name, inputs, outputs, kind, instances, threads)
     (mdir / "config.pbtxt").write_text(render_pbtxt(cfg, header))

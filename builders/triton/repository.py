@@ -10,24 +10,24 @@ Inputs: one artifact folder (or cache key).
 
 Every repository also gets ``client.py`` (tritonclient gRPC), ``README.md`` (how to start the server
 and call it) and ``harp_triton.json`` (what was written from which artifact, and the values of the
-template keys). The repository is written to a temporary sibling of ``--out`` and renamed into
-place only after every ``config.pbtxt`` parses as Triton's ``ModelConfig`` and the ensemble wiring
-checks out (:func:`validate_repository`), so a failure leaves nothing half-written. An existing,
-non-empty ``--out`` is replaced only with ``force``."""
+template keys). The repository is written as every stage writes a folder (``Stage.write_to``): into
+a temporary sibling of ``--out``, renamed into place only after every ``config.pbtxt`` parses as
+Triton's ``ModelConfig`` and the ensemble wiring checks out (:func:`validate_repository`, the
+stage's postcondition), so a failure leaves nothing half-written. An existing, non-empty ``--out``
+is replaced only with ``force``."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.onnx_io import TOKENIZER_FILES, VOCAB_FILES, copy_tokenizer
+from harp_trt.onnx_io import TOKENIZER_FILES, copy_tokenizer, tokenizer_files
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
+from harp_trt.mapping import ParallelMapping
 from harp_trt.stage import Stage
 from harp_trt.store import MANIFEST
 
@@ -96,11 +96,6 @@ def inspect_artifact(ref: str | os.PathLike, store=None) -> ArtifactInfo:
                                 "re-run the stage that writes it; an ONNX Runtime repository needs the graph")
     return ArtifactInfo("onnx", p, stage, manifest, onnx_path,
                         engine if engine_json.is_file() and isinstance(engine, dict) else None)
-
-
-def _tokenizer_files(folder: Path) -> list[str]:
-    files = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
-    return files if set(VOCAB_FILES) & set(files) else []
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -236,11 +231,11 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         if config.serving == "python":
             return self._run_llm(config, info, out, header)
         from .compat import check_triton_release
-        from .llm_repo import _graph_dtype, check_gpu_graph
+        from .llm_repo import check_gpu_graph, graph_dtype
         from .onnx_repo import write_onnx_model
 
         check_gpu_graph(info.onnx, config.device)
-        if _graph_dtype(info.onnx) == "bfloat16":
+        if graph_dtype(info.onnx) == "bfloat16":
             raise ConfigError(f"{info.path.name} is a bfloat16 graph: Triton's onnxruntime backend does not serve "
                               "bf16 tensors to its clients (numpy and tritonclient have no bfloat16)",
                               "export in float16 for --serving onnx, or use --serving python")
@@ -260,7 +255,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         summary["engine_providers"] = providers
         if summary["pruned_layers"]:
             log.info("HARP-pruned layers without KV tensors: %s", summary["pruned_layers"])
-        tok_files = _tokenizer_files(info.path)
+        tok_files = tokenizer_files(info.path)
         if tok_files:
             (out / config.model_name / "tokenizer").mkdir()
             copy_tokenizer(info.path, out / config.model_name / "tokenizer")
@@ -295,7 +290,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
                 refs.append(json.loads((info.path / "plan.json").read_text()).get("model_ref"))
             candidates += [Path(r) for r in refs if r]
         for c in candidates:
-            if c.is_dir() and (files := _tokenizer_files(c)):
+            if c.is_dir() and (files := tokenizer_files(c)):
                 return c, files
         raise PreconditionError(STAGE, f"no tokenizer files found for {info.path.name} (looked in "
                                 f"{', '.join(str(c) for c in candidates)})",
@@ -321,7 +316,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         summary = {"kind": "trtllm", "models": list(configs), "engine_dir": engine_dir,
                    "engine_built": engine_built, "tokenizer_from": str(tok_src), "tokenizer_files": tok_files,
                    "architecture": ckpt.get("architecture"), "world_size": (ckpt.get("mapping") or {}).get(
-                       "world_size", build.get("tp_size", 1) * build.get("pp_size", 1)),
+                       "world_size", ParallelMapping.from_config(build).world_size),
                    "template_values": values, "triton_release": release.release,
                    "tensorrt_llm_version": release.tensorrt_llm, "image": release.image,
                    "image_source": release.source}
@@ -347,41 +342,8 @@ def write_repository(artifact: str | os.PathLike, out: str | os.PathLike, config
     config = config or TritonRepoConfig()
     info = inspect_artifact(artifact, store)
     out = Path(out).absolute()
-    if out.exists() and not out.is_dir():
-        raise PreconditionError(STAGE, f"--out {out} exists and is not a folder", "pick another --out")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise PreconditionError(STAGE, f"--out {out} exists and is not empty",
-                                "pass --force to replace it, or pick another --out")
-    if out == info.path or info.path in out.parents:
-        raise PreconditionError(STAGE, f"--out {out} lies inside the artifact {info.path}", "pick another --out")
-    stage = TritonRepoStage()
-    stage.check_preconditions(config, {"artifact": info})
-    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        stage.run(config, {"artifact": info}, tmp)
-        report = json.loads((tmp / REPO_MANIFEST).read_text())
-        stage.check_postconditions(config, {"artifact": info}, tmp)
-        _publish(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    TritonRepoStage().write_to(config, {"artifact": info}, out, source=info.path, force=force)
+    report = json.loads((out / REPO_MANIFEST).read_text())
     log.info("wrote Triton repository %s in %.2f s", out, time.perf_counter() - t0)
     return {**report, "repository": str(out)}
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed afterwards."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if old is not None:
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -11,7 +11,7 @@ _EXPORTS = {
     "TrtllmCheckpointConfig": "config",
     "TrtllmCheckpointStage": "stage", "build_command": "stage",
     "write_checkpoint": "checkpoint", "DTYPES": "checkpoint",
-    "check_layout": "checkpoint", "pp_layers": "checkpoint", "valid_tp_sizes": "checkpoint",
+    "check_layout": "checkpoint", "valid_tp_sizes": "checkpoint",
     "write_hf_decilm": "hf_format",
     "TrtllmCheckpoint": "reader", "read_checkpoint": "reader", "read_hf_decilm": "reader",
     "target_for": "targets",

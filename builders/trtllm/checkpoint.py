@@ -12,8 +12,8 @@ every requirement with its source is a row of ``docs/trtllm-contract.md``):
   ``.mlp.fc`` (= HF gate_proj, the activated branch), ``.mlp.gate`` (= up_proj), ``.mlp.proj``,
   ``transformer.ln_f.weight``, ``lm_head.weight``; DeciLM uses ``.ffn.*`` for the MLP and
   ``.attention.weight`` for a linear attention; Gemma2 adds ``pre_/post_feedforward_layernorm``.
-* ``i`` is the *local* layer index inside a pipeline stage; stage ``p`` owns
-  ``torch.tensor_split(range(L), pp)[p]`` (the first ``L % pp`` stages get one extra layer).
+* ``i`` is the *local* layer index inside a pipeline stage; which stage owns which layers, and which
+  rank file holds which shard, is ``harp_trt.mapping.ParallelMapping`` (shared with the reader).
 * tensor parallel: q/fc/gate/lm_head/linear-attention are column-split (dim 0), dense/proj are
   row-split (dim 1); k/v heads are duplicated when ``tp > kv_heads`` (head g goes to ranks
   ``g*tp/kv ...``); lm_head is zero-padded to a multiple of ``tp`` rows; norms are replicated; the
@@ -34,13 +34,15 @@ import torch
 from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
+from harp_trt.kvcache import kv_cache_bytes
+from harp_trt.mapping import ParallelMapping
 from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
 
 from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
-__all__ = ["DTYPES", "write_checkpoint", "pp_layers", "valid_tp_sizes", "check_layout",
-           "rank_of", "STAGE_NAME", "fold_vo", "LayerKinds", "layer_kinds", "hf_config"]
+__all__ = ["DTYPES", "write_checkpoint", "valid_tp_sizes", "check_layout",
+           "STAGE_NAME", "fold_vo", "LayerKinds", "layer_kinds", "hf_config"]
 
 log = logging.getLogger(__name__)
 STAGE_NAME = "trtllm"
@@ -49,17 +51,6 @@ DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bf
 
 
 # ---- layout arithmetic ------------------------------------------------------------------------
-def pp_layers(num_layers: int, pp_size: int, pp_rank: int) -> list[int]:
-    """Global layer indices owned by pipeline stage ``pp_rank`` (TensorRT-LLM ``Mapping.pp_layers``)."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return list(range(start, start + base + (1 if pp_rank < extra else 0)))
-
-
-def rank_of(tp_rank: int, pp_rank: int, tp_size: int) -> int:
-    return tp_rank + pp_rank * tp_size
-
-
 def pad_to_multiple(n: int, k: int) -> int:
     return int(math.ceil(n / k) * k)
 
@@ -118,9 +109,9 @@ def check_pipeline(kinds: "LayerKinds", target: TrtllmTarget, pp_size: int) -> N
       index; unless every stage's slice equals the list's prefix, layers get the wrong window."""
     if pp_size == 1:
         return
-    n = len(kinds.kinds)
+    n, mapping = len(kinds.kinds), ParallelMapping(pp_size=pp_size)
     for p in range(pp_size):
-        local = pp_layers(n, pp_size, p)
+        local = mapping.pp_layers(n, p)
         if not any(kinds.kinds[g] in ("attention", "window1") for g in local):
             raise ConfigError(
                 f"pp_size={pp_size}: pipeline stage {p} (layers {local[0]}-{local[-1]}) has no attention layer left "
@@ -129,7 +120,7 @@ def check_pipeline(kinds: "LayerKinds", target: TrtllmTarget, pp_size: int) -> N
     windows = kinds.window_list()
     if windows is not None and len(set(windows)) > 1:
         for p in range(1, pp_size):
-            local = pp_layers(n, pp_size, p)
+            local = mapping.pp_layers(n, p)
             first_attn = sum(1 for g in range(local[0]) if kinds.kinds[g] != "linear" and kinds.kinds[g] != "no_op")
             mine = [windows[(first_attn + j) % len(windows)] for j in range(len(local))]
             theirs = [windows[j % len(windows)] for j in range(len(local))]
@@ -328,17 +319,18 @@ def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: Mod
 def _rank_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, dtype: torch.dtype,
                   tp: int, pp: int) -> Iterator[tuple[int, str, torch.Tensor]]:
     """(rank, name, tensor) for every tensor of every rank file, one layer resident at a time."""
+    mapping = ParallelMapping(tp, pp)
     for name, stage, lt in _global_tensors(src, target):
         for t in range(tp):
-            yield rank_of(t, stage % pp, tp), name, _shard(lt, tp, t, dims).to(dtype)
+            yield mapping.rank(t, stage % pp), name, _shard(lt, tp, t, dims).to(dtype)
         del lt
     for p in range(pp):
-        for j, g in enumerate(pp_layers(dims.num_layers, pp, p)):
+        for j, g in enumerate(mapping.pp_layers(dims.num_layers, p)):
             tensors = _layer_tensors(src, target, lk, dims, g)
             for name, lt in tensors.items():
                 local = f"transformer.layers.{j}." + name.split(".", 3)[3]
                 for t in range(tp):
-                    yield rank_of(t, p, tp), local, _shard(lt, tp, t, dims).to(dtype)
+                    yield mapping.rank(t, p), local, _shard(lt, tp, t, dims).to(dtype)
             del tensors
 
 
@@ -355,7 +347,7 @@ def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims
         "norm_epsilon": float(config.rms_norm_eps), "position_embedding_type": "rope_gpt_neox",
         "max_position_embeddings": int(config.max_position_embeddings),
         "rotary_base": theta, "rotary_scaling": scaling,
-        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
+        "mapping": ParallelMapping(tp, pp).to_config(),
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
         "use_parallel_embedding": bool(target.parallel_embedding and tp > 1),
         "embedding_sharding_dim": 0,
@@ -426,7 +418,7 @@ def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
     torch_dtype = DTYPES[dtype]
-    world = tp_size * pp_size
+    world = ParallelMapping(tp_size, pp_size).world_size
     plans: list[list[TensorSpec]] = [[] for _ in range(world)]
     with torch.no_grad():
         for r, name, t in _rank_tensors(_Source(reader, family, meta=True), target, lk, dims, torch_dtype,
@@ -464,7 +456,7 @@ def kv_costs(lk: LayerKinds, dims: ModelDims, dtype: str, tokens_per_block: int)
     (``KVCacheManager::addSequence``; ``WindowBlockManager::adjustBlocksIfNeeded``); their pool size
     is set by the window-size shares written into every launch file (``launch.window_size_shares``)."""
     esize = torch.finfo(DTYPES[dtype]).bits // 8
-    per_layer = 2 * dims.kv_heads * dims.head_dim * esize
+    per_layer = kv_cache_bytes(dims.kv_heads, dims.head_dim, esize)
     full = sum(1 for k, w in zip(lk.kinds, lk.windows) if k == "attention" and (w is None or w >= lk.max_seq_len))
     windowed = {i: w for i, (k, w) in enumerate(zip(lk.kinds, lk.windows))
                 if k in ("attention", "window1") and w is not None and w < lk.max_seq_len}

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from harp_trt.dims import ModelDims
+from harp_trt.kvcache import kv_cache_bytes
 
 from .checkpoint import DTYPES, LayerKinds
 from .config import TRTLLM_VERSION
@@ -71,7 +72,7 @@ def kv_runtime(lk: LayerKinds, dims: ModelDims, cfg) -> dict[str, Any]:
     full-attention layers bounds how many tokens fit; with shares, that pool gets ``share`` of
     the memory, so each token of capacity costs ``bytes_per_token(full layers) / share``."""
     esize = torch.finfo(DTYPES[cfg.dtype]).bits // 8
-    per_layer = 2 * dims.kv_heads * dims.head_dim * esize
+    per_layer = kv_cache_bytes(dims.kv_heads, dims.head_dim, esize)
     shares = window_shares(lk, cfg)
     full_layers = sum(1 for k, w in zip(lk.kinds, lk.windows)
                       if k in ("attention", "window1") and (w is None or w >= cfg.max_seq_len))

@@ -15,7 +15,9 @@ Every tensor's per-rank shape is checked, as ``PretrainedModel.load`` does, and 
 error ("Required but not provided tensors"). The parallel execution is simulated rather than undone:
 each tensor-parallel rank computes its heads / MLP columns from its own shard and the partial outputs
 are summed (the all-reduce; a ``RowLinear`` bias added once after it) or concatenated
-(``gather_output``); pipeline stages run their local layers in order. Full-sequence causal prefill
+(``gather_output``); pipeline stages run their local layers in order. Which rank file holds
+which shard and stage is the layout convention ``harp_trt.mapping`` (shared with the writer, not a
+model fact; its split is pinned to TensorRT-LLM's by a test). Full-sequence causal prefill
 only (no KV cache), fp32 throughout. Per-layer attention windows come from
 ``runtime_defaults.max_attention_window`` (cyclic, like the runtime); a window of w lets token i see
 tokens i-w+1 .. i."""
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
+from harp_trt.mapping import ParallelMapping
 
 from .trtllm_models import (ACTIVATIONS, HF_DECILM_NAMES, MODELS, LayerConfig, ModelConfig,
                             ffn_mult_to_intermediate, pad_vocab, resolve)
@@ -102,13 +105,6 @@ def _renamed(reader, renames: tuple[tuple[str, str], ...]) -> dict[str, str] | N
     return out
 
 
-def _pp_layers(num_layers: int, pp: int, rank: int) -> list[int]:
-    """mapping.py ``Mapping.pp_layers``: the first ``L % pp`` stages get one extra layer."""
-    base, extra = divmod(num_layers, pp)
-    start = rank * base + min(rank, extra)
-    return list(range(start, start + base + (1 if rank < extra else 0)))
-
-
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -156,8 +152,10 @@ class TrtllmCheckpoint:
         self.m: ModelConfig = resolve(config)
         self.arch = self.m.architecture
         self.tp, self.pp = self.m.tp, self.m.pp
-        if len(ranks) != self.tp * self.pp:
-            raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, mapping needs {self.tp * self.pp}")
+        self.mapping = ParallelMapping(self.tp, self.pp)
+        if len(ranks) != self.mapping.world_size:
+            raise CorruptWeightsError(f"checkpoint has {len(ranks)} rank files, "
+                                      f"mapping needs {self.mapping.world_size}")
         self.ranks = ranks
         self.layers = self._layer_specs()
 
@@ -172,8 +170,7 @@ class TrtllmCheckpoint:
         except FileNotFoundError:
             raise CorruptWeightsError(f"{p} has no config.json; not a TensorRT-LLM checkpoint") from None
         facts = MODELS.get(config.get("architecture"))
-        m = config.get("mapping", {})
-        world = int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))
+        world = ParallelMapping.from_config(config.get("mapping", {})).world_size
         ranks = []
         for r in range(world):
             f = p / f"rank{r}.safetensors"
@@ -184,7 +181,7 @@ class TrtllmCheckpoint:
         return cls(config, ranks)
 
     def rank_weights(self, tp_rank: int, pp_rank: int) -> _LazyRank:
-        return self.ranks[tp_rank + pp_rank * self.tp]
+        return self.ranks[self.mapping.rank(tp_rank, pp_rank)]
 
     # ---- structure ----------------------------------------------------------------------------
     def _layer_specs(self) -> list[_Layer]:
@@ -221,7 +218,7 @@ class TrtllmCheckpoint:
         sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None]
         h = self._embed(ids) * m.embed_scale  # GemmaModel.forward: embedding * sqrt(hidden)
         for p in range(self.pp):
-            for local, g in enumerate(_pp_layers(m.num_layers, self.pp, p)):
+            for local, g in enumerate(self.mapping.pp_layers(m.num_layers, p)):
                 h = self._layer(h, p, local, self.layers[g], cos, sin)
         last = self.pp - 1
         h = _rms(h, self.rank_weights(0, last).weight("transformer.ln_f.weight", (m.hidden,)), m.eps)

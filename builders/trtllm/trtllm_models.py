@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
+from harp_trt.mapping import ParallelMapping
 
 __all__ = ["ModelFacts", "MODELS", "ACTIVATIONS", "LayerConfig", "ModelConfig", "resolve", "pad_vocab",
            "HF_DECILM_NAMES", "ffn_mult_to_intermediate", "QWEN_MLP_DIVISOR"]
@@ -200,8 +201,8 @@ def resolve(c: dict[str, Any]) -> ModelConfig:
     if act not in ACTIVATIONS:
         raise UnsupportedArchitectureError(f"reader: hidden_act {act!r} is not in TensorRT-LLM's ACT2FN subset "
                                            f"the reader implements: {', '.join(ACTIVATIONS)}")
-    m = c.get("mapping") or {}
-    tp, pp = int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
+    mapping = ParallelMapping.from_config(c.get("mapping"))
+    tp, pp = mapping.tp_size, mapping.pp_size
     attn_bias = bool(c.get("attn_bias", f.attn_bias)) if f.attn_bias is not None else False
     mlp_bias = bool(c.get("mlp_bias", f.mlp_bias)) if f.mlp_bias is not None else False
     parallel = tp > 1 if f.forced_parallel_embedding else bool(c.get("use_parallel_embedding", False))
