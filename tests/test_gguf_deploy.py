@@ -158,6 +158,11 @@ def test_smollm2_from_its_gguf_matches_the_reference_and_tokenizes_as_hf(smollm2
     text = "HARP prunes attention: the quick brown fox jumps over 13 lazy dogs.\nDone!"
     want = load_tokenizer(resolved.folder)(text, add_special_tokens=False)["input_ids"]
     assert probe.tokenize(gguf_path, text) == want
+    # greedy text from a real prompt: llama.cpp's tokens (KV cache) are the reference's argmax, teacher-forced
+    prompt = probe.tokenize(gguf_path, "The capital of France is")
+    new = probe.greedy(gguf_path, prompt, 8)
+    forced = _reference(resolved.folder, alphas, prompt + new[:-1])
+    assert forced[len(prompt) - 1:].argmax(-1).tolist() == new
     assert r["kv_bytes_per_token"] * 30 == r["kv_bytes_per_token_dense"] * (30 - len(alphas))  # pruned layers keep no KV
 
 
