@@ -41,7 +41,7 @@ from harp_trt.families import FamilySpec, family_of
 from harp_trt.fold import RoleReader, fold_vo
 from harp_trt.weights import WeightReader
 
-__all__ = ["DeciLayer", "deci_layers", "check_supported", "permute_qk", "write_deci_gguf", "kv_bytes_per_token",
+__all__ = ["DeciLayer", "deci_layers", "check_supported", "rope_factors", "ROPE_FREQ_TYPES", "permute_qk", "write_deci_gguf", "kv_bytes_per_token",
            "hf_config", "TORCH_DTYPES"]
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,28 @@ def _rope_theta(config) -> tuple[float, str]:
     return theta, rope_type
 
 
+# RoPE types whose whole effect is a divisor per frequency (attention factor 1), which llama.cpp applies
+# from a ``rope_freqs`` tensor (ggml rope ``freq_factors``; llama_model_deci::load_arch_tensors loads it)
+ROPE_FREQ_TYPES = ("llama3", "linear")
+
+
+def rope_factors(config, dims: ModelDims) -> torch.Tensor | None:
+    """llama.cpp's ``rope_freqs`` for a scaled RoPE: the default inverse frequencies over the ones
+    transformers computes for the model (``ROPE_INIT_FUNCTIONS``), so the file rotates exactly as the
+    reference does; None for plain RoPE."""
+    theta, rope_type = _rope_theta(config)
+    if rope_type == "default":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config)
+    if attention_factor != 1.0:
+        raise UnsupportedArchitectureError(f"RoPE {rope_type!r} scales attention by {attention_factor}; "
+                                           "llama.cpp's rope_freqs cannot express it")
+    default = 1.0 / (theta ** (torch.arange(0, dims.head_dim, 2, dtype=torch.float32) / dims.head_dim))
+    return (default / scaled.float()).float()
+
+
 def check_supported(family: FamilySpec, config, dims: ModelDims) -> None:
     """UnsupportedArchitectureError (with the reason) for what llama.cpp's deci graph cannot compute
     exactly: the family's own refusal (``FamilySpec.gguf``), biases, a non-SiLU MLP, RoPE scaling,
@@ -112,8 +134,8 @@ def check_supported(family: FamilySpec, config, dims: ModelDims) -> None:
         why = "attention/MLP biases: deci's linear attention drops the folded V bias (src/models/deci.cpp)"
     elif (getattr(config, "hidden_act", "silu") or "silu") != "silu":
         why = f"MLP activation {config.hidden_act!r}: deci's MLP is SiLU-gated (LLM_FFN_SILU)"
-    elif _rope_theta(config)[1] != "default":
-        why = f"RoPE scaling {_rope_theta(config)[1]!r} is not written by this exporter yet"
+    elif _rope_theta(config)[1] not in ("default", *ROPE_FREQ_TYPES):
+        why = f"RoPE scaling {_rope_theta(config)[1]!r}: only {', '.join(ROPE_FREQ_TYPES)} map onto llama.cpp's rope_freqs"
     elif any(w is not None and w < config.max_position_embeddings for w in dims.windows):
         why = "sliding-window attention: deci attends over the whole context"
     if why:
@@ -128,12 +150,14 @@ def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(src: RoleReader, layers: list[DeciLayer], dims: ModelDims,
-             dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(src: RoleReader, layers: list[DeciLayer], dims: ModelDims, dtype: torch.dtype,
+             rope: torch.Tensor | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) in file order; matrices in ``dtype``, 1-D norms in f32 (as llama.cpp's
     converter keeps them); folds in fp32 before the one cast."""
     f32 = torch.float32
     yield "token_embd.weight", src.get("embed").to(dtype)
+    if rope is not None:
+        yield "rope_freqs.weight", rope.to("meta") if src.meta else rope
     for l in layers:
         i, p = l.layer, f"blk.{l.layer}."
         if l.kind != "none":
@@ -202,6 +226,7 @@ def write_deci_gguf(model_folder: str | Path, alphas: Mapping[int, float], out_p
     check_supported(family, config, dims)
     layers = deci_layers(dict(alphas), dims)
     tdtype = TORCH_DTYPES[dtype]
+    rope = rope_factors(config, dims)
     reader = WeightReader(model_folder)
     writer = gguf.GGUFWriter(str(out_path), family.gguf.architecture)
     try:
@@ -209,13 +234,14 @@ def write_deci_gguf(model_folder: str | Path, alphas: Mapping[int, float], out_p
         tokenizer = vocab(writer)
         with torch.no_grad():
             names = []
-            for n, t in _tensors(RoleReader(reader, family, meta=True), layers, dims, tdtype):
+            for n, t in _tensors(RoleReader(reader, family, meta=True), layers, dims, tdtype, rope):
                 _add_info(writer, n, t)
                 names.append(n)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for (n, t), want in zip(_tensors(RoleReader(reader, family, meta=False), layers, dims, tdtype), names):
+            for (n, t), want in zip(_tensors(RoleReader(reader, family, meta=False), layers, dims, tdtype, rope),
+                                    names):
                 assert n == want, (n, want)  # the two passes yield the same order by construction
                 writer.write_tensor_data(_numpy(t))
     finally:
