@@ -156,7 +156,7 @@ def test_smollm2_from_its_gguf_matches_the_reference_and_tokenizes_as_hf(smollm2
     llama.cpp tokenizes as the Hugging Face tokenizer does, and its logits equal the reference."""
     from builders.gguf import probe
     from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import deploy_gguf
+    from builders.gguf.stage import PROMPT_TEXT, deploy_gguf
     from builders.gguf.vocab import tokenizer_keys
     from harp_trt.models import load_tokenizer, source_gguf
     from harp_trt.plan import Plan
@@ -172,20 +172,40 @@ def test_smollm2_from_its_gguf_matches_the_reference_and_tokenizes_as_hf(smollm2
     assert r["tokenizer"]["source"] == "gguf"
     src, ours = tokenizer_keys(source_gguf(resolved)), tokenizer_keys(gguf_path)
     assert ours.keys() == src.keys() and all(ours[k][0] == src[k][0] for k in src)
-    text = "HARP prunes attention: the quick brown fox jumps over 13 lazy dogs.\nDone!"
+    text = "<|im_start|>user\nHARP prunes attention: the quick brown fox jumps over 13 lazy dogs.<|im_end|>\nDone!"
     want = load_tokenizer(resolved.folder)(text, add_special_tokens=False)["input_ids"]
     assert probe.tokenize(gguf_path, text) == want
-    # greedy text from a real prompt: llama.cpp's tokens (KV cache) are the reference's argmax, teacher-forced
-    prompt = probe.tokenize(gguf_path, "The capital of France is")
-    new = probe.greedy(gguf_path, prompt, 8)
-    forced = _reference(resolved.folder, alphas, prompt + new[:-1])
-    assert forced[len(prompt) - 1:].argmax(-1).tolist() == new
+    # the stage's greedy check ran from a real prompt in the file's own tokenization
+    assert v["prompt"] == probe.tokenize(gguf_path, PROMPT_TEXT)[:len(v["prompt"])] and len(v["prompt"]) == 8
+    assert len(set(v["greedy"])) > 2  # a real continuation, not one repeated token
     assert r["kv_bytes_per_token"] * 30 == r["kv_bytes_per_token_dense"] * (30 - len(alphas))  # pruned layers keep no KV
+
+
+def test_hf_folder_vocab_is_gguf_bpe_with_a_checked_pre_tokenizer(smollm2, tmp_path):
+    """A Hugging Face folder (SmolLM2's, read as a plain folder): gguf.vocab's BPE tokens and merges,
+    and the llama.cpp pre-tokenizer name whose tokenization of the stage's check text equals the HF
+    tokenizer's; on another text llama.cpp tokenizes as HF does too."""
+    from builders.gguf import probe
+    from builders.gguf.stage import CHECK_TEXT, choose_vocab, vocab_file
+    from builders.gguf.writer import hf_config
+    from harp_trt.dims import ModelDims
+    from harp_trt.models import ResolvedModel, load_tokenizer
+
+    r = smollm2[0]
+    model = ResolvedModel(str(r.folder), r.folder, r.digest, "folder")
+    cfg = hf_config(r.folder)
+    dims = ModelDims.from_config(cfg)
+    info = vocab_file(cfg, dims, choose_vocab(model, cfg, dims, tmp_path), tmp_path / "v.gguf")
+    assert info["source"] == "hf" and info["matches_hf"] and info["check_text"] == CHECK_TEXT
+    assert info["pre"] == "smollm" and info["tokens"] == dims.vocab
+    text = "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich; 3.14159 <|im_end|>"
+    assert probe.tokenize(tmp_path / "v.gguf", text) == load_tokenizer(r.folder)(text, add_special_tokens=False)["input_ids"]
 
 
 def _refused(capsys, argv: list[str], cache: Path, out: Path, needle: str) -> None:
     from harp_trt.cli import main
 
+    capsys.readouterr()  # what the test printed before (save_pretrained's progress bar)
     assert main([*argv, "--workdir", str(cache), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("harp-trt deploy: error: ") and needle in err[0], err

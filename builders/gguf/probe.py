@@ -180,14 +180,16 @@ def greedy(path: str | Path, prompt: Sequence[int], n_new: int, *, kv_type: str 
         return out
 
 
-def tokenize(path: str | Path, text: str, add_special: bool = False) -> list[int]:
-    """llama.cpp's tokenization of ``text`` with the GGUF's own vocabulary (a vocab-only load)."""
+def tokenize(path: str | Path, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    """llama.cpp's tokenization of ``text`` with the GGUF's own vocabulary (a vocab-only load);
+    ``parse_special``: special-token text (``<|im_end|>``) becomes its token, as Hugging Face
+    tokenizers do by default."""
     lib = _lib()
     with open_gguf(path, vocab_only=True) as run:
         raw = text.encode("utf-8")
         cap = len(raw) + 16
         buf = (lib.llama_token * cap)()
-        n = lib.llama_tokenize(run.vocab, raw, len(raw), buf, cap, add_special, False)
+        n = lib.llama_tokenize(run.vocab, raw, len(raw), buf, cap, add_special, parse_special)
         if n < 0:
             raise RuntimeError(f"llama_tokenize needs {-n} tokens")
         return [int(buf[i]) for i in range(n)]

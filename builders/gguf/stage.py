@@ -44,7 +44,7 @@ from harp_trt.stage import Stage
 from .config import GgufConfig
 from .writer import check_supported, deci_layers, hf_config, kv_bytes_per_token, write_deci_gguf
 
-__all__ = ["GgufStage", "deploy_gguf", "STAGE", "REPORT", "MODEL_FILE", "VERIFY_TOLERANCE", "quantized_name"]
+__all__ = ["GgufStage", "deploy_gguf", "choose_vocab", "vocab_file", "STAGE", "REPORT", "MODEL_FILE", "VERIFY_TOLERANCE", "quantized_name"]
 
 log = logging.getLogger(__name__)
 STAGE = "gguf"
@@ -55,6 +55,7 @@ FORMAT = "harp-gguf/1"
 VERIFY_TOLERANCE = {"f32": 1e-4, "f16": 1e-2, "bf16": 2e-2}
 CHECK_TEXT = "Hello world! The quick brown fox, 42 times: it's fine.\n  Tabs\tand    spaces"
 GREEDY_PROMPT = 8
+PROMPT_TEXT = "The capital of France is Paris. The capital of Germany is"  # tokenized by the file's own vocab
 
 
 def quantized_name(gguf_type: str) -> str:
@@ -100,7 +101,7 @@ class GgufStage(Stage[GgufConfig]):
             plan.save(out / "plan.json")
         cfg = hf_config(model.folder)
         dims = ModelDims.from_config(cfg)
-        vocab = _choose_vocab(model, cfg, dims, out)
+        vocab = choose_vocab(model, cfg, dims, out)
         info = write_deci_gguf(model.folder, alphas, out / MODEL_FILE, dtype=config.dtype, context=config.context,
                                vocab=vocab, name=f"{Path(str(model.ref)).name} HARP" if alphas else str(model.ref))
         quantized = None
@@ -124,7 +125,8 @@ class GgufStage(Stage[GgufConfig]):
                               "dense_rule": "2 x head_dim x kv_heads x 2 bytes per layer (llama_kv_cache, f16)"},
         }
         if config.verify:
-            body["verification"] = _verify(config, alphas, Path(model.folder), out / MODEL_FILE)
+            body["verification"] = _verify(config, alphas, Path(model.folder), out / MODEL_FILE,
+                                           text=info["tokenizer"]["source"] != "none")
         if quantized:
             body["quantized_check"] = _generates(out / quantized, dims.vocab)
         (out / REPORT).write_text(json.dumps(body, indent=2))
@@ -132,7 +134,7 @@ class GgufStage(Stage[GgufConfig]):
 
 
 # ---- the tokenizer keys -------------------------------------------------------------------------
-def _choose_vocab(model, cfg, dims: ModelDims, out: Path):
+def choose_vocab(model, cfg, dims: ModelDims, out: Path):
     """The source GGUF's tokenizer keys (a model read from a GGUF file); else a byte-level BPE from
     the Hugging Face folder with the first llama.cpp pre-tokenizer name whose tokenization of
     ``CHECK_TEXT`` equals the Hugging Face tokenizer's; else token ids only (``vocab.no_vocab``)."""
@@ -159,23 +161,30 @@ def _choose_vocab(model, cfg, dims: ModelDims, out: Path):
                       "tokenization; llama.cpp runs token ids")
 
 
-def _tokenizes_as(folder, cfg, dims: ModelDims, vocab, out: Path, want: list[int]) -> bool:
-    """Write the keys alone (no tensors) and compare llama.cpp's tokenization (a vocab-only load)."""
+def vocab_file(cfg, dims: ModelDims, vocab, path: Path) -> dict[str, Any]:
+    """A GGUF of the keys alone (no tensors): enough for llama.cpp's vocab-only load."""
     import gguf
 
-    from . import probe
     from .writer import write_arch_keys
 
-    path = out / ".vocab-check.gguf"
     w = gguf.GGUFWriter(str(path), family_of(cfg).gguf.architecture)
     try:
         write_arch_keys(w, cfg, dims, deci_layers({}, dims), "f32", 0, "vocab check")
-        vocab(w)
+        info = vocab(w)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
     finally:
         w.close()
+    return info
+
+
+def _tokenizes_as(folder, cfg, dims: ModelDims, vocab, out: Path, want: list[int]) -> bool:
+    """llama.cpp's tokenization of ``CHECK_TEXT`` with ``vocab`` (a vocab-only load) is ``want``."""
+    from . import probe
+
+    path = out / ".vocab-check.gguf"
+    vocab_file(cfg, dims, vocab, path)
     try:
         return probe.tokenize(path, CHECK_TEXT) == list(want)
     except RuntimeError:
@@ -204,17 +213,21 @@ def reference_logits(folder: Path, alphas: Mapping[int, float], ids, dtype: str)
     return ref.logits(ref.run(cap.h0, cap)[0]).float()[0].numpy()
 
 
-def _verify(config: GgufConfig, alphas: Mapping[int, float], folder: Path, gguf_path: Path) -> dict[str, Any]:
-    """llama.cpp generates greedily from a random prompt (KV cache, one token per decode); then the
-    prompt plus its continuation runs in one prefill in llama.cpp and in the reference: logits within
-    the tolerance, and the reference's argmax after the prompt is llama.cpp's continuation."""
+def _verify(config: GgufConfig, alphas: Mapping[int, float], folder: Path, gguf_path: Path,
+            text: bool) -> dict[str, Any]:
+    """llama.cpp generates greedily (KV cache, one token per decode) from ``PROMPT_TEXT`` in the
+    file's own tokenization (``text``) or from random ids; then the prompt plus its continuation runs
+    in one prefill in llama.cpp and in the reference: logits within the tolerance, and the
+    reference's argmax after the prompt is llama.cpp's continuation."""
     import numpy as np
 
     from . import probe
 
     n, p = config.verify_tokens, min(GREEDY_PROMPT, config.verify_tokens - 1)
     vocab = int(hf_config(folder).vocab_size)
-    prompt = np.random.default_rng(0).integers(0, vocab, p).tolist()
+    prompt = (probe.tokenize(gguf_path, PROMPT_TEXT)[:p] if text else []) or \
+        np.random.default_rng(0).integers(0, vocab, p).tolist()
+    p = len(prompt)
     greedy = probe.greedy(gguf_path, prompt, n - p + 1)
     ids = prompt + greedy[:-1]
     got = probe.logits(gguf_path, ids)
@@ -223,7 +236,7 @@ def _verify(config: GgufConfig, alphas: Mapping[int, float], folder: Path, gguf_
     scale = max(1.0, float(np.abs(want).max()))
     tol = VERIFY_TOLERANCE[config.dtype] * scale
     diff = float(np.abs(got - want).max())
-    result = {"tokens": n, "prompt": p, "max_abs_diff": diff, "tolerance": tol, "logit_scale": scale,
+    result = {"tokens": n, "prompt": prompt, "max_abs_diff": diff, "tolerance": tol, "logit_scale": scale,
               "argmax_equal": int((got.argmax(-1) == want.argmax(-1)).sum()), "greedy": greedy,
               "greedy_equal": greedy == want_greedy, "kv_cache_type": "f32",
               "reference": "PyTorch HARP, layer by layer, fp32" + ("" if config.dtype == "f32" else
