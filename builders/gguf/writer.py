@@ -3,7 +3,7 @@
 Why ``deci`` (Nemotron-51B's architecture in llama.cpp) runs a HARP model unchanged, from the
 vendored sources (``vendor/llama.cpp`` of llama-cpp-python 0.3.36):
 
-* per-layer head counts: ``llama_model_base`` hparams loading (``src/llama-model.cpp``) reads
+* per-layer head counts: ``llama_model_base::load_hparams`` (``src/llama-model.cpp``) reads
   ``deci.attention.head_count`` and ``.head_count_kv`` as per-layer arrays
   (``get_key_or_arr``); ``head_count_kv`` defaults to ``head_count``, ``rope.freq_base`` to 10000
   and the head size to ``embedding_length / head_count[0]``, so all three are written explicitly;
@@ -99,7 +99,8 @@ def _rope_theta(config) -> tuple[float, str]:
 
 
 # RoPE types whose whole effect is a divisor per frequency (attention factor 1), which llama.cpp applies
-# from a ``rope_freqs`` tensor (ggml rope ``freq_factors``; llama_model_deci::load_arch_tensors loads it)
+# from a ``rope_freqs`` tensor (ggml rope ``freq_factors``; loaded by llama_model_deci::load_arch_tensors, used
+# through llama_model::get_rope_factors)
 ROPE_FREQ_TYPES = ("llama3", "linear")
 
 
