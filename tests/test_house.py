@@ -142,6 +142,7 @@ NOT_CONFIG = {
     "deploy trtllm": {"--plan", "--model", "--force"},
     "deploy triton": {"--artifact", "--out", "--force"},
     "deploy genai": {"--artifact", "--out", "--force"},
+    "deploy gguf": {"--plan", "--model", "--out", "--force"},
     "generate": {"--artifact", "--prompt", "--max-new-tokens", "--sample", "--temperature", "--top-k", "--top-p",
                  "--seed", "--chat", "--threads", "--no-stream"},     # a session's settings, no stage
 }
@@ -174,7 +175,7 @@ def test_every_flag_is_a_config_field_or_listed():
                 assert flags <= NOT_CONFIG[name], (name, sorted(flags - NOT_CONFIG[name]))
     assert seen == set(NOT_CONFIG)
     assert {"CalibrateConfig.layers", "OrtBuildConfig.quant_symmetric", "TritonRepoConfig.max_input_len",
-            "BenchConfig.seq_lens", "TrtllmCheckpointConfig.tp_size", "GenaiConfig.link"} <= fields
+            "BenchConfig.seq_lens", "TrtllmCheckpointConfig.tp_size", "GenaiConfig.link", "GgufConfig.gguf_type"} <= fields
 
 
 def test_every_declared_option_is_offered():

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          group="with --bench (the bench command's flags, prefixed)")
     add_config_arguments(p, STAGES.get("build-ort").config_class(), QUANT_FIELDS,
                          group="ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
+    G = STAGES.get("gguf").config_class()
+    add_config_arguments(p, G, ("gguf_type",), group="--backend gguf")
+    add_config_arguments(p, G, ("dtype",), prefix="gguf-", group="--backend gguf")
     add_config_arguments(p, STAGES.get("trtllm").config_class(), TRTLLM_FIELDS, group="--backend trtllm")
 
 
@@ -49,6 +52,13 @@ def run(args) -> dict:
         from ..registry import STAGES
 
         configs["trtllm"] = config_from_args(STAGES.get("trtllm").config_class(), args, TRTLLM_FIELDS)
+    if args.backend == "gguf":
+        from ..registry import STAGES
+        from ._options import values_from_args
+
+        G = STAGES.get("gguf").config_class()
+        configs["gguf"] = G.from_dict({**values_from_args(G, args, ("gguf_type",)),
+                                       **values_from_args(G, args, ("dtype",), prefix="gguf-")})
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
                         bench_config=bench_config, configs=configs, on_phase=on_phase,
@@ -66,6 +76,9 @@ def run(args) -> dict:
         kv = (engine.manifest.get("engine") or {}).get("kv") or {}
         if "bytes_per_token" in kv:
             out["kv_bytes_per_token"] = {"harp": kv["bytes_per_token"], "dense": kv.get("dense_bytes_per_token")}
+        if "kv_bytes_per_token_dense" in engine.manifest:  # gguf: llama.cpp's own KV accounting
+            out["kv_bytes_per_token"] = {"harp": engine.manifest["kv_bytes_per_token"],
+                                         "dense": engine.manifest["kv_bytes_per_token_dense"]}
         quant = (engine.manifest.get("engine") or {}).get("quant")
         if quant:
             out["quant"] = quant
@@ -79,10 +92,11 @@ def _ort_config(args):
     from ..registry import STAGES
 
     OrtBuildConfig = STAGES.get("build-ort").config_class()
-    if args.quant != "none" and args.backend == "trtllm":
+    if args.quant != "none" and args.backend in ("trtllm", "gguf"):
         from ..errors import ConfigError
 
-        raise ConfigError("--quant applies to the ORT engine (backends ort, triton and genai), not trtllm")
+        raise ConfigError(f"--quant applies to the ORT engine (backends ort, triton and genai), not {args.backend}",
+                          "for llama.cpp quantization use --gguf-type" if args.backend == "gguf" else None)
     return config_from_args(OrtBuildConfig, args, QUANT_FIELDS)
 
 
