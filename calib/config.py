@@ -1,11 +1,12 @@
 """``CalibrateConfig``: the calibrate stage's settings. Light on purpose (no torch): the CLI
-builds its parser from these fields, and ``harp-trt --help`` must not import a framework."""
+builds its flags from these fields' ``option`` declarations (``harp_trt.cli._options``), and
+``harp-trt --help`` must not import a framework."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from harp_trt.config import StageConfig
+from harp_trt.config import StageConfig, option, parse_grid, parse_ints, parse_seq_len
 from harp_trt.data import PAPER_BOS
 from harp_trt.errors import ConfigError
 
@@ -16,6 +17,7 @@ __all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "SEARCH_SPLITS", "PAPER
 DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
 METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (calib.search)
 SEARCH_SPLITS = ("halves", "all")  # which documents the search reads (see CalibrateConfig)
+GIVEN = "given layers and alphas (no search)"  # help section of the flags that skip scoring or search
 
 
 @dataclass(frozen=True)
@@ -36,19 +38,38 @@ class CalibrateConfig(StageConfig):
     does; ``harp_trt.data.paper_add_special_tokens``)."""
 
     VERSION = 3
-    layers: int = 2
-    strategy: str = "top"
-    alpha_grid: tuple[float, ...] = DEFAULT_GRID
-    search: str = "exhaustive"
-    tokens: int = 8192
-    seq_len: int = 512
-    corpus: str = "wiki"
-    objective: str = "windows"
-    search_split: str = "halves"
-    heldout_corpus: str = ""
-    paper_bos: str = "once"
-    prune_layers: tuple[int, ...] = ()
-    alphas: tuple[float, ...] = ()
+    layers: int = option(2, short="-P", cli_default=None, help="number of layers to prune (default: the "
+                         "preset's value, else %(field_default)s)")
+    strategy: str = option("top", help="layer scoring: top, bottom, gate-norm, gate-norm-folded, sink, bi, "
+                           "attn-sim (default %(default)s)")
+    alpha_grid: tuple[float, ...] = option(DEFAULT_GRID, parse=parse_grid,
+                                           help="candidate alphas (default %(default)s)")
+    search: str = option("exhaustive", choices=METHODS, help=(
+        "exhaustive: every grid value (the paper's Algorithm 1); golden: golden-section over the sorted grid "
+        "assuming unimodal perplexity, falling back to the full grid when a probe contradicts it "
+        "(default %(default)s)"))
+    tokens: int = option(8192, help="calibration tokens per split (default %(default)s)")
+    seq_len: int = option(512, parse=parse_seq_len, cli_default=None, help=(
+        "window length, or 'max' (the model's maximum length) (default %(field_default)s; "
+        "with --objective paper: max)"))
+    corpus: str = option("wiki", help="'wiki' or a .txt/.jsonl file (default %(default)s)")
+    objective: str = option("windows", choices=("windows", "paper"), help=(
+        "windows: fixed windows of --seq-len over the corpus (default); paper: the HARP paper's objective, "
+        "lm-eval wikitext style: whole documents prefixed with BOS in rolling windows of the model's "
+        "maximum length, bf16 unless --dtype"))
+    search_split: str = option("halves", choices=SEARCH_SPLITS, help=(
+        "halves: search on the corpus's even documents, held-out perplexity on its odd ones (default); "
+        "all: the HARP paper's split, search on every document of --corpus and report held-out perplexity "
+        "on --heldout-corpus"))
+    heldout_corpus: str = option("", help="with --search-split all: the other text ('wiki' or a .txt/.jsonl "
+                                          "file) for held-out perplexity")
+    paper_bos: str = option("once", choices=PAPER_BOS, help=(
+        "with --objective paper: once = one BOS before each document (default); lm-eval-0.4.7 = as that "
+        "version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored"))
+    prune_layers: tuple[int, ...] = option((), parse=parse_ints, cli_default=None, group=GIVEN, help=(
+        "prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)"))
+    alphas: tuple[float, ...] = option((), parse=parse_grid, cli_default=None, group=GIVEN, help=(
+        "use these alphas instead of searching, one per pruned layer, e.g. 0.8,0.2"))
     score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
     dtype: str = "float32"   # the CLI's default: bfloat16 on CUDA, float32 on the CPU
     device: str = "cpu"      # device kind (cpu | cuda): results differ between kinds

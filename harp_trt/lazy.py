@@ -22,9 +22,10 @@ T = TypeVar("T")
 
 
 def load_object(target: str) -> Any:
-    """``"package.module:attr"`` -> the object (imports the module)."""
+    """``"package.module:attr"`` -> the object; ``"package.module"`` -> the module (imports it)."""
     mod, _, attr = target.partition(":")
-    return getattr(importlib.import_module(mod), attr)
+    module = importlib.import_module(mod)
+    return getattr(module, attr) if attr else module
 
 
 class Registry(Generic[T]):
@@ -52,6 +53,10 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def in_order(self) -> list[str]:
+        """The names in the order they were registered (a CLI lists its commands so)."""
+        return list(self._entries)
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

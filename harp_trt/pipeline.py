@@ -28,7 +28,7 @@ from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step
 from .stage import Hooks
 from .store import Artifact, ArtifactStore
 
-__all__ = ["StageRecord", "BuildResult", "run_build"]
+__all__ = ["StageRecord", "BuildResult", "run_build", "run_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,14 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
                   if bench_config.engine == "ort" else resolved)
         run("bench", "bench", bench_config, {"calibrate": ctx["calibrate"], "source": source})
     return out
+
+
+def run_stage(name: str, config: StageConfig, refs: Mapping[str, Any], store: ArtifactStore,
+              force: bool = False, hooks: Hooks | None = None) -> Artifact:
+    """One registered stage on its own (``harp-trt calibrate``, ``rewrite``, ``deploy trtllm``):
+    ``prepare`` the references, then the cached ``execute``."""
+    stage = STAGES.get(name).stage_class()()
+    return stage.execute(store, config, stage.prepare(store, config, refs, hooks or Hooks()), force=force)
 
 
 def _trtllm_importable() -> bool:

@@ -31,6 +31,18 @@ class StageSpec:
             raise TypeError(f"{self.stage} is not a harp_trt.stage.Stage subclass")
         return cls
 
+    def entry(self, target: str):
+        """A public function of the stage's package, for the CLI's commands that are not one
+        ``Stage.execute`` (``deploy triton --out``, the bench's gates): ``"name"`` in the stage's
+        module, or ``".sub:name"`` in a module beside it; imported now."""
+        import importlib.util
+
+        module = importlib.import_module(self.stage.partition(":")[0])
+        sub, _, attr = target.rpartition(":")
+        if sub:
+            module = importlib.import_module(importlib.util.resolve_name(sub, module.__package__))
+        return getattr(module, attr)
+
     def config_class(self) -> type:
         from .config import StageConfig
 

@@ -1,14 +1,19 @@
 """The house rules, read from the source (ARCHITECTURE.md, "The house"): which package may import
-which. A stage reaches another stage only through artifacts; the core and the pipeline reach stages
-only through the registry's ``"module:Class"`` strings; the CLI imports a stage only inside a
-command's ``run`` (never while building the parser)."""
+which. A stage reaches another stage only through artifacts; the core, the pipeline and the CLI reach
+stages only through the registry (its ``"module:Class"`` strings, ``StageSpec.entry``) and the
+pipeline; every CLI flag is generated from a config field or is listed here as not one."""
 from __future__ import annotations
 
+import argparse
 import ast
+import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
-STAGE_PACKAGES = ("calib", "harp_trt.rewrite", "builders.ort", "builders.trtllm", "builders.triton", "bench.stage")
+STAGE_PACKAGES = ("calib", "harp_trt.rewrite", "builders.ort", "builders.trtllm", "builders.triton", "builders.genai",
+                  "bench.stage")
 
 
 def _group(module: str) -> str | None:
@@ -26,6 +31,8 @@ def _group(module: str) -> str | None:
         return "scripts"
     if module == "builders":
         return "core"
+    if module.startswith("builders."):  # a builder not listed above is a stage all the same
+        return ".".join(module.split(".")[:2])
     return None
 
 
@@ -90,15 +97,35 @@ def test_stages_do_not_import_the_cli_pipeline_or_scripts():
     assert _violations(lambda s, d, top: s in STAGE_PACKAGES and d in ("cli", "pipeline", "scripts")) == []
 
 
-def test_cli_imports_stages_only_inside_commands():
-    """Module-level stage imports would load them while building the parser (`harp-trt --help`)."""
-    assert _violations(lambda s, d, top: s == "cli" and d in STAGE_PACKAGES and top) == []
+def _stage(group: str | None) -> bool:
+    return group in STAGE_PACKAGES or (group or "").startswith("builders.")
+
+
+def test_cli_imports_no_stage():
+    """Not even inside a command: the CLI names a stage to the registry (``STAGES.get(name)``:
+    its config class, ``entry``) or the pipeline (``run_stage``, ``run_build``)."""
+    assert _violations(lambda s, d, top: s == "cli" and _stage(d)) == []
+
+
+def test_harp_trt_imports_no_stage_package():
+    """Nothing under harp_trt/ imports calib, builders or bench, at any depth; the only strings that
+    name a module in them are the registry's ``"module:Class"`` entries."""
+    bad = []
+    named = re.compile(r"^(calib|builders|bench)[.:]")
+    for f in sorted((ROOT / "harp_trt").rglob("*.py")):
+        rel = f.relative_to(ROOT)
+        bad += [f"{rel}:{line} imports {t}" for t, line, _ in _imports(f) if t.split(".")[0] in ("calib", "builders", "bench")]
+        if rel.as_posix() == "harp_trt/registry.py":
+            continue
+        bad += [f"{rel}:{n.lineno} names {n.value!r}" for n in ast.walk(ast.parse(f.read_text()))
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and named.match(n.value)]
+    assert bad == []
 
 
 def test_the_rules_see_real_edges():
     """The scanner finds the edges that are allowed, so an empty violation list means something."""
     edges = {(s, _group(t)) for f, m, s in _sources() for t, _, _ in _imports(f)}
-    assert ("harp_trt.rewrite", "core") in edges and ("cli", "calib") in edges and ("scripts", "bench.stage") in edges
+    assert ("harp_trt.rewrite", "core") in edges and ("cli", "pipeline") in edges and ("scripts", "bench.stage") in edges
     assert ("builders.ort", "core") in edges and ("pipeline", "core") in edges
 
 
@@ -201,3 +228,94 @@ def test_triton_modules_import_no_private_names_of_each_other(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from .repository import _a, b\ndef f():\n    from harp_trt.x import _c\n")
     assert _private_imports(probe) == [".repository:_a", "harp_trt.x:_c"]
+
+
+# Flags that set no config field, per command, and why. Everything else a command offers must be
+# generated from a field's option() (its action carries ``config_field``).
+_PLACEMENT = {"--device", "--dtype", "--device-map", "--sequential"}  # harp_trt.device resolves them
+_CALIBRATE = {"--model", "--alpha-order", "--paper-alphas", "--naive"} | _PLACEMENT  # inputs of the alphas
+NOT_CONFIG = {
+    "build": _CALIBRATE | {"--backend", "--force", "--bench"},       # pipeline choices
+    "calibrate": _CALIBRATE | {"--force"},
+    "score": {"--model", "--save"} | _PLACEMENT,                     # scoring is no stage
+    "eval": {"--plan", "--model", "--split"} | _PLACEMENT,           # nor is eval
+    "rewrite": {"--model", "--plan", "--onnx", "--force"},
+    "cache": set(),
+    "bench": {"--plan", "--artifact", "--model", "--dense-engine", "--harp-engine", "--dtype", "--device",
+              "--max-ppl-increase", "--min-speedup", "--force"},       # inputs, placement and gates
+    "deploy trtllm": {"--plan", "--model", "--force"},
+    "deploy triton": {"--artifact", "--out", "--force"},
+    "deploy genai": {"--artifact", "--out", "--force"},
+    "deploy gguf": {"--plan", "--model", "--out", "--force"},
+    "generate": {"--artifact", "--prompt", "--max-new-tokens", "--sample", "--temperature", "--top-k", "--top-p",
+                 "--seed", "--chat", "--threads", "--no-stream"},     # a session's settings, no stage
+}
+_EVERY_COMMAND = {"-h", "--help", "--workdir", "--json", "-v", "--verbose"}
+
+
+def _commands():
+    """(command name, its parser) for every command and deploy target."""
+    from harp_trt.cli import build_parser
+
+    def subparsers(p):
+        return next((a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    for name, p in subparsers(build_parser()).items():
+        targets = subparsers(p)
+        yield from ((f"{name} {t}", tp) for t, tp in targets.items()) if targets else [(name, p)]
+
+
+def test_every_flag_is_a_config_field_or_listed():
+    seen, fields = set(), set()
+    for name, p in _commands():
+        seen.add(name)
+        for a in p._actions:
+            field = getattr(a, "config_field", None)
+            flags = set(a.option_strings) - _EVERY_COMMAND
+            if field:
+                fields.add(field)
+                assert not flags & NOT_CONFIG[name], (name, a.option_strings, "listed but generated")
+            elif flags:
+                assert flags <= NOT_CONFIG[name], (name, sorted(flags - NOT_CONFIG[name]))
+    assert seen == set(NOT_CONFIG)
+    assert {"CalibrateConfig.layers", "OrtBuildConfig.quant_symmetric", "TritonRepoConfig.max_input_len",
+            "BenchConfig.seq_lens", "TrtllmCheckpointConfig.tp_size", "GenaiConfig.link", "GgufConfig.gguf_type"} <= fields
+
+
+def test_every_declared_option_is_offered():
+    """A field that declares option() is a flag of some command (no dead declarations)."""
+    import dataclasses
+
+    from harp_trt.config import cli_option
+    from harp_trt.registry import STAGES
+
+    offered = {getattr(a, "config_field", None) for _, p in _commands() for a in p._actions}
+    declared = {f"{c.__name__}.{f.name}" for c in {STAGES.get(n).config_class() for n in STAGES.names()}
+                for f in dataclasses.fields(c) if cli_option(f)}
+    assert declared and declared <= offered, sorted(declared - offered)
+
+
+@pytest.mark.parametrize("argv, value", [
+    (["deploy", "triton", "--artifact", "a", "--out", "o", "--copy", "--include-input", "--prompt-limit", "7"],
+     {"link": False, "exclude_input_in_output": False, "max_input_len": 7}),
+    (["deploy", "trtllm", "--plan", "p", "--no-hf", "--tp", "2"], {"hf_format": False, "tp_size": 2}),
+    (["bench", "--plan", "p", "--engine", "ort", "--seq-lens", "8,16", "--tasks", "none", "--no-latency"],
+     {"engine": "ort", "seq_lens": (8, 16), "tasks": (), "latency": False}),
+])
+def test_flags_map_back_to_fields(argv, value):
+    """Parsed flags -> field values, negated flags and comma lists included."""
+    from harp_trt.cli import build_parser
+    from harp_trt.cli._options import values_from_args
+    from harp_trt.registry import STAGES
+
+    stage = {"deploy": argv[1], "bench": "bench"}[argv[0]]
+    got = values_from_args(STAGES.get(stage).config_class(), build_parser().parse_args(argv))
+    assert {k: got[k] for k in value} == value
+
+
+def test_bench_engine_choices_are_the_registry():
+    from bench.stage.config import ENGINES
+
+    (bench,) = [p for name, p in _commands() if name == "bench"]
+    (engine,) = [a for a in bench._actions if "--engine" in a.option_strings]
+    assert list(engine.choices) == ENGINES.names() and engine.config_field == "BenchConfig.engine"

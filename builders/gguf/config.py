@@ -1,12 +1,12 @@
 """``GgufConfig``: how the llama.cpp GGUF of a HARP plan is written. Light on purpose (no torch, no
-gguf, no llama_cpp): the CLI builds its parser from these fields."""
+gguf, no llama_cpp): the CLI builds its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 from typing import ClassVar
 
-from harp_trt.config import StageConfig
+from harp_trt.config import StageConfig, option
 from harp_trt.errors import ConfigError
 
 __all__ = ["GgufConfig", "DTYPES", "GGUF_TYPES"]
@@ -27,11 +27,14 @@ class GgufConfig(StageConfig):
     (0 = the model's ``max_position_embeddings``)."""
 
     VERSION: ClassVar[int] = 1
-    dtype: str = "f16"
-    gguf_type: str = "none"
-    verify: bool = True
+    dtype: str = option("f16", help="f32 | f16 | bf16 (default %(default)s)")
+    gguf_type: str = option("none", help=(
+        "also quantize with llama.cpp's quantizer: none | q8_0 | q4_k_m | ... (default %(default)s)"))
+    verify: bool = option(True, flag="--no-verify", negate=True, help=(
+        "skip the check that llama.cpp's logits and greedy tokens equal the PyTorch HARP model's"))
     verify_tokens: int = 24
-    context: int = 0
+    context: int = option(0, help="context length written, 0 = the model's max_position_embeddings "
+                                  "(default %(default)s)")
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

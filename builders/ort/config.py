@@ -1,10 +1,10 @@
 """``OrtBuildConfig``: the ONNX Runtime build stage's settings. Light on purpose (no onnxruntime):
-the CLI builds its parser from these fields."""
+the CLI builds its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harp_trt.config import StageConfig
+from harp_trt.config import StageConfig, option
 from harp_trt.errors import ConfigError
 
 __all__ = ["OrtBuildConfig", "QuantSpec", "LEVELS", "QUANT_MODES", "ACCURACY_LEVELS"]
@@ -55,10 +55,12 @@ class OrtBuildConfig(StageConfig):
     intra_op_threads: int = 0
     providers: tuple[str, ...] = ()
     verify_rtol: float = 1e-4
-    quant: str = "none"
-    quant_block_size: int = 32
-    quant_symmetric: bool = True
-    quant_accuracy_level: int = 4
+    quant: str = option("none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
+    quant_block_size: int = option(32, help="weights per scale along K (default %(default)s)")
+    quant_symmetric: bool = option(True, flag="--quant-asymmetric", negate=True,
+                                   help="zero points per block (default: symmetric)")
+    quant_accuracy_level: int = option(4, help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 "
+                                               "(default %(default)s, fastest on CPU)")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,16 +1,18 @@
 """``TritonRepoConfig``: how a Triton model repository is written. Light on purpose: the CLI builds
-its parser from these fields."""
+its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import StageConfig
+from harp_trt.config import StageConfig, option
 from harp_trt.errors import ConfigError
 
 from .releases import DEFAULT_TRITON_RELEASE, KNOWN_RELEASES
 
 __all__ = ["TritonRepoConfig"]
+
+ORT, LLM = "ONNX Runtime model", "TensorRT-LLM models"  # help sections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,29 +35,46 @@ class TritonRepoConfig(StageConfig):
     tensorrtllm-backend settings of the same names."""
 
     VERSION: ClassVar[int] = 2
-    model_name: str = "harp"
-    serving: str = "python"
-    device: str = "cpu"
-    instances: int = 1
-    threads: int = 0
-    link: bool = True
-    max_batch_size: int = 0
-    engine_dir: str = ""
-    tokenizer_dir: str = ""
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    batching_strategy: str = "inflight_fused_batching"
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    decoupled: bool = False
-    exclude_input_in_output: bool = True
-    enable_kv_cache_reuse: bool = False
-    max_queue_delay_microseconds: int = 0
+    model_name: str = option("harp", group=ORT, help="Triton model name (default %(default)s)")
+    serving: str = option("python", group=ORT, choices=("python", "onnx"), help=(
+        "python: text in/out, generation + KV cache + batching inside the server (vLLM-backend I/O); onnx: "
+        "Triton's onnxruntime backend, the client keeps the cache (default %(default)s)"))
+    device: str = option("cpu", group=ORT, choices=("cpu", "gpu"),
+                         help="instance kind: cpu -> KIND_CPU, gpu -> KIND_GPU (default %(default)s)")
+    instances: int = option(1, group=ORT, help="model instances (default %(default)s)")
+    threads: int = option(0, group=ORT, help="ONNX Runtime intra-op threads, 0 = its default (default %(default)s)")
+    link: bool = option(True, group=ORT, flag="--copy", negate=True,
+                        help="copy model files instead of hard-linking them")
+    max_batch_size: int = option(0, group=LLM, help="Triton max batch size, 0 = the engine's (default %(default)s)")
+    engine_dir: str = option("", group=LLM, help=(
+        "engine folder as the server sees it (default: <artifact>/engine, where build_engine.sh writes)"))
+    tokenizer_dir: str = option("", group=LLM, help=(
+        "tokenizer folder to copy (default: the artifact's hf/ or the plan's model folder)"))
+    kv_cache_free_gpu_mem_fraction: float = option(0.9, group=LLM, help="(default %(default)s)")
+    batching_strategy: str = option("inflight_fused_batching", group=LLM, choices=("inflight_fused_batching",),
+                                    help="(default %(default)s; V1 is gone from 1.x executors)")
+    batch_scheduler_policy: str = option("guaranteed_no_evict", group=LLM,
+                                         choices=("guaranteed_no_evict", "max_utilization"),
+                                         help="(default %(default)s)")
+    decoupled: bool = option(False, group=LLM, help="decoupled (streaming) tensorrt_llm model")
+    exclude_input_in_output: bool = option(True, group=LLM, flag="--include-input", negate=True,
+                                           help="return the prompt with the output text")
+    enable_kv_cache_reuse: bool = option(False, group=LLM, flag="--kv-cache-reuse",
+                                         help="enable KV cache reuse (prefix caching)")
+    max_queue_delay_microseconds: int = option(0, group=LLM, flag="--max-queue-delay-us",
+                                               help="(default %(default)s)")
     max_queue_size: int = 0
-    preprocessing_instances: int = 1
-    postprocessing_instances: int = 1
-    max_active: int = 8
-    max_input_len: int = 0
-    max_seq_len: int = 0
-    triton_release: str = DEFAULT_TRITON_RELEASE
+    preprocessing_instances: int = option(1, group=LLM, help="(default %(default)s)")
+    postprocessing_instances: int = option(1, group=LLM, help="(default %(default)s)")
+    max_active: int = option(8, group=ORT, help="python serving: sequences decoded together (default %(default)s)")
+    max_input_len: int = option(0, group=ORT, flag="--prompt-limit", help=(
+        "python serving: longest prompt in tokens, 0 = the model's context (default %(default)s)"))
+    max_seq_len: int = option(0, group=ORT, flag="--context-limit", help=(
+        "python serving: prompt + max_tokens limit, 0 = the model's context (default %(default)s)"))
+    triton_release: str = option(DEFAULT_TRITON_RELEASE, help=(
+        "tritonserver release (YY.MM) to serve with: onnx serving: its ONNX Runtime must load the graph; "
+        "TensorRT-LLM: it must carry the TensorRT-LLM the checkpoint targets (default %(default)s, the first "
+        "release that carries it)"))
 
     def validate(self) -> None:
         if self.device not in ("cpu", "gpu"):

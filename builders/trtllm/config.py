@@ -1,11 +1,11 @@
 """``TrtllmCheckpointConfig``: the TensorRT-LLM build stage's settings. Light on purpose (no torch):
-the CLI builds its parser from these fields."""
+the CLI builds its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import StageConfig
+from harp_trt.config import StageConfig, option
 from harp_trt.errors import ConfigError
 from harp_trt.versions import TRTLLM_VERSION  # the TensorRT-LLM these checkpoints target
 
@@ -20,18 +20,20 @@ class TrtllmCheckpointConfig(StageConfig):
     ``tensorrt_llm`` imports and a GPU is present, ``never`` only writes it."""
 
     VERSION: ClassVar[int] = 1
-    dtype: str = "float16"
-    tp_size: int = 1
-    pp_size: int = 1
-    max_batch_size: int = 8
-    max_input_len: int = 1024
-    max_seq_len: int = 2048
-    max_num_tokens: int = 8192
+    dtype: str = option("float16", help="float16 | bfloat16 | float32 (default %(default)s)")
+    tp_size: int = option(1, flag="--tp", help="tensor-parallel GPUs (default %(default)s)")
+    pp_size: int = option(1, flag="--pp", help="pipeline stages (default %(default)s)")
+    max_batch_size: int = option(8, help="(default %(default)s)")
+    max_input_len: int = option(1024, help="(default %(default)s)")
+    max_seq_len: int = option(2048, help="(default %(default)s)")
+    max_num_tokens: int = option(8192, help="(default %(default)s)")
     tokens_per_block: int = 32
-    hf_format: bool = True
-    verify: bool = True
+    hf_format: bool = option(True, flag="--no-hf", negate=True, help="skip the HF DeciLM checkpoint")
+    verify: bool = option(True, flag="--no-verify", negate=True, help=(
+        "skip the read-back check (layer by layer against the PyTorch HARP reference)"))
     verify_tokens: int = 32
-    build: str = "auto"
+    build: str = option("auto", choices=("auto", "never"), help=(
+        "auto: run trtllm-build where tensorrt_llm and GPUs exist (default %(default)s)"))
 
     def validate(self) -> None:
         if self.dtype not in DTYPE_NAMES:

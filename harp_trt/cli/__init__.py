@@ -1,5 +1,7 @@
-"""``harp-trt`` command line. One module per command under ``harp_trt/cli/``; each defines
-``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> dict``. The dict is the command's
+"""``harp-trt`` command line. One module per command under ``harp_trt/cli/``, registered in
+``COMMANDS`` (a lazy registry: an unknown command gets a "did you mean"); each defines ``NAME``,
+``HELP``, ``add_arguments(parser)`` and ``run(args) -> dict``. A flag that sets a stage config's field
+is generated from the field (``harp_trt.cli._options``). The dict is the command's
 figures: rendered as a table normally, or as one JSON object on stdout's last line with ``--json``.
 
 A ``HarpError`` is printed in one or two lines and the process exits with its code (2 for bad
@@ -7,28 +9,28 @@ input); nothing else is caught, so real bugs keep their traceback."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
 from typing import Any
 
-from ..errors import HarpError
+from ..errors import HarpError, UnknownNameError
+from ..lazy import Registry
 
 __all__ = ["main", "COMMANDS"]
 
-# command name -> module (imported lazily, so `harp-trt --help` does not import torch)
-COMMANDS: dict[str, str] = {
-    "build": "harp_trt.cli.build",
-    "score": "harp_trt.cli.score",
-    "calibrate": "harp_trt.cli.calibrate",
-    "eval": "harp_trt.cli.eval",
-    "rewrite": "harp_trt.cli.rewrite",
-    "cache": "harp_trt.cli.cache",
-    "bench": "harp_trt.cli.bench",
-    "deploy": "harp_trt.cli.deploy",
-    "generate": "harp_trt.cli.generate",
-}
+# command name -> its module, imported when the parser is built (a command's module imports no
+# framework at module level, so `harp-trt --help` does not import torch); listed in this order
+COMMANDS: Registry = Registry("command")
+COMMANDS.register("build", "harp_trt.cli.build")
+COMMANDS.register("score", "harp_trt.cli.score")
+COMMANDS.register("calibrate", "harp_trt.cli.calibrate")
+COMMANDS.register("eval", "harp_trt.cli.eval")
+COMMANDS.register("rewrite", "harp_trt.cli.rewrite")
+COMMANDS.register("cache", "harp_trt.cli.cache")
+COMMANDS.register("bench", "harp_trt.cli.bench")
+COMMANDS.register("deploy", "harp_trt.cli.deploy")
+COMMANDS.register("generate", "harp_trt.cli.generate")
 
 
 def common_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,8 +42,8 @@ def common_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harp-trt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, modname in COMMANDS.items():
-        mod = importlib.import_module(modname)
+    for name in COMMANDS.in_order():
+        mod = COMMANDS.get(name)
         p = sub.add_parser(name, help=mod.HELP.replace("%", "%%"), description=mod.HELP)
         mod.add_arguments(p)
         common_arguments(p)
@@ -91,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     from ..memory import tune_allocator
 
     tune_allocator()  # freed layers go back to the system (harp_trt/memory.py)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and not argv[0].startswith("-"):
+        try:
+            COMMANDS.check(argv[0])  # "did you mean", before argparse's bare "invalid choice"
+        except UnknownNameError as e:
+            print(f"harp-trt: error: {e}", file=sys.stderr)
+            return e.exit_code
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -1,15 +1,20 @@
-"""Flags shared by several commands. Defaults come from the config dataclasses' fields."""
+"""Flags shared by several commands. A config field's flag is declared on the field (``harp_trt.cli._options``)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from typing import Iterator
 
+from ..config import parse_batch_sizes, parse_grid, parse_ints, parse_seq_len, parse_tasks
 from ..errors import ConfigError
 
 __all__ = ["add_model_argument", "add_calibrate_arguments", "calibrate_config_from_args",
            "add_placement_arguments", "placement_from_args", "parse_ints", "parse_tasks",
-           "parse_grid", "progress_bar", "default_layers"]
+           "parse_grid", "parse_batch_sizes", "progress_bar", "default_layers"]
+
+# CalibrateConfig fields whose flags given_layers_and_alphas / calibrate_config_from_args map themselves
+_GIVEN_FIELDS = ("layers", "seq_len", "prune_layers", "alphas")
 
 
 def add_model_argument(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -18,75 +23,21 @@ def add_model_argument(p: argparse.ArgumentParser, required: bool = True) -> Non
                         "HF id, local HF folder or .gguf file")
 
 
-def parse_grid(text: str, flag: str = "--alpha-grid") -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{flag} must be comma-separated numbers in [0, 1], got {text!r}") from None
-    return vals
-
-
-def parse_ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
-
-
-def parse_tasks(text: str) -> tuple[str, ...]:
-    if text.strip().lower() in ("", "none"):
-        return ()
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
-def add_calibrate_arguments(p: argparse.ArgumentParser, layers_required: bool = False) -> None:
+def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    """CalibrateConfig's flags (from its fields), the ways to give layers and alphas, placement."""
+    from ..config import cli_option
     from ..registry import STAGES
+    from ._options import _container, add_config_arguments
 
-    C = STAGES.get("calibrate").config_class()  # defaults, from a light module
-    from calib.config import PAPER_BOS, SEARCH_SPLITS
-
-    p.add_argument("--layers", "-P", type=int, default=None, required=layers_required,
-                   help="number of layers to prune (default: the preset's value, else "
-                        f"{C.default('layers')})")
-    p.add_argument("--strategy", default=C.default("strategy"),
-                   help="layer scoring: top, bottom, gate-norm, gate-norm-folded, sink, bi, attn-sim "
-                        "(default %(default)s)")
-    p.add_argument("--alpha-grid", default=",".join(f"{a:g}" for a in C.default("alpha_grid")),
-                   help="candidate alphas (default %(default)s)")
-    p.add_argument("--search", default=C.default("search"), choices=("exhaustive", "golden"),
-                   help="exhaustive: every grid value (the paper's Algorithm 1); golden: golden-section over "
-                        "the sorted grid assuming unimodal perplexity, falling back to the full grid when a "
-                        "probe contradicts it (default %(default)s)")
-    g = p.add_argument_group("given layers and alphas (no search)")
-    g.add_argument("--prune-layers", default=None,
-                   help="prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)")
-    g.add_argument("--alphas", default=None,
-                   help="use these alphas instead of searching, one per pruned layer, e.g. 0.8,0.2")
+    C = STAGES.get("calibrate").config_class()
+    add_config_arguments(p, C)
+    g = _container(p, cli_option(next(f for f in dataclasses.fields(C) if f.name == "alphas")).group)
     g.add_argument("--alpha-order", choices=("ascending", "top-down"), default="ascending",
                    help="order of --alphas: ascending layer index, as plans store them (default), or "
                         "top-down, as the HARP paper lists them (first = highest pruned layer)")
     g.add_argument("--paper-alphas", action="store_true",
                    help="the HARP paper's published layers and alphas of a preset (llama3.1-8b, "
                         "mistral-7b-v0.3, qwen2-7b, gemma2-9b)")
-    p.add_argument("--objective", choices=("windows", "paper"), default=C.default("objective"),
-                   help="windows: fixed windows of --seq-len over the corpus (default); paper: the HARP "
-                        "paper's objective, lm-eval wikitext style: whole documents prefixed with BOS in "
-                        "rolling windows of the model's maximum length, bf16 unless --dtype")
-    p.add_argument("--tokens", type=int, default=C.default("tokens"),
-                   help="calibration tokens per split (default %(default)s)")
-    p.add_argument("--seq-len", default=None,
-                   help=f"window length, or 'max' (the model's maximum length) (default {C.default('seq_len')}; "
-                        "with --objective paper: max)")
-    p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' or a .txt/.jsonl file (default %(default)s)")
-    p.add_argument("--search-split", choices=SEARCH_SPLITS, default=C.default("search_split"),
-                   help="halves: search on the corpus's even documents, held-out perplexity on its odd ones "
-                        "(default); all: the HARP paper's split, search on every document of --corpus and "
-                        "report held-out perplexity on --heldout-corpus")
-    p.add_argument("--heldout-corpus", default=None,
-                   help="with --search-split all: the other text ('wiki' or a .txt/.jsonl file) for held-out perplexity")
-    p.add_argument("--paper-bos", choices=PAPER_BOS, default=C.default("paper_bos"),
-                   help="with --objective paper: once = one BOS before each document (default); lm-eval-0.4.7 = "
-                        "as that version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored")
     add_placement_arguments(p)
     p.add_argument("--naive", action="store_true", help="recompute the full model per candidate (reference search)")
 
@@ -160,6 +111,7 @@ def calibrate_config_from_args(args):
     """(CalibrateConfig, Placement): the device kind and dtype go into the config (and the key).
     ``--objective paper`` defaults to bf16 and the model's maximum length."""
     from ..registry import STAGES
+    from ._options import cli_fields, values_from_args
 
     CalibrateConfig = STAGES.get("calibrate").config_class()
     paper = args.objective == "paper"
@@ -168,22 +120,12 @@ def calibrate_config_from_args(args):
     if layers is None:
         layers = default_layers(args.model)
     seq = args.seq_len if args.seq_len is not None else ("max" if paper else str(CalibrateConfig.default("seq_len")))
-    if seq == "max":
-        seq_len = 0
-    else:
-        try:
-            seq_len = int(seq)
-        except ValueError:
-            raise ConfigError(f"--seq-len must be a number of tokens or 'max', got {seq!r}") from None
-        if seq_len < 1:
-            raise ConfigError(f"--seq-len must be >= 1 or 'max', got {seq!r}")
+    seq_len = parse_seq_len(seq)
+    plain = [f.name for f, _ in cli_fields(CalibrateConfig) if f.name not in _GIVEN_FIELDS]
     config = CalibrateConfig.from_dict({
-        "layers": layers, "strategy": args.strategy, "alpha_grid": parse_grid(args.alpha_grid),
-        "tokens": args.tokens, "seq_len": seq_len, "corpus": args.corpus, "dtype": placement.dtype,
-        "device": placement.kind, "prune_layers": prune, "alphas": alphas, "objective": args.objective,
-        "search": args.search, "search_split": args.search_split, "heldout_corpus": args.heldout_corpus or "",
-        "paper_bos": args.paper_bos,
-    })
+        **values_from_args(CalibrateConfig, args, plain),
+        "layers": layers, "seq_len": seq_len, "prune_layers": prune, "alphas": alphas,
+        "dtype": placement.dtype, "device": placement.kind})
     return config, placement
 
 
@@ -211,14 +153,3 @@ def progress_bar(enabled: bool = True) -> Iterator[tuple]:
             console.log(text)
 
         yield on_candidate, on_phase
-
-
-def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> tuple[int, ...]:
-    """Request batch sizes for the bench's throughput runs; ``none`` = no throughput runs."""
-    if text.strip().lower() == "none":
-        return ()
-    sizes = parse_ints(text, flag)
-    if not sizes or any(b < 1 for b in sizes):
-        raise ConfigError(f"{flag} must be positive request counts, got {text!r}",
-                          f"e.g. {flag} 1,4,16, or 'none' to skip the throughput runs")
-    return sizes

@@ -5,41 +5,38 @@ import argparse
 import time
 
 from ._common import add_calibrate_arguments, add_model_argument, calibrate_config_from_args, progress_bar
+from ._options import add_config_arguments, config_from_args
 
 NAME = "build"
 HELP = "calibrate -> rewrite -> build (-> bench), reusing every cached artifact"
 
 
+# the bench stage's flags as build takes them (--bench-seq-lens ...), with build's own defaults: a
+# shorter sweep, no lm-eval tasks, fewer repeats
+BENCH_FIELDS = ("seq_lens", "tasks", "limit", "repeats", "batch_sizes")
+BENCH_DEFAULTS = {"seq_lens": "128,512,1024,2048", "tasks": "none", "repeats": 3}
+QUANT_FIELDS = ("quant", "quant_block_size", "quant_symmetric", "quant_accuracy_level")
+TRTLLM_FIELDS = ("tp_size", "pp_size")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..registry import BACKENDS, PHASES, STAGES
 
-    Q = STAGES.get("build-ort").config_class()  # a light module: defaults without onnxruntime
     add_model_argument(p)
     add_calibrate_arguments(p)
     p.add_argument("--backend", default="ort", help=f"{' | '.join(BACKENDS.names())} (default %(default)s)")
     p.add_argument("--force", default=None, metavar="STAGE",
                    help=f"rerun STAGE and every stage after it ({', '.join(PHASES)})")
     p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
-    p.add_argument("--bench-seq-lens", default="128,512,1024,2048", help="bench prefill lengths (default %(default)s)")
-    p.add_argument("--bench-tasks", default="none",
-                   help="bench lm-eval tasks, comma-separated, or 'none' (default %(default)s)")
-    p.add_argument("--bench-limit", type=int, default=100, help="documents per lm-eval task (default %(default)s)")
-    p.add_argument("--bench-repeats", type=int, default=3, help="timed repeats per shape (default %(default)s)")
-    p.add_argument("--bench-batch-sizes", default="1,4,16",
-                   help="bench throughput request batches, or 'none' (default %(default)s)")
-    q = p.add_argument_group("ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
-    q.add_argument("--quant", default=Q.default("quant"), help="none (exact fp32) | int4 | int8 (default %(default)s)")
-    q.add_argument("--quant-block-size", type=int, default=Q.default("quant_block_size"),
-                   help="weights per scale along K (default %(default)s)")
-    q.add_argument("--quant-asymmetric", action="store_true", help="zero points per block (default: symmetric)")
-    q.add_argument("--quant-accuracy-level", type=int, default=Q.default("quant_accuracy_level"),
-                   help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 (default %(default)s, fastest on CPU)")
+    add_config_arguments(p, STAGES.get("bench").config_class(), BENCH_FIELDS, prefix="bench-",
+                         overrides={k: {"default": v} for k, v in BENCH_DEFAULTS.items()},
+                         group="with --bench (the bench command's flags, prefixed)")
+    add_config_arguments(p, STAGES.get("build-ort").config_class(), QUANT_FIELDS,
+                         group="ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
     G = STAGES.get("gguf").config_class()
-    p.add_argument("--gguf-type", default=G.default("gguf_type"),
-                   help="gguf: also quantize with llama.cpp to this type, e.g. q8_0, q4_k_m (default %(default)s)")
-    p.add_argument("--gguf-dtype", default=G.default("dtype"), help="gguf: f32 | f16 | bf16 (default %(default)s)")
-    p.add_argument("--tp", type=int, default=1, help="trtllm: tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="trtllm: pipeline-parallel size")
+    add_config_arguments(p, G, ("gguf_type",), group="--backend gguf")
+    add_config_arguments(p, G, ("dtype",), prefix="gguf-", group="--backend gguf")
+    add_config_arguments(p, STAGES.get("trtllm").config_class(), TRTLLM_FIELDS, group="--backend trtllm")
 
 
 def run(args) -> dict:
@@ -54,13 +51,14 @@ def run(args) -> dict:
     if args.backend == "trtllm":
         from ..registry import STAGES
 
-        TrtllmCheckpointConfig = STAGES.get("trtllm").config_class()
-        configs["trtllm"] = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
+        configs["trtllm"] = config_from_args(STAGES.get("trtllm").config_class(), args, TRTLLM_FIELDS)
     if args.backend == "gguf":
         from ..registry import STAGES
+        from ._options import values_from_args
 
-        configs["gguf"] = STAGES.get("gguf").config_class().from_dict({"gguf_type": args.gguf_type,
-                                                                        "dtype": args.gguf_dtype})
+        G = STAGES.get("gguf").config_class()
+        configs["gguf"] = G.from_dict({**values_from_args(G, args, ("gguf_type",)),
+                                       **values_from_args(G, args, ("dtype",), prefix="gguf-")})
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
                         bench_config=bench_config, configs=configs, on_phase=on_phase,
@@ -99,20 +97,17 @@ def _ort_config(args):
 
         raise ConfigError(f"--quant applies to the ORT engine (backends ort, triton and genai), not {args.backend}",
                           "for llama.cpp quantization use --gguf-type" if args.backend == "gguf" else None)
-    return OrtBuildConfig(quant=args.quant, quant_block_size=args.quant_block_size,
-                          quant_symmetric=not args.quant_asymmetric, quant_accuracy_level=args.quant_accuracy_level)
+    return config_from_args(OrtBuildConfig, args, QUANT_FIELDS)
 
 
 def _bench_config(args, placement):
     from ..registry import STAGES
 
     BenchConfig = STAGES.get("bench").config_class()
-    from ._common import parse_batch_sizes, parse_ints, parse_tasks
+    from ._options import values_from_args
 
     return BenchConfig.from_dict({
         "engine": "ort" if args.backend in ("ort", "triton", "genai") else "torch",
-        "seq_lens": parse_ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": parse_tasks(args.bench_tasks),
-        "limit": args.bench_limit, "repeats": args.bench_repeats,
-        "batch_sizes": parse_batch_sizes(args.bench_batch_sizes, "--bench-batch-sizes"), "corpus": args.corpus,
+        **values_from_args(BenchConfig, args, BENCH_FIELDS, prefix="bench-"), "corpus": args.corpus,
         "dtype": placement.dtype if args.backend == "trtllm" else "float32",
         "device": placement.kind if args.backend == "trtllm" else "cpu"})

@@ -17,15 +17,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    from calib import run_calibrate
-    from harp_trt.store import ArtifactStore
+    from ..models import resolve_model
+    from ..pipeline import run_stage
+    from ..stage import Hooks
+    from ..store import ArtifactStore
 
     t0 = time.perf_counter()
     config, placement = calibrate_config_from_args(args)
     store = ArtifactStore(args.workdir)
+    resolved = resolve_model(args.model, store.root)
     with progress_bar(not args.json) as (on_candidate, on_phase):
-        art = run_calibrate(args.model, config, store, naive=args.naive, force=args.force,
-                            progress=on_candidate, on_phase=on_phase, placement=placement)
+        art = run_stage("calibrate", config, {"model": resolved, "naive": args.naive}, store, force=args.force,
+                        hooks=Hooks(on_candidate, on_phase, placement))
     return calibrate_summary(art, time.perf_counter() - t0)
 
 

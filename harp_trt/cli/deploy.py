@@ -20,6 +20,7 @@ import argparse
 import time
 
 from ._common import add_model_argument
+from ._options import add_config_arguments, config_from_args
 
 NAME = "deploy"
 HELP = ("deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint), triton (model repository), "
@@ -64,132 +65,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _common_suppressed(f)
 
 
-def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
+def _config_class(stage: str) -> type:
     from ..registry import STAGES
 
-    C = STAGES.get("trtllm").config_class()  # defaults, from a light module
+    return STAGES.get(stage).config_class()  # a light module: flags without the stage's runtime
 
+
+def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="calibrate artifact folder (or key) or a plan.json file")
     add_model_argument(p, required=False)
-    p.add_argument("--dtype", default=C.default("dtype"), help="float16 | bfloat16 | float32 (default %(default)s)")
-    p.add_argument("--tp", type=int, default=C.default("tp_size"), help="tensor-parallel GPUs (default %(default)s)")
-    p.add_argument("--pp", type=int, default=C.default("pp_size"), help="pipeline stages (default %(default)s)")
-    p.add_argument("--max-batch-size", type=int, default=C.default("max_batch_size"), help="(default %(default)s)")
-    p.add_argument("--max-input-len", type=int, default=C.default("max_input_len"), help="(default %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=C.default("max_seq_len"), help="(default %(default)s)")
-    p.add_argument("--max-num-tokens", type=int, default=C.default("max_num_tokens"), help="(default %(default)s)")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF DeciLM checkpoint")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the read-back check (layer by layer against the PyTorch HARP reference)")
-    p.add_argument("--build", default=C.default("build"), choices=["auto", "never"],
-                   help="auto: run trtllm-build where tensorrt_llm and GPUs exist (default %(default)s)")
+    add_config_arguments(p, _config_class("trtllm"))
     p.add_argument("--force", action="store_true", help="rebuild even if the artifact is cached")
 
 
 def add_triton_arguments(p: argparse.ArgumentParser) -> None:
-    from ..registry import STAGES
-
-    C = STAGES.get("triton").config_class()  # defaults, from a light module
-
     p.add_argument("--artifact", required=True,
                    help="export/rewrite/ORT-engine folder with model.onnx, or a trtllm artifact (folder or cache key)")
     p.add_argument("--out", required=True, help="model repository folder to write (must be new or empty)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
-    p.add_argument("--triton-release", default=C.default("triton_release"),
-                   help="tritonserver release (YY.MM) to serve with: onnx serving: its ONNX Runtime must load the "
-                        "graph; TensorRT-LLM: it must carry the TensorRT-LLM the checkpoint targets "
-                        "(default %(default)s, the first release that carries it)")
-    g = p.add_argument_group("ONNX Runtime model")
-    g.add_argument("--model-name", default=C.default("model_name"), help="Triton model name (default %(default)s)")
-    g.add_argument("--serving", default=C.default("serving"), choices=["python", "onnx"],
-                   help="python: text in/out, generation + KV cache + batching inside the server (vLLM-backend "
-                        "I/O); onnx: Triton's onnxruntime backend, the client keeps the cache (default %(default)s)")
-    g.add_argument("--max-active", type=int, default=C.default("max_active"),
-                   help="python serving: sequences decoded together (default %(default)s)")
-    g.add_argument("--prompt-limit", type=int, default=C.default("max_input_len"),
-                   help="python serving: longest prompt in tokens, 0 = the model's context (default %(default)s)")
-    g.add_argument("--context-limit", type=int, default=C.default("max_seq_len"),
-                   help="python serving: prompt + max_tokens limit, 0 = the model's context (default %(default)s)")
-    g.add_argument("--device", default=C.default("device"), choices=["cpu", "gpu"],
-                   help="instance kind: cpu -> KIND_CPU, gpu -> KIND_GPU (default %(default)s)")
-    g.add_argument("--instances", type=int, default=C.default("instances"), help="model instances (default %(default)s)")
-    g.add_argument("--threads", type=int, default=C.default("threads"),
-                   help="ONNX Runtime intra-op threads, 0 = its default (default %(default)s)")
-    g.add_argument("--copy", action="store_true", help="copy model files instead of hard-linking them")
-    g = p.add_argument_group("TensorRT-LLM models")
-    g.add_argument("--max-batch-size", type=int, default=C.default("max_batch_size"),
-                   help="Triton max batch size, 0 = the engine's (default %(default)s)")
-    g.add_argument("--engine-dir", default=C.default("engine_dir"),
-                   help="engine folder as the server sees it (default: <artifact>/engine, where build_engine.sh writes)")
-    g.add_argument("--tokenizer-dir", default=C.default("tokenizer_dir"),
-                   help="tokenizer folder to copy (default: the artifact's hf/ or the plan's model folder)")
-    g.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=C.default("kv_cache_free_gpu_mem_fraction"),
-                   help="(default %(default)s)")
-    g.add_argument("--batching-strategy", default=C.default("batching_strategy"),
-                   choices=["inflight_fused_batching"], help="(default %(default)s; V1 is gone from 1.x executors)")
-    g.add_argument("--batch-scheduler-policy", default=C.default("batch_scheduler_policy"),
-                   choices=["guaranteed_no_evict", "max_utilization"], help="(default %(default)s)")
-    g.add_argument("--decoupled", action="store_true", help="decoupled (streaming) tensorrt_llm model")
-    g.add_argument("--include-input", action="store_true", help="return the prompt with the output text")
-    g.add_argument("--kv-cache-reuse", action="store_true", help="enable KV cache reuse (prefix caching)")
-    g.add_argument("--max-queue-delay-us", type=int, default=C.default("max_queue_delay_microseconds"),
-                   help="(default %(default)s)")
-    g.add_argument("--preprocessing-instances", type=int, default=C.default("preprocessing_instances"),
-                   help="(default %(default)s)")
-    g.add_argument("--postprocessing-instances", type=int, default=C.default("postprocessing_instances"),
-                   help="(default %(default)s)")
+    add_config_arguments(p, _config_class("triton"))
 
 
 def add_genai_arguments(p: argparse.ArgumentParser) -> None:
-    from ..registry import STAGES
-
-    C = STAGES.get("genai").config_class()  # defaults, from a light module
-
     p.add_argument("--artifact", required=True, help="ORT engine folder (build-ort artifact) or its cache key")
     p.add_argument("--out", default=None,
                    help="folder to write (new or empty); default: the cached genai-<key> artifact in --workdir")
-    p.add_argument("--context-length", type=int, default=C.default("context_length"),
-                   help="longest prompt + new tokens, 0 = the model's max_position_embeddings (default %(default)s)")
-    p.add_argument("--copy", action="store_true", help="copy the graph instead of hard-linking it")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the check that og.Generator's greedy tokens equal ONNX Runtime's on the graph")
+    add_config_arguments(p, _config_class("genai"))
     p.add_argument("--force", action="store_true", help="replace --out if it is not empty / rebuild the cached folder")
 
 
 def add_gguf_arguments(p: argparse.ArgumentParser) -> None:
-    from ..registry import STAGES
-
-    C = STAGES.get("gguf").config_class()  # defaults, from a light module
-
     p.add_argument("--plan", required=True, help="calibrate artifact folder (or key) or a plan.json file")
     add_model_argument(p, required=False)
     p.add_argument("--out", default=None,
                    help="folder to write (new or empty); default: the cached gguf-<key> artifact in --workdir")
-    p.add_argument("--dtype", default=C.default("dtype"), help="f32 | f16 | bf16 (default %(default)s)")
-    p.add_argument("--gguf-type", default=C.default("gguf_type"),
-                   help="also quantize with llama.cpp's quantizer: none | q8_0 | q4_k_m | ... (default %(default)s)")
-    p.add_argument("--context", type=int, default=C.default("context"),
-                   help="context length written, 0 = the model's max_position_embeddings (default %(default)s)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the check that llama.cpp's logits and greedy tokens equal the PyTorch HARP model's")
+    add_config_arguments(p, _config_class("gguf"))
     p.add_argument("--force", action="store_true", help="replace --out if it is not empty / rebuild the cached artifact")
 
 
 def run_gguf(args) -> dict:
-    from ..registry import STAGES
-
-    GgufConfig = STAGES.get("gguf").config_class()
     from ..models import resolve_model
     from ..plan import open_plan
+    from ..registry import STAGES
     from ..store import ArtifactStore
 
     t0 = time.perf_counter()
-    config = GgufConfig.from_dict({"dtype": args.dtype, "gguf_type": args.gguf_type, "context": args.context,
-                                   "verify": not args.no_verify})
+    config = config_from_args(_config_class("gguf"), args)
     store = ArtifactStore(getattr(args, "workdir", None))
     plan = open_plan(args.plan, store)
     resolved = resolve_model(args.model or plan.model_ref, store.root)
-    from builders.gguf.stage import deploy_gguf
+    deploy_gguf = STAGES.get("gguf").entry("deploy_gguf")
 
     r = deploy_gguf(plan, resolved, args.out, config, store=store, force=args.force)
     v = r.get("verification") or {}
@@ -206,15 +131,11 @@ def run_gguf(args) -> dict:
 
 def run_genai(args) -> dict:
     from ..registry import STAGES
-
-    GenaiConfig = STAGES.get("genai").config_class()
-    from builders.genai.stage import deploy_genai
-
     from ..store import ArtifactStore
 
     t0 = time.perf_counter()
-    config = GenaiConfig.from_dict({"context_length": args.context_length, "link": not args.copy,
-                                    "verify": not args.no_verify})
+    config = config_from_args(_config_class("genai"), args)
+    deploy_genai = STAGES.get("genai").entry("deploy_genai")
     store = ArtifactStore(getattr(args, "workdir", None))  # resolves a cache key; holds the folder without --out
     r = deploy_genai(args.artifact, args.out, config, force=args.force, store=store)
     return {"folder": r["folder"], "cached": r["cached"], "artifact": r["artifact"]["path"],
@@ -235,24 +156,11 @@ def run(args) -> dict:
 
 def run_triton(args) -> dict:
     from ..registry import STAGES
-
-    TritonRepoConfig = STAGES.get("triton").config_class()
-    from builders.triton.repository import write_repository
-
     from ..store import ArtifactStore
 
     t0 = time.perf_counter()
-    config = TritonRepoConfig.from_dict({
-        "model_name": args.model_name, "serving": args.serving, "max_active": args.max_active,
-        "max_input_len": args.prompt_limit, "max_seq_len": args.context_limit,
-        "triton_release": args.triton_release, "device": args.device, "instances": args.instances, "threads": args.threads,
-        "link": not args.copy, "max_batch_size": args.max_batch_size, "engine_dir": args.engine_dir,
-        "tokenizer_dir": args.tokenizer_dir, "kv_cache_free_gpu_mem_fraction": args.kv_cache_free_gpu_mem_fraction,
-        "batching_strategy": args.batching_strategy, "batch_scheduler_policy": args.batch_scheduler_policy,
-        "decoupled": args.decoupled, "exclude_input_in_output": not args.include_input,
-        "enable_kv_cache_reuse": args.kv_cache_reuse, "max_queue_delay_microseconds": args.max_queue_delay_us,
-        "preprocessing_instances": args.preprocessing_instances,
-        "postprocessing_instances": args.postprocessing_instances})
+    config = config_from_args(_config_class("triton"), args)
+    write_repository = STAGES.get("triton").entry("write_repository")
     store = ArtifactStore(args.workdir) if getattr(args, "workdir", None) else None
     r = write_repository(args.artifact, args.out, config, force=args.force, store=store)
     result = {"repository": r["repository"], "kind": r["kind"], "artifact": r["artifact"]["path"],
@@ -277,27 +185,18 @@ def run_triton(args) -> dict:
     return result
 
 
-
 def run_trtllm(args) -> dict:
-    from ..registry import STAGES
-
-    TrtllmCheckpointConfig = STAGES.get("trtllm").config_class()
-    from builders.trtllm.stage import TrtllmCheckpointStage
-
     from ..models import resolve_model
+    from ..pipeline import run_stage
     from ..plan import open_plan
     from ..store import ArtifactStore
 
     t0 = time.perf_counter()
-    config = TrtllmCheckpointConfig.from_dict({
-        "dtype": args.dtype, "tp_size": args.tp, "pp_size": args.pp, "max_batch_size": args.max_batch_size,
-        "max_input_len": args.max_input_len, "max_seq_len": args.max_seq_len,
-        "max_num_tokens": args.max_num_tokens, "hf_format": not args.no_hf, "verify": not args.no_verify,
-        "build": args.build})
+    config = config_from_args(_config_class("trtllm"), args)
     store = ArtifactStore(args.workdir)
     plan = open_plan(args.plan, store)
     resolved = resolve_model(args.model or plan.model_ref, store.root)
-    art = TrtllmCheckpointStage().execute(store, config, {"plan": plan, "model": resolved}, force=args.force)
+    art = run_stage("trtllm", config, {"plan": plan, "model": resolved}, store, force=args.force)
     m = art.manifest
     ck = m["checkpoint"]
     rows = [{"layer": r["layer"], "kind": r["kind"], "alpha": "" if r["alpha"] is None else r["alpha"],

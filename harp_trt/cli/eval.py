@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import add_placement_arguments, placement_from_args
+from ._options import add_config_arguments
 
 NAME = "eval"
 HELP = "perplexity of dense / alpha=1 / searched alphas of a plan on any text"
@@ -12,14 +13,16 @@ HELP = "perplexity of dense / alpha=1 / searched alphas of a plan on any text"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..registry import STAGES
 
-    C = STAGES.get("calibrate").config_class()  # defaults, from a light module
+    C = STAGES.get("calibrate").config_class()  # a light module
 
     p.add_argument("--plan", required=True, help="calibrate artifact folder, its key, or a plan.json")
-    p.add_argument("--corpus", default=C.default("corpus"), help="'wiki' (held-out split) or a .txt/.jsonl file")
     p.add_argument("--split", default="heldout", choices=["heldout", "calib"],
                    help="which half of the corpus (default %(default)s)")
-    p.add_argument("--tokens", type=int, default=C.default("tokens"))
-    p.add_argument("--seq-len", type=int, default=C.default("seq_len"))
+    # CalibrateConfig's flags: the same text budget the search had
+    add_config_arguments(p, C, ("tokens", "seq_len", "corpus"), overrides={
+        "corpus": {"help": "'wiki' (held-out split) or a .txt/.jsonl file (default %(default)s)"},
+        "tokens": {"help": "tokens to score (default %(default)s)"},
+        "seq_len": {"type": int, "help": "window length (default %(default)s)", "default": C.default("seq_len")}})
     p.add_argument("--model", default=None, help="override the plan's model reference (same weights)")
     add_placement_arguments(p)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ._common import add_model_argument, add_placement_arguments, default_layers, placement_from_args
+from ._options import add_config_arguments
 
 NAME = "score"
 HELP = "score every layer with a strategy (top, gate-norm, sink, bi, attn-sim)"
@@ -12,15 +13,15 @@ HELP = "score every layer with a strategy (top, gate-norm, sink, bi, attn-sim)"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..registry import STAGES
 
-    C = STAGES.get("calibrate").config_class()  # defaults, from a light module
+    C = STAGES.get("calibrate").config_class()  # a light module
 
     add_model_argument(p)
-    p.add_argument("--strategy", default=C.default("strategy"))
-    p.add_argument("--layers", "-P", type=int, default=None, help="how many layers to select")
-    p.add_argument("--tokens", type=int, default=C.default("score_windows") * C.default("seq_len"),
-                   help="calibration tokens for data-driven strategies (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=C.default("seq_len"))
-    p.add_argument("--corpus", default=C.default("corpus"))
+    # CalibrateConfig's flags; scoring reads score_windows windows of seq_len tokens
+    add_config_arguments(p, C, ("strategy", "layers", "tokens", "seq_len", "corpus"), overrides={
+        "layers": {"help": "how many layers to select (default: the preset's value, else %(field_default)s)"},
+        "tokens": {"default": C.default("score_windows") * C.default("seq_len"),
+                   "help": "calibration tokens for data-driven strategies (default %(default)s)"},
+        "seq_len": {"type": int, "help": "window length (default %(default)s)", "default": C.default("seq_len")}})
     p.add_argument("--save", default=None, help="write the table to a .csv or .parquet file")
     add_placement_arguments(p)
 
@@ -47,12 +48,15 @@ def run(args) -> dict:
     import polars as pl
     from transformers import AutoConfig
 
-    from calib.strategies import ScoreContext, get_strategy
     from ..errors import ConfigError
     from ..families import family_of
     from ..layerwise import LayerStack
     from ..models import load_tokenizer, resolve_model
+    from ..registry import STAGES
     from ..store import ArtifactStore
+
+    spec = STAGES.get("calibrate")  # the strategies are the calibrate stage's
+    ScoreContext, get_strategy = spec.entry(".strategies:ScoreContext"), spec.entry(".strategies:get_strategy")
 
     save = check_save(args.save)  # before minutes of scoring
     if args.layers is not None and args.layers < 1:

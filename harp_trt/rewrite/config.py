@@ -1,10 +1,10 @@
 """The export and rewrite stages' settings. Light on purpose (no torch, no onnx): the CLI builds
-its parser from these fields."""
+its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import StageConfig
+from ..config import StageConfig, option
 from ..errors import ConfigError
 from ..onnx_io import EXTERNAL_DATA_THRESHOLD, PROTOBUF_LIMIT
 
@@ -40,10 +40,10 @@ class RewriteConfig(StageConfig):
     ``model.onnx.data`` (protobuf cannot exceed 2 GB)."""
 
     VERSION = 1
-    verify: bool = True
-    rtol: float = 1e-4
-    decode_steps: int = 16
-    greedy_steps: int = 32
+    verify: bool = option(True, flag="--no-verify", negate=True, help="skip the ONNX Runtime vs PyTorch check")
+    rtol: float = option(1e-4, help="logits tolerance relative to max(1, max|logits|) (default %(default)g)")
+    decode_steps: int = option(16, help="decode steps whose logits are compared (default %(default)s)")
+    greedy_steps: int = option(32, help="decode steps whose greedy tokens must match (default %(default)s)")
     external_data_mb: int = EXTERNAL_DATA_THRESHOLD >> 20  # the contract's threshold, in MiB (1907)
 
     def validate(self) -> None:
