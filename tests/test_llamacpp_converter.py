@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from builders.gguf import probe
 from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
 from harp_trt.harp import apply_harp
 from harp_trt.models import ResolvedModel, load_tokenizer
@@ -59,21 +60,6 @@ def _deploy_hf(resolved: ResolvedModel, plan: Plan, root: Path) -> Path:
     cfg = TrtllmCheckpointConfig(dtype="float32", max_input_len=32, max_seq_len=64, verify=False, build="never")
     art = TrtllmCheckpointStage().execute(ArtifactStore(root), cfg, {"plan": plan, "model": resolved})
     return art.path / "hf"
-
-
-def _llamacpp(gguf: Path, ids: list[int], steps: int):
-    """(logits of ``ids``, ``steps`` greedy tokens) from llama.cpp: fp32 KV cache, no flash attention."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(gguf), n_ctx=64, n_batch=64, n_ubatch=64, n_threads=2, logits_all=True,
-                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False)
-    llm.eval(ids)
-    logits = np.array(llm.scores[: len(ids)])
-    out = []
-    for _ in range(steps):
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        llm.eval([out[-1]])
-    return logits, out, llm
 
 
 @torch.no_grad()
@@ -109,12 +95,10 @@ def _compare(gguf: Path, model, alphas, folder) -> float:
     """Logits and greedy tokens of llama.cpp on the GGUF vs the PyTorch HARP model; llama.cpp's
     tokenizer (the vocabulary the converter wrote) gives Hugging Face's ids. Returns max |diff| / scale."""
     ids = load_tokenizer(folder)(PROMPT, add_special_tokens=False)["input_ids"]
+    assert probe.tokenize(gguf, PROMPT) == ids
     want, want_tokens = _reference(model, alphas, ids, GREEDY)
-    got, got_tokens, llm = _llamacpp(gguf, ids, GREEDY)
-    try:
-        assert llm.tokenize(PROMPT.encode(), add_bos=False) == ids
-    finally:
-        llm.close()
+    got = probe.logits(gguf, ids, kv_type="f32")
+    got_tokens = probe.greedy(gguf, ids, GREEDY, kv_type="f32")
     scale = max(1.0, float(np.abs(want).max()))
     diff = float(np.abs(got - want).max())
     print(f"{gguf.name}: llama.cpp logits max |diff| {diff:.3g} = {diff / scale:.3g} of the logit scale "
