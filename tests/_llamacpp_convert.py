@@ -5,6 +5,8 @@ the test environment, ``llama_cpp.__version__``): ``fetch_converter`` downloads 
 (``pip download --no-deps --no-binary :all:``, served from pip's cache on a CI machine that has just
 built it) and unpacks only what the converter runs into the test cache, once:
 ``vendor/llama.cpp/convert_hf_to_gguf.py``, its ``conversion/`` package and ``gguf-py/gguf``.
+The unpacked tree is named by the pinned version alone, as conftest's shared inputs are: a release's
+files never change.
 ``convert_hf_to_gguf.py`` puts ``gguf-py`` first on ``sys.path`` itself (unless ``NO_LOCAL_GGUF``),
 and it must: the PyPI ``gguf`` 0.19.0 in our environment carries the same version string but lacks
 what this converter uses (``conversion/base.py`` ``ModelBase.prepare_tensors`` fails with "module
