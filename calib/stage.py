@@ -91,8 +91,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
     def run(self, config: CalibrateConfig, inputs: Mapping[str, Any], out_dir: Path) -> dict[str, Any]:
         import polars as pl
 
-        from harp_trt.data import (model_max_length, paper_add_special_tokens, prefix_token_id, rolling_windows,
-                                   token_windows)
+        from harp_trt.data import prefix_token_id
         from harp_trt.device import resolve_placement
         from harp_trt.layerwise import LayerStack
         from harp_trt.models import load_tokenizer
@@ -107,24 +106,11 @@ class CalibrateStage(Stage[CalibrateConfig]):
         phase(f"model on {placement.describe(stack.sequential)}")
         tok = load_tokenizer(inp.resolved.folder)
         sources = split_sources(config, inp)
-        if config.objective == "paper":
-            max_len = config.seq_len or model_max_length(model.config)
-            special = paper_add_special_tokens(config.paper_bos, getattr(model.config, "model_type", ""))
-            calib, held = (rolling_windows(tok, c, s, max_len, config.tokens, special) for c, s in sources)
-        else:
-            calib, held = (token_windows(tok, c, s, config.seq_len, config.tokens) for c, s in sources)
+        calib, held = _windows(config, tok, model.config, sources)
         timings["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        if config.prune_layers:
-            strategy_name, scores, selected = "explicit", [], sorted(config.prune_layers)
-        else:
-            phase(f"scoring layers ({config.strategy})")
-            strategy_name, strategy = config.strategy, get_strategy(config.strategy)
-            ctx = ScoreContext(family=family, config=model.config, folder=inp.resolved.folder, stack=stack,
-                               windows=calib[: config.score_windows], prefix_id=prefix_token_id(tok))
-            scores = strategy.score(ctx)
-            selected = strategy.select(scores, config.layers)
+        strategy_name, scores, selected = _select_layers(config, inp, stack, calib, prefix_token_id(tok), phase)
         timings["score"] = time.perf_counter() - t
 
         phase("dense perplexity")
@@ -145,13 +131,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
         phase("held-out perplexity")
         t = time.perf_counter()
         ppl_held_searched = stack.perplexity(held)
-        from harp_trt.harp import set_alpha
-
-        held_at = {}
-        for a in (1.0, 0.0):  # alpha = 1 (HARP unscaled) and 0 (the sublayer removed, as Gate-Norm does)
-            for l in selected:
-                set_alpha(model, l, a, family)
-            held_at[a] = stack.perplexity(held)
+        held_at = _heldout_at_fixed_alphas(stack, held, selected)
         timings["heldout_ppl"] = time.perf_counter() - t
 
         ppl = {"dense": ppl_dense, "alpha1": res.ppl_alpha1, "searched": res.ppl_searched,
@@ -184,6 +164,45 @@ class CalibrateStage(Stage[CalibrateConfig]):
         plot_search(plan, res.trace, out_dir / "alpha_search.png")
         return {"model": inp.resolved.to_dict(), "plan": "plan.json", "layers": selected,
                 "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
+
+
+def _windows(config: CalibrateConfig, tok, model_config, sources):
+    """(calibration, held-out) token windows: lm-eval-style rolling windows over whole documents for
+    ``--objective paper``, else fixed windows of ``seq_len``."""
+    from harp_trt.data import model_max_length, paper_add_special_tokens, rolling_windows, token_windows
+
+    if config.objective == "paper":
+        max_len = config.seq_len or model_max_length(model_config)
+        special = paper_add_special_tokens(config.paper_bos, getattr(model_config, "model_type", ""))
+        return tuple(rolling_windows(tok, c, s, max_len, config.tokens, special) for c, s in sources)
+    return tuple(token_windows(tok, c, s, config.seq_len, config.tokens) for c, s in sources)
+
+
+def _select_layers(config: CalibrateConfig, inp: CalibrateInputs, stack, calib, prefix_id,
+                   phase) -> tuple[str, list[float], list[int]]:
+    """(strategy name, per-layer scores, the layers to prune): ``--prune-layers`` as given, else the
+    strategy's scores on the first ``score_windows`` calibration windows and its selection."""
+    if config.prune_layers:
+        return "explicit", [], sorted(config.prune_layers)
+    phase(f"scoring layers ({config.strategy})")
+    strategy = get_strategy(config.strategy)
+    ctx = ScoreContext(family=stack.family, config=stack.model.config, folder=inp.resolved.folder, stack=stack,
+                       windows=calib[: config.score_windows], prefix_id=prefix_id)
+    scores = strategy.score(ctx)
+    return config.strategy, scores, strategy.select(scores, config.layers)
+
+
+def _heldout_at_fixed_alphas(stack, held, selected: list[int]) -> dict[float, float]:
+    """Held-out perplexity with every selected layer at alpha = 1 (HARP unscaled) and at alpha = 0
+    (the sublayer removed, as Gate-Norm does); leaves the model at alpha = 0."""
+    from harp_trt.harp import set_alpha
+
+    out = {}
+    for a in (1.0, 0.0):
+        for layer in selected:
+            set_alpha(stack.model, layer, a, stack.family)
+        out[a] = stack.perplexity(held)
+    return out
 
 
 def split_sources(config: CalibrateConfig, inp: CalibrateInputs) -> tuple[tuple[Any, str], tuple[Any, str]]:
