@@ -138,6 +138,40 @@ def artifact_bytes(cache: Path) -> dict[str, int]:
             for d in sorted(cache.iterdir()) if (d / "manifest.json").is_file()}
 
 
+def _stage_command(stage: str, calib: list[str], plan: str | None, args, model_dir: Path) -> list[str] | str:
+    """The harp-trt command line of one probed stage, or why it is skipped."""
+    if stage in ("calibrate", "calibrate-seq"):
+        return calib + (["--sequential", "--force"] if stage == "calibrate-seq" else [])
+    if stage not in ("deploy", "rewrite"):
+        raise SystemExit(f"unknown stage {stage!r}")
+    if plan is None:
+        return "needs a calibrate stage first"
+    if stage == "deploy":
+        return ["deploy", "trtllm", "--plan", plan, "--dtype", "bfloat16", "--tp", str(args.tp),
+                "--max-input-len", "256", "--max-seq-len", "512"]
+    return ["rewrite", "--model", str(model_dir), "--plan", plan]
+
+
+def _stage_figures(stage: str, r: dict, bf16: int) -> dict:
+    """Add the stage's figures to its record ``r`` (peak RSS against the bf16 and fp32-graph bytes,
+    the plan's layers, the deploy's KV bytes, the rewrite's verification); returns the command's JSON."""
+    if r["peak_rss"]:
+        r["peak_rss_gb"] = round(r["peak_rss"] / 1e9, 3)
+        r["rss_over_bf16_bytes"] = round(r["peak_rss"] / bf16, 3)
+        if stage == "rewrite":
+            r["rss_over_fp32_graph_bytes"] = round(r["peak_rss"] / (2 * bf16), 3)
+    res = r.pop("result") or {}
+    if stage.startswith("calibrate") and res.get("plan"):
+        r["path"] = (res.get("placement") or {}).get("path")
+        r["layers"], r["alphas"] = res.get("layers"), res.get("alphas")
+    if stage == "deploy":
+        for k in ("verify_max_abs_diff", "kv_bytes_per_token", "kv_bytes_per_token_unpruned"):
+            r[k] = res.get(k)
+    if stage == "rewrite":
+        r["max_abs_diff"], r["verify_path"] = res.get("max_abs_diff"), res.get("verify_path")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-1.5b")
@@ -166,7 +200,6 @@ def main(argv=None) -> int:
         info_file.write_text(json.dumps(info))
     info = json.loads(info_file.read_text())
     bf16 = info["bytes_bf16"]
-    fp32_graph = 2 * bf16
     exe = [sys.executable, "-m", "harp_trt.cli"]
     common = ["--workdir", str(cache), "--json"]
     calib = ["calibrate", "--model", str(model_dir), "--dtype", "bfloat16", "--device", "cpu",
@@ -175,43 +208,17 @@ def main(argv=None) -> int:
     stages: dict[str, dict] = {}
     plan = None
     for stage in [s for s in args.stages.split(",") if s]:
-        if stage == "calibrate":
-            cmd = calib
-        elif stage == "calibrate-seq":
-            cmd = calib + ["--sequential", "--force"]
-        elif stage == "deploy":
-            if plan is None:
-                stages[stage] = {"skipped": "needs a calibrate stage first"}
-                continue
-            cmd = ["deploy", "trtllm", "--plan", plan, "--dtype", "bfloat16", "--tp", str(args.tp),
-                   "--max-input-len", "256", "--max-seq-len", "512"]
-        elif stage == "rewrite":
-            if plan is None:
-                stages[stage] = {"skipped": "needs a calibrate stage first"}
-                continue
-            cmd = ["rewrite", "--model", str(model_dir), "--plan", plan]
-        else:
-            raise SystemExit(f"unknown stage {stage!r}")
+        cmd = _stage_command(stage, calib, plan, args, model_dir)
+        if isinstance(cmd, str):
+            stages[stage] = {"skipped": cmd}
+            continue
         before = artifact_bytes(cache)
         r = _measured(exe + cmd + common, env)
         r["command"] = "harp-trt " + " ".join(cmd)
         r["artifact_bytes"] = {k: v for k, v in artifact_bytes(cache).items() if k not in before}
-        if r["peak_rss"]:
-            r["peak_rss_gb"] = round(r["peak_rss"] / 1e9, 3)
-            r["rss_over_bf16_bytes"] = round(r["peak_rss"] / bf16, 3)
-            if stage == "rewrite":
-                r["rss_over_fp32_graph_bytes"] = round(r["peak_rss"] / fp32_graph, 3)
-        res = r.pop("result") or {}
+        res = _stage_figures(stage, r, bf16)
         if stage.startswith("calibrate") and res.get("plan"):
             plan = res["plan"]
-            r["path"] = (res.get("placement") or {}).get("path")
-            r["layers"], r["alphas"] = res.get("layers"), res.get("alphas")
-        if stage == "deploy":
-            r["verify_max_abs_diff"] = res.get("verify_max_abs_diff")
-            r["kv_bytes_per_token"] = res.get("kv_bytes_per_token")
-            r["kv_bytes_per_token_unpruned"] = res.get("kv_bytes_per_token_unpruned")
-        if stage == "rewrite":
-            r["max_abs_diff"], r["verify_path"] = res.get("max_abs_diff"), res.get("verify_path")
         stages[stage] = r
         print(f"{stage}: {r.get('seconds')} s, peak {r.get('peak_rss_gb')} GB, exit {r['exit_code']}",
               file=sys.stderr)

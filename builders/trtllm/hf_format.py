@@ -136,6 +136,19 @@ def _hf_tensors(src, dims: ModelDims, amap: dict[int, float], dtype: torch.dtype
             yield decilm_name(n, i), src.get(n, i).to(dtype)
 
 
+def _block_configs(dims: ModelDims, amap: dict[int, float], mult: float) -> list[dict[str, Any]]:
+    """One DeciLM block config per layer: GQA attention when kept, ``replace_with_linear`` when
+    pruned, ``no_op`` at alpha = 0; every MLP kept at width ``ffn_mult``."""
+    blocks = []
+    for i in range(dims.num_layers):
+        alpha = amap.get(i)
+        attn = {"n_heads_in_group": dims.heads // dims.kv_heads if alpha is None else None,
+                "no_op": alpha == 0.0, "replace_with_linear": alpha is not None and alpha != 0.0, "sparsify": None}
+        blocks.append({"attention": attn, "ffn": {"ffn_mult": mult, "no_op": False, "replace_with_linear": False,
+                                                  "sparsify": None}})
+    return blocks
+
+
 def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",
                     shard_bytes: int = 5 << 30) -> dict[str, Any]:
     """Write the HF DeciLM checkpoint of the model in ``model_folder`` into ``out_dir``, streaming
@@ -164,13 +177,7 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
     theta, scaling = _rope_fields(cfg)
     reader = WeightReader(model_folder)
     tdt = DTYPES[dtype]
-    blocks = []
-    for i in range(dims.num_layers):
-        alpha = amap.get(i)
-        attn = {"n_heads_in_group": dims.heads // dims.kv_heads if alpha is None else None,
-                "no_op": alpha == 0.0, "replace_with_linear": alpha is not None and alpha != 0.0, "sparsify": None}
-        blocks.append({"attention": attn, "ffn": {"ffn_mult": mult, "no_op": False, "replace_with_linear": False,
-                                                  "sparsify": None}})
+    blocks = _block_configs(dims, amap, mult)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
