@@ -201,7 +201,8 @@ class BenchStage(Stage[BenchConfig]):
                 r["kv_bytes_per_token"] = c.get("kv_bytes_per_token") if r["measure"] != "prefill" else None
             ideal = ideal_speedups(pair.dims, pair.pruned, [int(s) for s in config.seq_lens],
                                    config.decode_context, pair.dense.prefill_logits,
-                                   dtype_bytes=2 if config.dtype != "float32" else 4)
+                                   dtype_bytes=2 if config.dtype != "float32" else 4,
+                                   kv_dtype_bytes=pair.dense.kv_dtype_bytes)
             speed_rows = _speedups(lat_rows, paired_speedups(samples, config.seed), ideal, config)
             serving = serving_figures(samples, config.batch_sizes)
 
@@ -255,6 +256,7 @@ class BenchStage(Stage[BenchConfig]):
                 df.write_csv(out_dir / f"{name}.csv")
 
             summary = _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info, serving)
+            summary["kv_bytes_per_token_counted"] = ideal["kv_bytes_per_token"]  # beside the measured figure
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
             title = f"{summary['model']} · {pair.backend} · layers {list(plan.layers)} · {machine['cpu']}"
             plot_latency(spd, out_dir / "latency.png", title, summary)

@@ -10,13 +10,19 @@ from harp_trt.config import StageConfig, digest_of
 from harp_trt.errors import ConfigError
 from harp_trt.lazy import Registry
 
-__all__ = ["BenchConfig", "ENGINES", "DEFAULT_TASKS"]
+__all__ = ["BenchConfig", "ENGINES", "ENGINE_SOURCES", "DEFAULT_TASKS"]
 
 # engine name -> loader returning an ``EnginePair`` (bench/stage/engines.py); "torch" imports only
-# PyTorch/transformers, "ort" only ONNX Runtime
+# PyTorch/transformers, "ort" only ONNX Runtime, "genai" onnxruntime-genai, "llamacpp" llama.cpp
 ENGINES: Registry = Registry("bench engine")
 ENGINES.register("torch", "bench.stage.engine_torch:load_torch_pair")
 ENGINES.register("ort", "bench.stage.engine_ort:load_ort_pair")
+ENGINES.register("genai", "bench.stage.engine_genai:load_genai_pair")
+
+# what each engine compares: the plan's model (loaded twice), or built dense and HARP engines
+ENGINE_SOURCES = {"torch": "the plan's model (dense vs apply_harp)",
+                  "ort": "ONNX Runtime engine folders (dense export vs rewritten graph)",
+                  "genai": "onnxruntime-genai folders (deploy genai of the dense and HARP engines)"}
 
 DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "winogrande", "arc_easy")
 
@@ -58,6 +64,24 @@ class BenchConfig(StageConfig):
     def engine_names() -> list[str]:
         """The registered bench engines (``ENGINES``), without importing any."""
         return ENGINES.names()
+
+    @staticmethod
+    def check_engine(name: str) -> str:
+        """``name`` if it is a bench engine, else ``UnknownNameError`` with "did you mean"."""
+        return ENGINES.check(name)
+
+    @staticmethod
+    def engine_help() -> str:
+        return "; ".join(f"{n}: {ENGINE_SOURCES.get(n, n)}" for n in ENGINES.names())
+
+    def source_help(self) -> str:
+        """What this config's engine compares (``ENGINE_SOURCES``)."""
+        return ENGINE_SOURCES.get(self.engine, self.engine)
+
+    def takes_engine_folders(self) -> bool:
+        """True where the engine compares built dense and HARP engines (--dense-engine/--harp-engine),
+        False where it loads the plan's model itself (torch)."""
+        return self.engine != "torch"
 
     def validate(self) -> None:
         ENGINES.check(self.engine)  # "did you mean", without importing the engine

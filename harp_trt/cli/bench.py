@@ -21,9 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--artifact", dest="plan", help="same as --plan: a calibrate artifact key or folder")
     p.add_argument("--model", default=None, help="override the plan's model reference (same weights; torch engine)")
     p.add_argument("--engine", default=C.default("engine"), choices=C.engine_names(),
-                   help="backend: torch (HF dense vs apply_harp) or ort (dense export vs rewritten graph)")
-    p.add_argument("--dense-engine", default=None, help="ort: folder (or artifact key) of the dense engine")
-    p.add_argument("--harp-engine", default=None, help="ort: folder (or artifact key) of the HARP engine")
+                   help="runtime dense and HARP run in: " + C.engine_help())
+    p.add_argument("--dense-engine", default=None,
+                   help="engines other than torch: folder (or artifact key) of the dense engine")
+    p.add_argument("--harp-engine", default=None,
+                   help="engines other than torch: folder (or artifact key) of the HARP engine")
     p.add_argument("--seq-lens", default=",".join(str(s) for s in C.default("seq_lens")),
                    help="prefill prompt lengths (default %(default)s)")
     p.add_argument("--decode-context", type=int, default=C.default("decode_context"),
@@ -99,10 +101,12 @@ def run(args) -> dict:
     store = ArtifactStore(args.workdir)
     open_plan(args.plan, store)  # a missing or malformed plan fails here, in one line
     plan_ref = _open(args.plan, store)
-    if config.engine == "ort":
+    if config.takes_engine_folders():
         if not (args.dense_engine and args.harp_engine):
-            raise ConfigError("--engine ort needs --dense-engine DIR and --harp-engine DIR (built ORT engines)",
-                              "build them with the ORT builder, or use --engine torch")
+            raise ConfigError(f"--engine {config.engine} needs --dense-engine DIR and --harp-engine DIR "
+                              f"({config.source_help()})",
+                              f"build them with `harp-trt build --bench --bench-engine {config.engine}`, "
+                              "or use --engine torch")
         source = {"dense": _open(args.dense_engine, store), "harp": _open(args.harp_engine, store)}
     else:
         source = args.model

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", default=None, metavar="STAGE",
                    help=f"rerun STAGE and every stage after it ({', '.join(PHASES)})")
     p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
+    p.add_argument("--bench-engine", default=None,
+                   help="runtime the bench compares dense and HARP in, per backend (the first is its default): "
+                        + "; ".join(f"{n}: {', '.join(BACKENDS.get(n).bench_names())}" for n in BACKENDS.names()))
     p.add_argument("--bench-seq-lens", default="128,512,1024,2048", help="bench prefill lengths (default %(default)s)")
     p.add_argument("--bench-tasks", default="none",
                    help="bench lm-eval tasks, comma-separated, or 'none' (default %(default)s)")
@@ -95,11 +98,16 @@ def _bench_config(args, placement):
 
     BenchConfig = STAGES.get("bench").config_class()
     from ._common import parse_batch_sizes, parse_ints, parse_tasks
+    from ..registry import BACKENDS
 
+    spec = BACKENDS.get(args.backend)  # "did you mean"
+    engine = args.bench_engine or spec.bench
+    spec.bench_engines(BenchConfig.check_engine(engine), f"backend {args.backend}")  # an engine this backend builds for, before any work
+    model = not spec.bench_engines(engine)  # the bench loads the model itself (torch): --device/--dtype apply
     return BenchConfig.from_dict({
-        "engine": "ort" if args.backend in ("ort", "triton", "genai") else "torch",
+        "engine": engine,
         "seq_lens": parse_ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": parse_tasks(args.bench_tasks),
         "limit": args.bench_limit, "repeats": args.bench_repeats,
         "batch_sizes": parse_batch_sizes(args.bench_batch_sizes, "--bench-batch-sizes"), "corpus": args.corpus,
-        "dtype": placement.dtype if args.backend == "trtllm" else "float32",
-        "device": placement.kind if args.backend == "trtllm" else "cpu"})
+        "dtype": placement.dtype if model else "float32",
+        "device": placement.kind if model else "cpu"})
