@@ -54,14 +54,20 @@ class BenchInputs:
 
     def source_key(self) -> Any:
         if isinstance(self.source, Mapping):
-            out = {}
-            for v, s in self.source.items():
-                if isinstance(s, Artifact):
-                    out[v] = s.key
-                else:
-                    out[v] = file_digest(Path(s) / MODEL_FILE)
-            return out
+            return {v: s.key if isinstance(s, Artifact) else _engine_digest(Path(s)) for v, s in self.source.items()}
         return {"weights": getattr(self.source, "digest", None)}
+
+
+def _engine_digest(p: Path) -> str:
+    """Content digest of an engine given as a path: a GGUF file, or a folder's graph (``model.onnx``)
+    with its ``genai_config.json`` / its ``model.gguf``."""
+    if p.is_file():
+        return file_digest(p)
+    files = [p / n for n in (MODEL_FILE, "genai_config.json", "model.gguf") if (p / n).is_file()]
+    if not files:
+        raise PreconditionError("bench", f"engine folder {p} holds no model.onnx or model.gguf",
+                                "pass a built engine folder (or its artifact key)")
+    return file_digest(files[0]) if len(files) == 1 else digest_of({f.name: file_digest(f) for f in files})
 
 
 def machine_fingerprint(threads: int) -> dict[str, Any]:
@@ -81,7 +87,8 @@ def machine_fingerprint(threads: int) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    return library_versions(("torch", "transformers", "onnxruntime", "lm_eval", "datasets"))
+    return library_versions(("torch", "transformers", "onnxruntime", "onnxruntime-genai", "llama-cpp-python",
+                             "lm_eval", "datasets"))
 
 
 def _model_limits(source: Any) -> tuple[int, str]:

@@ -18,11 +18,13 @@ ENGINES: Registry = Registry("bench engine")
 ENGINES.register("torch", "bench.stage.engine_torch:load_torch_pair")
 ENGINES.register("ort", "bench.stage.engine_ort:load_ort_pair")
 ENGINES.register("genai", "bench.stage.engine_genai:load_genai_pair")
+ENGINES.register("llamacpp", "bench.stage.engine_llamacpp:load_llamacpp_pair")
 
 # what each engine compares: the plan's model (loaded twice), or built dense and HARP engines
 ENGINE_SOURCES = {"torch": "the plan's model (dense vs apply_harp)",
                   "ort": "ONNX Runtime engine folders (dense export vs rewritten graph)",
-                  "genai": "onnxruntime-genai folders (deploy genai of the dense and HARP engines)"}
+                  "genai": "onnxruntime-genai folders (deploy genai of the dense and HARP engines)",
+                  "llamacpp": "GGUF files, or folders holding model.gguf (llama.cpp, flash attention on)"}
 
 DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "winogrande", "arc_easy")
 
