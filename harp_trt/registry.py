@@ -108,6 +108,8 @@ STAGES.register("triton", StageSpec("builders.triton.repository:TritonRepoStage"
                                     "Triton model repository around an engine"))
 STAGES.register("genai", StageSpec("builders.genai.stage:GenaiStage", "builders.genai.config:GenaiConfig", "build",
                                    "onnxruntime-genai folder (og.Model) around an engine"))
+STAGES.register("gguf", StageSpec("builders.gguf.stage:GgufStage", "builders.gguf.config:GgufConfig", "build",
+                                  "llama.cpp deci GGUF (HARP layers as linear attention), verified in llama.cpp"))
 STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
                                    "latency and accuracy, dense vs HARP"))
 
@@ -136,3 +138,8 @@ BACKENDS.register("genai", BackendSpec(_GENAI_STEPS, (("harp", "build:genai"), (
                                        (("ort", _ORT_ENGINES), *_MODEL)))
 BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
                                         "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)"))
+BACKENDS.register("gguf", BackendSpec(
+    (Step("build", "gguf", (("plan", "plan"), ("model", "model"))),
+     Step("build:dense", "gguf", (("model", "model"),), when="bench")),  # no plan: the dense GGUF
+    (("harp", "build"), ("dense", "build:dense")),
+    "llama.cpp deci GGUF from the plan (optionally quantized by llama.cpp), verified in llama.cpp", "llamacpp", _MODEL))

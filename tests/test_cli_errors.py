@@ -64,7 +64,7 @@ PLAN_CASES = [
     ("R/not-in-cache", ConfigError, "no plan at"),  # a folder without plan.json
     (NO_KEY, CacheError, f"no artifact {NO_KEY}"),
 ]
-PLAN_COMMANDS = [["eval"], ["rewrite"], ["bench", "--no-latency"], ["deploy", "trtllm"]]
+PLAN_COMMANDS = [["eval"], ["rewrite"], ["bench", "--no-latency"], ["deploy", "trtllm"], ["deploy", "gguf"]]
 
 CASES = [
     *[(cmd + ["--plan", plan], err, needle) for cmd in PLAN_COMMANDS for plan, err, needle in PLAN_CASES],
@@ -106,6 +106,9 @@ CASES = [
      "tp_size=3 does not divide the model's 4 attention heads"),
     (["deploy", "trtllm", "--plan", "R/plan.json", "--pp", "8"], ConfigError, "pp_size=8 exceeds the model's 4 decoder layers"),
     (["deploy", "trtllm", "--plan", "R/plan.json", "--pp", "3"], ConfigError, "has no attention layer left after pruning"),
+    # deploy gguf: llama.cpp type and dtype (plan of another model, unsupported family: test_gguf_deploy.py)
+    (["deploy", "gguf", "--plan", "R/plan.json", "--gguf-type", "q4_km"], ConfigError, "unknown GGUF type 'q4_km'"),
+    (["deploy", "gguf", "--plan", "R/plan.json", "--dtype", "fp16"], ConfigError, "unsupported GGUF dtype 'fp16'"),
     # --paper-alphas only on the top layers (refused before any model is fetched)
     (["calibrate", "--model", "llama3.1-8b", "--paper-alphas", "--strategy", "sink"], ConfigError,
      "--strategy sink would put them on other layers"),

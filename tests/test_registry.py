@@ -80,7 +80,7 @@ def test_backend_steps_are_wired():
 
 
 def test_unknown_names_say_did_you_mean():
-    with pytest.raises(UnknownNameError, match=r"unknown backend 'onnxrt'.*valid: genai, ort, triton, trtllm"):
+    with pytest.raises(UnknownNameError, match=r"unknown backend 'onnxrt'.*valid: genai, gguf, ort, triton, trtllm"):
         BACKENDS.get("onnxrt")
     with pytest.raises(UnknownNameError, match="did you mean 'ort'"):
         BACKENDS.check("orte")

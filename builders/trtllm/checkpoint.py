@@ -34,6 +34,8 @@ import torch
 from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.families import FamilySpec, family_of
+from harp_trt.fold import RoleReader as _Source
+from harp_trt.fold import fold_vo
 from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
 
@@ -158,35 +160,6 @@ def _rope_fields(config) -> tuple[float, dict | None]:
     if rope_type in (None, "default"):
         return theta, None
     return theta, {"type": rope_type, **params}
-
-
-class _Source:
-    """HF tensors by role (``"q"``, ``"embed"``...): read from disk, or shape-only for the dry run."""
-
-    def __init__(self, reader: WeightReader, family: FamilySpec, meta: bool):
-        self.reader, self.family, self.meta = reader, family, meta
-
-    def has(self, role: str, layer: int | None = None) -> bool:
-        return role in self.family.weight_names and self.family.weight_name(role, layer) in self.reader
-
-    def get(self, role: str, layer: int | None = None) -> torch.Tensor:
-        name = self.family.weight_name(role, layer)
-        if role == "lm_head" and name not in self.reader:  # tied embeddings
-            name = self.family.weight_name("embed")
-        return self.reader.meta(name) if self.meta else self.reader.get(name)
-
-    def zeros(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(*shape, device="meta" if self.meta else "cpu")
-
-
-def fold_vo(v: torch.Tensor, o: torch.Tensor, dims: ModelDims, alpha: float) -> torch.Tensor:
-    """``alpha * W_O . repeat_kv(W_V)`` as one ``hidden x hidden`` matrix (HARP Eq. 4-5), in fp32.
-
-    Query head h reads KV head ``h // n_rep``, so the o_proj columns of the n_rep heads sharing a KV
-    head are summed first: ``W_O repeat(W_V) = (sum over the group of W_O[:, h]) W_V[g]``."""
-    n_rep = dims.heads // dims.kv_heads
-    o_fold = o.float().view(dims.hidden, dims.kv_heads, n_rep, dims.head_dim).sum(2)
-    return alpha * (o_fold.reshape(dims.hidden, dims.kv_heads * dims.head_dim) @ v.float())
 
 
 def _gain(offset: float, w: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -389,12 +362,7 @@ def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims
 def check_plan_family(plan: Plan, family: FamilySpec, num_layers: int) -> None:
     """The plan's family and depth are the model's (its weights digest is checked by the stage,
     ``harp_trt.onnx_io.check_plan_weights``)."""
-    if plan.family != family.name:
-        raise PreconditionError(STAGE_NAME, f"plan is for family {plan.family!r} but the model is {family.name!r}",
-                                "pass the model the plan was calibrated on")
-    if plan.num_layers != num_layers:
-        raise PreconditionError(STAGE_NAME, f"plan has {plan.num_layers} layers but the model has {num_layers}",
-                                "pass the model the plan was calibrated on")
+    plan.check_model(family.name, num_layers, STAGE_NAME)
 
 
 def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",

@@ -20,7 +20,6 @@ a time into the rank files, and the verification runs the written checkpoint and
 reference layer by layer (one layer resident, fp32)."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import shlex
@@ -34,7 +33,7 @@ from harp_trt.config import digest_of
 from harp_trt.dims import ModelDims
 from harp_trt.errors import PreconditionError, VerificationError
 from harp_trt.families import family_of
-from harp_trt.onnx_io import TOKENIZER_FILES, VOCAB_FILES, check_plan_weights, copy_tokenizer
+from harp_trt.onnx_io import VOCAB_FILES, check_plan_weights, copy_tokenizer, tokenizer_digest
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 
@@ -94,7 +93,7 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
         model = inputs.get("model")
         return {**base, "plan": digest_of(plan.to_dict()),
                 "model_digest": getattr(model, "digest", None) or plan.model_digest,
-                "tokenizer": _tokenizer_digest(Path(model.folder)) if model is not None else None}
+                "tokenizer": tokenizer_digest(Path(model.folder)) if model is not None else None}
 
     def check_preconditions(self, config: TrtllmCheckpointConfig, inputs: Mapping[str, Any]) -> None:
         plan, model = inputs.get("plan"), inputs.get("model")
@@ -203,12 +202,3 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
             raise VerificationError(self.name, f"trtllm-build failed (exit {r.returncode}): "
                                     f"{(r.stderr or r.stdout).strip()[-400:]}", "see build_engine.log in the artifact")
         return {"built": True, "dir": "engine"}
-
-
-def _tokenizer_digest(folder: Path) -> str:
-    """The tokenizer files are part of the artifact (``tokenizer/``) but not of the weights' digest."""
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            h.update(name.encode() + b"\0" + hashlib.sha256((folder / name).read_bytes()).digest())
-    return h.hexdigest()

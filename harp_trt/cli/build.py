@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--quant-asymmetric", action="store_true", help="zero points per block (default: symmetric)")
     q.add_argument("--quant-accuracy-level", type=int, default=Q.default("quant_accuracy_level"),
                    help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 (default %(default)s, fastest on CPU)")
+    G = STAGES.get("gguf").config_class()
+    p.add_argument("--gguf-type", default=G.default("gguf_type"),
+                   help="gguf: also quantize with llama.cpp to this type, e.g. q8_0, q4_k_m (default %(default)s)")
+    p.add_argument("--gguf-dtype", default=G.default("dtype"), help="gguf: f32 | f16 | bf16 (default %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="trtllm: tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="trtllm: pipeline-parallel size")
 
@@ -55,6 +59,11 @@ def run(args) -> dict:
 
         TrtllmCheckpointConfig = STAGES.get("trtllm").config_class()
         configs["trtllm"] = TrtllmCheckpointConfig.from_dict({"tp_size": args.tp, "pp_size": args.pp})
+    if args.backend == "gguf":
+        from ..registry import STAGES
+
+        configs["gguf"] = STAGES.get("gguf").config_class().from_dict({"gguf_type": args.gguf_type,
+                                                                        "dtype": args.gguf_dtype})
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
                         bench_config=bench_config, configs=configs, on_phase=on_phase,
@@ -72,6 +81,9 @@ def run(args) -> dict:
         kv = (engine.manifest.get("engine") or {}).get("kv") or {}
         if "bytes_per_token" in kv:
             out["kv_bytes_per_token"] = {"harp": kv["bytes_per_token"], "dense": kv.get("dense_bytes_per_token")}
+        if "kv_bytes_per_token_dense" in engine.manifest:  # gguf: llama.cpp's own KV accounting
+            out["kv_bytes_per_token"] = {"harp": engine.manifest["kv_bytes_per_token"],
+                                         "dense": engine.manifest["kv_bytes_per_token_dense"]}
         quant = (engine.manifest.get("engine") or {}).get("quant")
         if quant:
             out["quant"] = quant
@@ -85,10 +97,11 @@ def _ort_config(args):
     from ..registry import STAGES
 
     OrtBuildConfig = STAGES.get("build-ort").config_class()
-    if args.quant != "none" and args.backend == "trtllm":
+    if args.quant != "none" and args.backend in ("trtllm", "gguf"):
         from ..errors import ConfigError
 
-        raise ConfigError("--quant applies to the ORT engine (backends ort, triton and genai), not trtllm")
+        raise ConfigError(f"--quant applies to the ORT engine (backends ort, triton and genai), not {args.backend}",
+                          "for llama.cpp quantization use --gguf-type" if args.backend == "gguf" else None)
     return OrtBuildConfig(quant=args.quant, quant_block_size=args.quant_block_size,
                           quant_symmetric=not args.quant_asymmetric, quant_accuracy_level=args.quant_accuracy_level)
 

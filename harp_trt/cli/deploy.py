@@ -9,7 +9,11 @@ TensorRT-LLM artifact -> a Triton Inference Server model repository (config.pbtx
 against Triton's schema, client.py, README.md).
 
 ``deploy genai --artifact ENGINE [--out DIR]``: an ORT engine -> a folder onnxruntime-genai opens with
-``og.Model(DIR)`` (graph, tokenizer, genai_config.json from the engine's metadata; builders/genai)."""
+``og.Model(DIR)`` (graph, tokenizer, genai_config.json from the engine's metadata; builders/genai).
+
+``deploy gguf --plan P [--out DIR]``: a calibrate plan -> a llama.cpp ``deci`` GGUF (optionally
+quantized by llama.cpp), verified by running it in llama.cpp against the PyTorch HARP model
+(builders/gguf)."""
 from __future__ import annotations
 
 import argparse
@@ -18,9 +22,9 @@ import time
 from ._common import add_model_argument
 
 NAME = "deploy"
-HELP = ("deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint), triton (model repository) "
-        "or genai (onnxruntime-genai folder)")
-TARGETS = ("trtllm", "triton", "genai")
+HELP = ("deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint), triton (model repository), "
+        "genai (onnxruntime-genai folder) or gguf (llama.cpp)")
+TARGETS = ("trtllm", "triton", "genai", "gguf")
 
 
 def _common_suppressed(p: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def _common_suppressed(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="target", required=True, metavar="{trtllm,triton,genai}")
+    sub = p.add_subparsers(dest="target", required=True, metavar="{trtllm,triton,genai,gguf}")
     t = sub.add_parser("trtllm", help="TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
                        description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan")
     add_trtllm_arguments(t)
@@ -53,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "tokenizer files and a genai_config.json read from its metadata")
     add_genai_arguments(g)
     _common_suppressed(g)
+    f = sub.add_parser("gguf", help="llama.cpp deci GGUF for a HARP plan (verified in llama.cpp)",
+                       description="write a llama.cpp GGUF (deci architecture: pruned layers as one folded "
+                                   "linear attention, no KV cache) for a HARP plan, verified in llama.cpp")
+    add_gguf_arguments(f)
+    _common_suppressed(f)
 
 
 def add_trtllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,6 +156,54 @@ def add_genai_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace --out if it is not empty / rebuild the cached folder")
 
 
+def add_gguf_arguments(p: argparse.ArgumentParser) -> None:
+    from ..registry import STAGES
+
+    C = STAGES.get("gguf").config_class()  # defaults, from a light module
+
+    p.add_argument("--plan", required=True, help="calibrate artifact folder (or key) or a plan.json file")
+    add_model_argument(p, required=False)
+    p.add_argument("--out", default=None,
+                   help="folder to write (new or empty); default: the cached gguf-<key> artifact in --workdir")
+    p.add_argument("--dtype", default=C.default("dtype"), help="f32 | f16 | bf16 (default %(default)s)")
+    p.add_argument("--gguf-type", default=C.default("gguf_type"),
+                   help="also quantize with llama.cpp's quantizer: none | q8_0 | q4_k_m | ... (default %(default)s)")
+    p.add_argument("--context", type=int, default=C.default("context"),
+                   help="context length written, 0 = the model's max_position_embeddings (default %(default)s)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the check that llama.cpp's logits and greedy tokens equal the PyTorch HARP model's")
+    p.add_argument("--force", action="store_true", help="replace --out if it is not empty / rebuild the cached artifact")
+
+
+def run_gguf(args) -> dict:
+    from ..registry import STAGES
+
+    GgufConfig = STAGES.get("gguf").config_class()
+    from ..models import resolve_model
+    from ..plan import open_plan
+    from ..store import ArtifactStore
+
+    t0 = time.perf_counter()
+    config = GgufConfig.from_dict({"dtype": args.dtype, "gguf_type": args.gguf_type, "context": args.context,
+                                   "verify": not args.no_verify})
+    store = ArtifactStore(getattr(args, "workdir", None))
+    plan = open_plan(args.plan, store)
+    resolved = resolve_model(args.model or plan.model_ref, store.root)
+    from builders.gguf.stage import deploy_gguf
+
+    r = deploy_gguf(plan, resolved, args.out, config, store=store, force=args.force)
+    v = r.get("verification") or {}
+    return {"folder": r["folder"], "cached": r["cached"], "file": r["file"], "quantized_file": r["quantized_file"],
+            "architecture": r["architecture"], "dtype": r["dtype"], "pruned_layers": r["pruned_layers"],
+            "kv_bytes_per_token": r["kv_bytes_per_token"], "kv_bytes_per_token_dense": r["kv_bytes_per_token_dense"],
+            "kv_bytes_per_token_no_flash_attn": r["kv_bytes_per_token_no_flash_attn"],
+            "flash_attn_required": r["flash_attn_required"], "tokenizer": r["tokenizer"]["source"],
+            "verify_max_abs_diff": v.get("max_abs_diff"), "verify_tolerance": v.get("tolerance"),
+            "greedy_equal": v.get("greedy_equal"), "llama_cpp": r["llama_cpp"]["version"],
+            "seconds": round(time.perf_counter() - t0, 3),
+            "_tables": {"layers": [{k: ("" if val is None else val) for k, val in row.items()} for row in r["layers"]]}}
+
+
 def run_genai(args) -> dict:
     from ..registry import STAGES
 
@@ -169,6 +226,8 @@ def run_genai(args) -> dict:
 def run(args) -> dict:
     if args.target == "genai":
         return run_genai(args)
+    if args.target == "gguf":
+        return run_gguf(args)
     if args.target == "triton":
         return run_triton(args)
     return run_trtllm(args)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ..errors import UnsupportedArchitectureError
 from ..lazy import Registry
-from .base import ROUTE_LINEAR, ROUTE_WINDOW1, FamilySpec, TrtllmTarget
+from .base import ROUTE_LINEAR, ROUTE_WINDOW1, FamilySpec, GgufTarget, TrtllmTarget
 
-__all__ = ["FAMILIES", "FamilySpec", "TrtllmTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "family_of",
+__all__ = ["FAMILIES", "FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "family_of",
            "family_for_model_type"]
 
 FAMILIES: Registry[type[FamilySpec]] = Registry("model family")

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-__all__ = ["FamilySpec", "TrtllmTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1"]
+__all__ = ["FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1"]
 
 # How a HARP-pruned layer is written for TensorRT-LLM (builders/trtllm/targets.py explains both).
 ROUTE_LINEAR = "linear"    # DeciLM linear attention: alpha * W_O . repeat_kv(W_V), no KV cache
@@ -39,6 +39,17 @@ class TrtllmTarget:
 
 
 @dataclass(frozen=True)
+class GgufTarget:
+    """How a family lands in llama.cpp as a GGUF (``builders/gguf``), as plain data. ``architecture``:
+    the llama.cpp architecture written (``deci``: per-layer head counts, a pruned layer a
+    ``hidden x hidden`` linear attention; vendor/llama.cpp ``src/models/deci.cpp``). ``refusal``: why
+    llama.cpp's graph for it cannot compute this family's HARP model exactly (None: it can)."""
+
+    architecture: str = "deci"
+    refusal: str | None = None
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]      # HF config.model_type values served by this spec
@@ -52,6 +63,7 @@ class FamilySpec:
     attn_implementation_required: ClassVar[bool] = False  # a caller's choice cannot override it (Gemma2)
     extra_layer_norms: ClassVar[tuple[str, ...]] = ()  # norms beyond input/post-attention (Gemma2)
     trtllm: ClassVar[TrtllmTarget | None] = None  # how the family lands in TensorRT-LLM (None: it does not)
+    gguf: ClassVar[GgufTarget | None] = None      # how the family lands in llama.cpp (None: not written)
 
     # ---- checkpoint names (Hugging Face safetensors) ---------------------------------------
     layers_module_path: ClassVar[str] = "model.layers"

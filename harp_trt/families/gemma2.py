@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import ROUTE_WINDOW1, FamilySpec, TrtllmTarget
+from .base import ROUTE_WINDOW1, FamilySpec, GgufTarget, TrtllmTarget
 
 
 class Gemma2Family(FamilySpec):
@@ -30,6 +30,10 @@ class Gemma2Family(FamilySpec):
     trtllm = TrtllmTarget("Gemma2ForCausalLM", ROUTE_WINDOW1, inter_layernorms=True,
                           softcapping=True, parallel_embedding=True, share_embedding=True,
                           extra_config={"attn_bias": False, "mlp_bias": False, "inter_layernorms": True})
+    # llama_model_deci::graph (src/models/deci.cpp) has no post-attention / feed-forward norms, no sqrt(hidden)
+    # embedding scale, no logit soft-capping, no sliding windows and a SiLU MLP only
+    gguf = GgufTarget("deci", refusal="llama.cpp's deci graph has none of Gemma2's extra norms, embedding scale, "
+                      "logit soft-capping, sliding windows or GELU MLP")
 
     def attn_residual(self, layer: nn.Module, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         return h + layer.post_attention_layernorm(attn_out)

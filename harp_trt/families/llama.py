@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from .base import ROUTE_LINEAR, FamilySpec, TrtllmTarget
+from .base import ROUTE_LINEAR, FamilySpec, GgufTarget, TrtllmTarget
 
 
 class LlamaFamily(FamilySpec):
@@ -13,3 +13,6 @@ class LlamaFamily(FamilySpec):
     # (tensorrt_llm/models/nemotron_nas/model.py DeciLMDecoderLayer); docs/trtllm-contract.md decilm-*
     trtllm = TrtllmTarget("DeciLMForCausalLM", ROUTE_LINEAR, layer_configs=True, mlp_prefix="ffn",
                           hf_heterogeneous=True)
+    # llama.cpp's deci architecture (Nemotron-51B's) computes a kept layer as llama does and a pruned one
+    # as attn_output . attn_norm(x) + x (vendor/llama.cpp src/models/deci.cpp, llama_model_deci::graph)
+    gguf = GgufTarget("deci")

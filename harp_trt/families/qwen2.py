@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from .base import ROUTE_WINDOW1, TrtllmTarget
+from .base import ROUTE_WINDOW1, GgufTarget, TrtllmTarget
 from .llama import LlamaFamily
 
 
@@ -18,3 +18,10 @@ class Qwen2Family(LlamaFamily):
                           extra_config={"qwen_type": "qwen2", "attn_bias": True, "mlp_bias": False,
                                         "use_logn_attn": False, "mlp_only_layers": [],
                                         "decoder_sparse_step": 1, "disable_weight_only_quant_plugin": False})
+    # kept layers' q/k/v biases would load (llama_model_base::create_tensor_qkv) and be added
+    # (llm_graph_context::build_qkv), but a pruned layer keeps alpha * W_O . repeat(b_V), a constant that
+    # deci's linear attention drops: llama_model_deci::graph computes build_lora_mm(wo, cur) only, the
+    # attn_output bias it loads (wo_b) is added on the self-attention path alone (src/models/deci.cpp)
+    gguf = GgufTarget("deci", refusal="llama.cpp's deci linear attention has no bias (src/models/deci.cpp adds "
+                      "attn_output.bias only on kept layers), so a pruned Qwen2 layer's folded V bias "
+                      "alpha * W_O . b_V cannot be written")
