@@ -1,8 +1,9 @@
 """The bench on the runtimes people run themselves: ``--engine genai`` (onnxruntime-genai's
 og.Generator on the dense and HARP genai folders) next to ``--engine ort`` on the same graphs, from
-one ``build --backend genai --bench`` on a tiny llama: the same summary fields, KV bytes per token as
-the runtime allocates them ((L-P)/L of dense), logits equal to ONNX Runtime's on the same graph, and
-the CLI's engine choices and errors."""
+one ``build --backend genai --bench`` on a tiny llama, and ``--engine llamacpp`` (llama.cpp on the
+dense and HARP deci GGUFs, flash attention on) from ``build --backend gguf --bench`` on the same
+plan: the same summary fields as the ORT bench, KV bytes per token as each runtime allocates them
+((L-P)/L of dense), logits equal to ONNX Runtime's, and the CLI's engine choices and errors."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,15 @@ import onnxruntime_genai  # noqa: F401  (the test extra installs it: a missing r
 LAYERS, KEPT = 4, 2           # tiny llama, --layers 2: 2 of 4 layers keep a KV cache
 LOGIT_TOL = 1e-5              # genai vs our ORT session on the same graph (measured: 0 to 2e-7)
 KV_RATIO_TOL = 0.0            # KV bytes per allocated position: exactly kept/total
-BENCH = ["--bench", "--bench-seq-lens", "16", "--bench-repeats", "2", "--bench-batch-sizes", "2"]
+# llama.cpp (f16 GGUF weights, f16 KV cache) vs ORT's fp32 graph: max |diff| <= this x max(1, max |logit|),
+# builders/gguf's f16 bound; measured 5e-4 at 9 tokens, growing to 3e-3 at 250 decoded ones
+LLAMACPP_LOGIT_TOL = 1e-2
+LLAMACPP_PPL_RTOL = 1e-3      # held-out perplexity, llama.cpp vs ORT (measured 2e-5)
+# llama.cpp logs its KV size in MiB with 2 decimals: the tiny model's 1024 cells x 512 B = 0.50 MiB
+# (dense), 0.25 MiB (HARP) are exact; the bound is the log's resolution over the smaller size
+LLAMACPP_KV_TOL = 0.005 / 0.25
+BENCH = ["--bench", "--bench-seq-lens", "16", "--bench-repeats", "2", "--bench-batch-sizes", "2",
+         "--bench-threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +49,15 @@ def genai_build(tiny):
     code, ort, err = _run(*tiny, "--backend", "genai", *BENCH, "--bench-engine", "ort")
     assert code == 0, err
     return {"genai": genai, "ort": ort}
+
+
+@pytest.fixture(scope="module")
+def gguf_build(tiny, genai_build):
+    """``build --backend gguf --bench`` on the same model and plan (calibrate is a cache hit): the
+    llamacpp bench of the dense and HARP GGUFs."""
+    code, res, err = _run(*tiny, "--backend", "gguf", *BENCH)
+    assert code == 0, err
+    return res
 
 
 def _run(*argv) -> tuple[int, dict | None, str]:
@@ -166,7 +184,7 @@ def test_engine_choices_and_errors(genai_build, tiny, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = capsys.readouterr().out
-    assert "{genai,ort,torch}" in out.replace("llamacpp,", "")
+    assert "{genai,llamacpp,ort,torch}" in out
     st = genai_build["genai"]["stages"]
     plan = st["calibrate"]["artifact"]
     base = ["bench", "--plan", plan, "--workdir", str(Path(plan).parent), "--json"]
@@ -207,3 +225,92 @@ def test_backends_declare_registered_bench_engines():
             ENGINES.check(engine)
             assert all(step in steps for _, step in spec.bench_engines(engine)), (name, engine)
     assert BACKENDS.get("genai").bench == "genai" and BACKENDS.get("ort").bench == "ort"
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------------
+def test_build_gguf_bench_llamacpp_fields_and_kv(gguf_build, genai_build):
+    """The llamacpp bench has the ORT bench's summary fields; llama.cpp's own KV accounting (flash
+    attention on, f16 cache) gives HARP kept/total of dense, equal to the counted f16 figure; its
+    held-out perplexity equals the ORT bench's within LLAMACPP_PPL_RTOL."""
+    s, so = gguf_build["bench"], genai_build["ort"]["bench"]
+    assert list(gguf_build["stages"]) == ["calibrate", "build", "build:dense", "bench"]
+    assert gguf_build["stages"]["calibrate"]["cached"]
+    assert s["engine"] == "llamacpp" and _keys(s) == _keys(so)
+    kv, counted = s["kv_bytes_per_token"], s["kv_bytes_per_token_counted"]
+    assert kv["harp"] < kv["dense"]
+    assert abs(kv["harp"] / kv["dense"] - KEPT / LAYERS) <= LLAMACPP_KV_TOL
+    assert counted == {"dense": LAYERS * 2 * 32 * 2, "harp": KEPT * 2 * 32 * 2}   # f16: 2 B per element
+    for v in ("dense", "harp"):
+        assert abs(kv[v] - counted[v]) <= LLAMACPP_KV_TOL * counted[v]
+    assert s["ppl"]["dense"] == pytest.approx(so["ppl"]["dense"], rel=LLAMACPP_PPL_RTOL)
+    assert s["ppl"]["harp"] == pytest.approx(so["ppl"]["harp"], rel=LLAMACPP_PPL_RTOL)
+    # llama.cpp computes the last position's logits in a prefill (ORT's graph every position's): the
+    # ideal counts one LM head, the same in dense and HARP, so it dilutes the ratio less
+    from bench.stage.flops import prefill_flops
+    from harp_trt.plan import Plan
+
+    plan = Plan.load(Path(gguf_build["stages"]["calibrate"]["artifact"]))
+    d = _dims(gguf_build)
+    want = prefill_flops(d, 16, None, "last") / prefill_flops(d, 16, plan.alpha_map, "last")
+    assert s["prefill_ideal"]["16"] == pytest.approx(want, rel=1e-12) and want > so["prefill_ideal"]["16"]
+    for name in ("prefill_16", "time_to_first_token", "inter_token_latency", "throughput_bs2"):
+        ci = s["speedups"][name]
+        assert ci["pairs"] == 2 and ci["speedup_ci95_low"] <= ci["speedup"] <= ci["speedup_ci95_high"]
+
+
+def _dims(build):
+    from harp_trt.dims import ModelDims
+    from transformers import AutoConfig
+
+    plan = json.loads((Path(build["stages"]["calibrate"]["artifact"]) / "plan.json").read_text())
+    return ModelDims.from_config(AutoConfig.from_pretrained(plan["model_ref"]))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_llamacpp_engine_logits_match_ort(gguf_build, pairs, batch):
+    """llama.cpp's prefill, decode steps (batch 2 runs past its context's room: rebuilt and
+    replayed) and teacher-forced logits against OrtCausalLM on the same plan, within
+    LLAMACPP_LOGIT_TOL x max(1, max |logit|)."""
+    from bench.stage.config import BenchConfig
+    from bench.stage.engine_llamacpp import load_llamacpp_pair
+    from harp_trt.plan import Plan
+
+    st = gguf_build["stages"]
+    _, o = pairs
+    pair = load_llamacpp_pair(Plan.load(Path(st["calibrate"]["artifact"])),
+                              {"dense": st["build:dense"]["artifact"], "harp": st["build"]["artifact"]},
+                              BenchConfig(decode_tokens=2, greedy_tokens=2, threads=1))
+    try:
+        ids = torch.randint(3, 100, (batch, 9), generator=torch.Generator().manual_seed(batch))
+        for v in ("dense", "harp"):
+            le, oe = pair.engines()[v], o.engines()[v]
+            ref = oe.logits(ids)
+            scale = max(1.0, float(ref.abs().max()))
+            assert float((le.logits(ids) - ref).abs().max()) <= LLAMACPP_LOGIT_TOL * scale
+            ll, sl = le.prefill(ids)
+            lo, so = oe.prefill(ids)
+            diffs = [float((ll - lo).abs().max())]
+            cells = sl.context.cells
+            for _ in range(cells - 9 + 2 if batch == 2 else 6):
+                tok = lo.argmax(-1, keepdim=True)
+                ll, sl = le.decode(tok, sl)
+                lo, so = oe.decode(tok, so)
+                diffs.append(float((ll - lo).abs().max()))
+            assert max(diffs) <= LLAMACPP_LOGIT_TOL * scale, (v, max(diffs), scale)
+            if batch == 2:
+                assert sl.context.cells > cells   # rebuilt past its room
+    finally:
+        pair.close()
+
+
+def test_llamacpp_pair_refuses_gguf_of_another_plan(gguf_build):
+    from bench.stage.config import BenchConfig
+    from bench.stage.engine_llamacpp import load_llamacpp_pair
+    from harp_trt.errors import PreconditionError
+    from harp_trt.plan import Plan
+
+    st = gguf_build["stages"]
+    plan = Plan.load(Path(st["calibrate"]["artifact"]))
+    swapped = {"dense": st["build"]["artifact"], "harp": st["build:dense"]["artifact"]}
+    with pytest.raises(PreconditionError, match=r"has no KV heads in layers \[\]; the plan prunes \[2, 3\]"):
+        load_llamacpp_pair(plan, swapped, BenchConfig())

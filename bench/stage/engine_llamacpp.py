@@ -23,6 +23,7 @@ attention on, in one process.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 STAGE = "bench"
 GGUF_FILE = "model.gguf"
+REPORT = "harp_gguf.json"   # builders/gguf's report (not imported: stages meet through artifacts)
 CONTEXT_CAP = 8192   # tokens the batch-1 context holds at most (its KV is allocated up front)
 _KV_LINE = re.compile(r"llama_kv_cache: size = *([\d.]+) MiB \( *(\d+) cells, *(\d+) layers, *(\d+)/(\d+) seqs\), "
                       r"K \((\w+)\): *[\d.]+ MiB, V \((\w+)\)")
@@ -76,7 +78,7 @@ def _install_log(lc) -> None:
         line = text.decode("utf-8", "replace")
         if _CAPTURE is not None:
             _CAPTURE.append(line)
-        if level == 3:  # GGML_LOG_LEVEL_ERROR
+        if level == 4:  # GGML_LOG_LEVEL_ERROR (vendor/llama.cpp/ggml/include/ggml.h: enum ggml_log_level)
             log.warning("llama.cpp: %s", line.rstrip())
 
     _CALLBACK = callback  # a ctypes callback must outlive every call into llama.cpp
@@ -109,7 +111,7 @@ class LlamaCppEngine(Engine):
         lc = self.lc
         lc.llama_backend_init()
         self.path, self.variant, self.headroom = Path(path), variant, int(headroom)
-        self.threads = int(threads or os.cpu_count() or 1)
+        self.threads = int(threads or os.cpu_count() or 1)  # 0: every core, as ONNX Runtime's default
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), lc.llama_model_default_params())
         if not self.model:
             raise PreconditionError(STAGE, f"llama.cpp cannot load {self.path}", "pass a GGUF written by "
@@ -226,9 +228,22 @@ class LlamaCppEngine(Engine):
 
 
 def gguf_path(source: Any) -> Path:
-    """The GGUF of a bench source: a ``.gguf`` file, or a folder (an artifact) holding ``model.gguf``."""
+    """The GGUF of a bench source: a ``.gguf`` file, or a folder (a gguf artifact) holding
+    ``model.gguf``: its llama.cpp-quantized file where ``harp_gguf.json`` names one (what a
+    ``--gguf-type`` build deploys)."""
     p = source.path if isinstance(source, Artifact) else Path(source)
-    return p / GGUF_FILE if p.is_dir() else p
+    if not p.is_dir():
+        return p
+    report = _report(p)
+    return p / (report.get("quantized_file") or report.get("file") or GGUF_FILE)
+
+
+def _report(folder: Path) -> dict[str, Any]:
+    f = folder / REPORT
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except ValueError:
+        return {}
 
 
 def load_llamacpp_pair(plan, source, config) -> EnginePair:
@@ -254,5 +269,6 @@ def load_llamacpp_pair(plan, source, config) -> EnginePair:
                 "llama_cpp_python": llama_cpp.__version__, "kv_type": engines[v]._contexts[1].kv_type}
             for v, p in paths.items()}
     log.info("llama.cpp engines: dense %s, harp %s", paths["dense"], paths["harp"])
-    return EnginePair("llamacpp", engines["dense"], engines["harp"], gguf_tokenizer(paths["dense"]), dims,
+    model = (_report(paths["dense"].parent).get("model") or {}).get("folder")
+    return EnginePair("llamacpp", engines["dense"], engines["harp"], gguf_tokenizer(paths["dense"], model), dims,
                       plan.alpha_map, info)

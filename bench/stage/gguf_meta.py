@@ -66,13 +66,15 @@ def gguf_dims(path: Path) -> tuple[ModelDims, int, list[int]]:
     return dims, int(get("context_length") or 1 << 30), [i for i, k in enumerate(kv_list) if int(k) == 0]
 
 
-def gguf_tokenizer(path: Path) -> Any:
+def gguf_tokenizer(path: Path, model_folder: str | None = None) -> Any:
     """The Hugging Face tokenizer beside the GGUF (``tokenizer.json`` in its folder), else the one
+    of ``model_folder`` (the model the GGUF was written from, as its report names it), else the one
     transformers converts from the GGUF's ``tokenizer.ggml.*`` metadata."""
     from harp_trt.models import load_tokenizer
 
-    if (path.parent / "tokenizer.json").is_file() or (path.parent / "tokenizer_config.json").is_file():
-        return load_tokenizer(path.parent)
+    for folder in (path.parent, Path(model_folder) if model_folder else None):
+        if folder is not None and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
+            return load_tokenizer(folder)
     from transformers import AutoTokenizer
 
     try:

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-repeats", type=int, default=3, help="timed repeats per shape (default %(default)s)")
     p.add_argument("--bench-batch-sizes", default="1,4,16",
                    help="bench throughput request batches, or 'none' (default %(default)s)")
+    p.add_argument("--bench-threads", type=int, default=0,
+                   help="threads the bench's engines run on; 0 = the runtime's default (default %(default)s)")
     q = p.add_argument_group("ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
     q.add_argument("--quant", default=Q.default("quant"), help="none (exact fp32) | int4 | int8 (default %(default)s)")
     q.add_argument("--quant-block-size", type=int, default=Q.default("quant_block_size"),
@@ -122,5 +124,5 @@ def _bench_config(args, placement):
         "seq_lens": parse_ints(args.bench_seq_lens, "--bench-seq-lens"), "tasks": parse_tasks(args.bench_tasks),
         "limit": args.bench_limit, "repeats": args.bench_repeats,
         "batch_sizes": parse_batch_sizes(args.bench_batch_sizes, "--bench-batch-sizes"), "corpus": args.corpus,
-        "dtype": placement.dtype if model else "float32",
+        "threads": args.bench_threads, "dtype": placement.dtype if model else "float32",
         "device": placement.kind if model else "cpu"})
