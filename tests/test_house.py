@@ -8,7 +8,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGE_PACKAGES = ("calib", "harp_trt.rewrite", "builders.ort", "builders.trtllm", "builders.triton", "bench.stage")
+STAGE_PACKAGES = ("calib", "harp_trt.rewrite", "builders.ort", "builders.trtllm", "builders.triton", "builders.genai",
+                  "builders.gguf", "bench.stage")
 
 
 def _group(module: str) -> str | None:
