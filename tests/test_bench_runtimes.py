@@ -314,3 +314,17 @@ def test_llamacpp_pair_refuses_gguf_of_another_plan(gguf_build):
     swapped = {"dense": st["build"]["artifact"], "harp": st["build:dense"]["artifact"]}
     with pytest.raises(PreconditionError, match=r"has no KV heads in layers \[\]; the plan prunes \[2, 3\]"):
         load_llamacpp_pair(plan, swapped, BenchConfig())
+
+
+def test_bench_cli_llamacpp_reads_the_gguf_context(gguf_build, capsys):
+    """A GGUF engine's limit is its own ``{arch}.context_length`` (no config.json beside it)."""
+    from harp_trt.cli import main
+
+    st = gguf_build["stages"]
+    plan = st["calibrate"]["artifact"]
+    dense = str(Path(st["build:dense"]["artifact"]) / "model.gguf")
+    assert main(["bench", "--plan", plan, "--workdir", str(Path(plan).parent), "--engine", "llamacpp",
+                 "--dense-engine", dense, "--harp-engine", st["build"]["artifact"], "--seq-lens", "2000",
+                 "--tasks", "none", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq-lens [2000] exceed the model's context of 1024 tokens" in err and "model.gguf" in err

@@ -102,10 +102,14 @@ def _model_limits(source: Any) -> tuple[int, str]:
     limit = None
     for f in folders:
         cfg = f / "config.json"
-        if cfg.is_file():
-            m = json.loads(cfg.read_text()).get("max_position_embeddings")
-            if m:
-                limit = m if limit is None else min(limit, m)
+        m = json.loads(cfg.read_text()).get("max_position_embeddings") if cfg.is_file() else None
+        gguf = f if f.suffix == ".gguf" else f / "model.gguf"
+        if not m and gguf.is_file():  # a GGUF engine: its {arch}.context_length
+            from .gguf_meta import gguf_dims
+
+            m = gguf_dims(gguf)[1]
+        if m:
+            limit = m if limit is None else min(limit, m)
     return (int(limit) if limit else 1 << 30), str(folders[0])
 
 
