@@ -22,6 +22,7 @@ attention on, in one process.
 * ``kv_dtype_bytes`` comes from the same line (f16 by default: llama.cpp's ``type_k``/``type_v``)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -29,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -65,24 +66,39 @@ def _lc():
 _CALLBACK = None
 
 
-def _install_log(lc) -> None:
-    """Route llama.cpp's log through one callback: lines are kept while ``_CAPTURE`` is a list,
-    errors go to this module's logger as warnings, the rest is dropped (llama-cpp-python's own
-    callback prints every line unless a ``Llama`` was made with verbose=False)."""
+def _callback(lc):
+    """One ctypes callback for llama.cpp's log (it must outlive every call into llama.cpp): lines
+    are kept while ``_CAPTURE`` is a list, errors go to this module's logger as warnings."""
     global _CALLBACK
-    if _CALLBACK is not None:
-        return
+    if _CALLBACK is None:
+        @lc.llama_log_callback
+        def callback(level, text, user_data):
+            line = text.decode("utf-8", "replace")
+            if _CAPTURE is not None:
+                _CAPTURE.append(line)
+            if level == 4:  # GGML_LOG_LEVEL_ERROR (vendor/llama.cpp/ggml/include/ggml.h: enum ggml_log_level)
+                log.warning("llama.cpp: %s", line.rstrip())
 
-    @lc.llama_log_callback
-    def callback(level, text, user_data):
-        line = text.decode("utf-8", "replace")
-        if _CAPTURE is not None:
-            _CAPTURE.append(line)
-        if level == 4:  # GGML_LOG_LEVEL_ERROR (vendor/llama.cpp/ggml/include/ggml.h: enum ggml_log_level)
-            log.warning("llama.cpp: %s", line.rstrip())
+        _CALLBACK = callback
+    return _CALLBACK
 
-    _CALLBACK = callback  # a ctypes callback must outlive every call into llama.cpp
-    lc.llama_log_set(callback, ctypes.c_void_p(0))
+
+@contextlib.contextmanager
+def _captured_log(lc) -> Iterator[list[str]]:
+    """The lines llama.cpp logs inside the block, through this module's callback; the callback that
+    was set before (``llama_log_get``: llama-cpp-python's, or another module's capture) is restored
+    after, so neither takes the other's log away."""
+    global _CAPTURE
+    prev, data = lc.llama_log_callback(), ctypes.c_void_p()
+    lc.llama_log_get(ctypes.byref(prev), ctypes.byref(data))
+    lines: list[str] = []
+    _CAPTURE = lines
+    lc.llama_log_set(_callback(lc), ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        _CAPTURE = None
+        lc.llama_log_set(prev, data)
 
 
 @dataclass
@@ -106,13 +122,12 @@ class LlamaCppEngine(Engine):
     prefill_logits = "last"
 
     def __init__(self, path: Path, variant: str, threads: int, headroom: int, max_positions: int):
-        self.lc = _lc()
-        _install_log(self.lc)
-        lc = self.lc
+        self.lc = lc = _lc()
         lc.llama_backend_init()
         self.path, self.variant, self.headroom = Path(path), variant, int(headroom)
         self.threads = int(threads or os.cpu_count() or 1)  # 0: every core, as ONNX Runtime's default
-        self.model = lc.llama_model_load_from_file(str(self.path).encode(), lc.llama_model_default_params())
+        with _captured_log(lc):  # the loader's metadata dump, not printed
+            self.model = lc.llama_model_load_from_file(str(self.path).encode(), lc.llama_model_default_params())
         if not self.model:
             raise PreconditionError(STAGE, f"llama.cpp cannot load {self.path}", "pass a GGUF written by "
                                     "`harp-trt deploy gguf` or build --backend gguf")
@@ -128,7 +143,6 @@ class LlamaCppEngine(Engine):
     # ---- contexts ------------------------------------------------------------------------------
     def _context(self, n_seq: int, need: int) -> _Context:
         """The context for ``n_seq`` sequences with room for ``need`` tokens each (built or rebuilt)."""
-        global _CAPTURE
         c = self._contexts.get(n_seq)
         if c is not None and c.cells >= need:
             return c
@@ -143,12 +157,8 @@ class LlamaCppEngine(Engine):
         p.n_seq_max = n_seq
         p.n_threads = p.n_threads_batch = self.threads
         p.flash_attn_type = self.lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        _CAPTURE = []
-        try:
+        with _captured_log(self.lc) as lines:
             ctx = self.lc.llama_init_from_model(self.model, p)
-            lines = _CAPTURE
-        finally:
-            _CAPTURE = None
         if not ctx:
             raise PreconditionError(STAGE, f"llama.cpp could not create a context of {n_seq} x {room} tokens for "
                                     f"{self.path.name}")
