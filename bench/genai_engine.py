@@ -14,8 +14,9 @@ leaves onnxruntime and numpy as they are). Things this module handles for its ca
   repository also has a top-level ``builders`` package, which wins when the builder runs from the
   repository root. The builder therefore runs in a subprocess that puts genai's own folder first
   on ``sys.path``, with a temporary working and cache directory.
-* Threads go into ``model.decoder.session_options`` through ``og.Config.overlay`` (intra-op =
-  ``threads``, inter-op = 1, like ``harp_trt.ort_session``); ``clear_providers`` keeps it on CPU.
+* The folder opens through ``harp_trt.genai_runtime.open_genai_model`` (shared with the genai
+  deploy stage and the bench's genai engine): threads in ``model.decoder.session_options``
+  (intra-op = ``threads``, inter-op = 1), ``clear_providers`` for the CPU.
 * ``append_tokens`` runs the prompt's forward; the first ``generate_next_token`` only picks the
   token from those logits; each later one runs one decode forward. The graph computes logits for
   every prompt position (the builder's default; ``prune_lm_head`` is off).
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from harp_trt.errors import PreconditionError, StageError
-from builders.genai.probe import genai_version  # one owner of the installed-version lookup
+from harp_trt.genai_runtime import genai_version, import_genai, open_genai_model  # shared with builders/genai
 
 __all__ = [
     "GenaiUnavailableError", "GenaiBuildError", "GenaiEngine", "build_genai_int4",
@@ -78,10 +79,9 @@ class GenaiBuildError(StageError, RuntimeError):
 def _require_genai() -> Any:
     """Import and return ``onnxruntime_genai`` or raise ``GenaiUnavailableError``."""
     try:
-        import onnxruntime_genai as og
-    except ImportError as exc:   # missing, or its native library / onnxruntime fails to load
-        raise GenaiUnavailableError(f"onnxruntime_genai does not import: {exc}") from exc
-    return og
+        return import_genai()
+    except PreconditionError as exc:   # missing, or its native library / onnxruntime fails to load
+        raise GenaiUnavailableError(f"onnxruntime_genai does not import: {exc.__cause__ or exc}") from exc
 
 
 def _ort_version() -> str | None:
@@ -224,12 +224,8 @@ class GenaiEngine:
         self.folder = Path(folder)
         self.threads = int(threads)
         self.genai_config = json.loads((self.folder / "genai_config.json").read_text())
-        config = self.og.Config(str(self.folder))
-        config.clear_providers()   # CPU
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": self.threads, "inter_op_num_threads": 1}}}}))
         t0 = time.perf_counter()
-        self.model = self.og.Model(config)
+        self.model = open_genai_model(self.folder, self.threads)
         self.load_seconds = time.perf_counter() - t0
         if warmup_tokens > 0:
             self.decode_tokens_per_s(list(range(100, 100 + warmup_tokens)), 2)

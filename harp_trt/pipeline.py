@@ -7,12 +7,15 @@ key depends only on its config, its code version and its upstream keys/digests, 
 nothing changed is all cache hits (no model is loaded). ``force="rewrite"`` reruns that phase and
 every later one. Backends:
 
-- ``ort``    export + rewrite, then the ONNX Runtime engine (``builders/ort``); with an ORT bench,
-             the dense engine is built too so both are measured on the same backend.
+- ``ort``    export + rewrite, then the ONNX Runtime engine (``builders/ort``); with a bench, the
+             dense engine is built too so both are measured on the same backend (which steps a
+             bench needs follows from the engines ``BackendSpec.bench_engines`` names for it).
 - ``trtllm`` TensorRT-LLM checkpoint + build_engine.sh from the plan (``builders/trtllm``); the
              engine itself is built only where ``tensorrt_llm`` imports and a GPU exists.
 - ``triton`` the ``ort`` engine wrapped as a Triton model repository (``builders/triton``).
-- ``genai``  the ``ort`` engine as a folder onnxruntime-genai opens (``builders/genai``)."""
+- ``genai``  the ``ort`` engine as a folder onnxruntime-genai opens (``builders/genai``); its bench
+             compares the dense and HARP genai folders in onnxruntime-genai (``--bench-engine ort``:
+             the ORT engines)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,12 +64,23 @@ def _forced(phase: str, force: str | None) -> bool:
     return force is not None and PHASES.index(phase) >= PHASES.index(force)
 
 
-def _wanted(step: Step, bench_config, configs: Mapping[str, StageConfig]) -> bool:
-    ort_bench = bench_config is not None and bench_config.engine == "ort"
+def _needed(spec: BackendSpec, engines: tuple[tuple[str, str], ...]) -> set[str]:
+    """The steps the bench's engines are, and every step they read, transitively."""
+    inputs = {step.name: [src for _, src in step.inputs] for step in spec.steps}
+    todo, seen = [name for _, name in engines], set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += inputs.get(name, [])
+    return seen
+
+
+def _wanted(step: Step, needed: set[str], configs: Mapping[str, StageConfig]) -> bool:
     if step.when == "bench":
-        return ort_bench
+        return step.name in needed
     if step.when == "bench-quant":
-        return ort_bench and getattr(configs.get(step.stage), "quant", "none") != "none"
+        return step.name in needed and getattr(configs.get(step.stage), "quant", "none") != "none"
     return True
 
 
@@ -78,6 +92,9 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
     named runs with its config class's defaults. The ORT config (e.g. ``quant="int4"``) builds
     every ORT engine of the run alike."""
     spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
+    # the engines the bench compares (variant -> step; empty: it loads the model); ConfigError first
+    bench_engines = spec.bench_engines(bench_config.engine, f"backend {backend}") if bench_config is not None else ()
+    needed = _needed(spec, bench_engines)
     if force is not None and force not in PHASES:
         raise ConfigError(f"--force takes a stage name; valid: {', '.join(PHASES)}, got {force!r}")
     configs = dict(configs or {})
@@ -110,7 +127,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
     out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
     for step in spec.steps:
-        if not _wanted(step, bench_config, configs):
+        if not _wanted(step, needed, configs):
             continue
         config = config_of(step.stage)
         if step.fp32:  # the exact engines behind the bench's perplexity_fp32 row
@@ -121,8 +138,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
                          f"{out.artifact('build').path / 'build_engine.sh'} on a GPU host")
 
     if bench_config is not None:
-        source = ({variant: ctx[name] for variant, name in spec.engines if name in ctx}
-                  if bench_config.engine == "ort" else resolved)
+        source = {variant: ctx[name] for variant, name in bench_engines if name in ctx} if bench_engines else resolved
         run("bench", "bench", bench_config, {"calibrate": ctx["calibrate"], "source": source})
     return out
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from .lazy import Registry, load_object
 
-__all__ = ["Registry", "load_object", "StageSpec", "Step", "BackendSpec", "STAGES", "BACKENDS", "PHASES"]
+__all__ = ["Registry", "load_object", "StageSpec", "Step", "BackendSpec", "Engines", "STAGES", "BACKENDS",
+           "PHASES"]
 
 
 # ---- the pipeline's stages and backends: the one registry the pipeline and the CLI walk ---------
@@ -56,8 +57,9 @@ class StageSpec:
 class Step:
     """One pipeline step: run stage ``stage`` and record its artifact as ``name``. ``inputs`` maps
     the stage's input names to earlier steps' names (or ``"model"`` / ``"plan"``). ``when``:
-    ``always``, ``bench`` (only when an ORT bench follows) or ``bench-quant`` (only when that bench
-    compares quantized engines, which adds the exact fp32 engines); ``fp32``: build unquantized."""
+    ``always``, ``bench`` (only when the bench that follows compares engines that need this step:
+    its ``BackendSpec.bench_engines`` name it or a step reading it) or ``bench-quant`` (the same,
+    and only when the ORT engines are quantized: the exact fp32 engines); ``fp32``: build unquantized."""
 
     name: str
     stage: str
@@ -66,14 +68,37 @@ class Step:
     fp32: bool = False
 
 
+Engines = tuple[tuple[str, str], ...]  # variant ("dense", "harp", "dense_fp32"...) -> step name
+
+
 @dataclass(frozen=True)
 class BackendSpec:
-    """A ``harp-trt build --backend``: its steps after calibrate, and which steps' artifacts are the
-    engines an ORT bench compares (``variant -> step``)."""
+    """A ``harp-trt build --backend``: its steps after calibrate; ``bench``, the bench engine
+    (``bench.stage.config.ENGINES``) that ``build --bench`` runs unless told otherwise, and
+    ``engines``, the steps whose artifacts it compares (``variant -> step``; empty: the bench
+    engine loads the plan's model itself, as ``torch`` does). ``also``: other bench engines the
+    backend's artifacts serve, each with its own ``variant -> step`` table."""
 
     steps: tuple[Step, ...]
-    engines: tuple[tuple[str, str], ...]
+    engines: Engines
     help: str
+    bench: str = "torch"
+    also: tuple[tuple[str, Engines], ...] = ()
+
+    def bench_names(self) -> list[str]:
+        return [self.bench, *(name for name, _ in self.also)]
+
+    def bench_engines(self, engine: str, backend: str = "this backend") -> Engines:
+        """``variant -> step`` of the engines bench engine ``engine`` compares (empty: it loads the
+        model); ``ConfigError`` for a bench engine this backend builds nothing for."""
+        table = {self.bench: self.engines, **dict(self.also)}
+        if engine not in table:
+            from .errors import ConfigError
+
+            raise ConfigError(f"{backend} builds no engines for the {engine} bench; its bench engines: "
+                              f"{', '.join(self.bench_names())}", "pick one of them with --bench-engine, or "
+                              "another --backend")
+        return table[engine]
 
 
 PHASES = ("calibrate", "export", "rewrite", "build", "bench")  # pipeline order, for --force
@@ -110,18 +135,23 @@ _ORT_STEPS = (
 )
 _ORT_ENGINES = (("harp", "build"), ("dense", "build:dense"), ("dense_fp32", "build:dense-fp32"),
                 ("harp_fp32", "build:harp-fp32"))
+_MODEL = (("torch", ()),)  # the PyTorch reference bench: dense vs apply_harp on the plan's model
+_GENAI_STEPS = _ORT_STEPS + (Step("build:genai", "genai", (("engine", "build"),)),
+                             Step("build:genai-dense", "genai", (("engine", "build:dense"),), when="bench"))
 
 BACKENDS: Registry[BackendSpec] = Registry("backend")
 BACKENDS.register("ort", BackendSpec(_ORT_STEPS, _ORT_ENGINES,
-                                     "export + rewrite, then the ONNX Runtime engine (builders/ort)"))
+                                     "export + rewrite, then the ONNX Runtime engine (builders/ort)", "ort", _MODEL))
 BACKENDS.register("triton", BackendSpec(_ORT_STEPS + (Step("build:triton", "triton", (("engine", "build"),)),),
-                                        _ORT_ENGINES, "the ort engine wrapped as a Triton model repository"))
-BACKENDS.register("genai", BackendSpec(_ORT_STEPS + (Step("build:genai", "genai", (("engine", "build"),)),),
-                                       _ORT_ENGINES, "the ort engine as an onnxruntime-genai folder (og.Model)"))
+                                        _ORT_ENGINES, "the ort engine wrapped as a Triton model repository", "ort",
+                                        _MODEL))
+BACKENDS.register("genai", BackendSpec(_GENAI_STEPS, (("harp", "build:genai"), ("dense", "build:genai-dense")),
+                                       "the ort engine as an onnxruntime-genai folder (og.Model)", "genai",
+                                       (("ort", _ORT_ENGINES), *_MODEL)))
 BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
                                         "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)"))
 BACKENDS.register("gguf", BackendSpec(
     (Step("build", "gguf", (("plan", "plan"), ("model", "model"))),
      Step("build:dense", "gguf", (("model", "model"),), when="bench")),  # no plan: the dense GGUF
     (("harp", "build"), ("dense", "build:dense")),
-    "llama.cpp deci GGUF from the plan (optionally quantized by llama.cpp), verified in llama.cpp"))
+    "llama.cpp deci GGUF from the plan (optionally quantized by llama.cpp), verified in llama.cpp", "llamacpp", _MODEL))

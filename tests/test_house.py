@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_PACKAGES = ("calib", "harp_trt.rewrite", "builders.ort", "builders.trtllm", "builders.triton", "builders.genai",
-                  "bench.stage")
+                  "builders.gguf", "bench.stage")
 
 
 def _group(module: str) -> str | None:

@@ -54,14 +54,20 @@ class BenchInputs:
 
     def source_key(self) -> Any:
         if isinstance(self.source, Mapping):
-            out = {}
-            for v, s in self.source.items():
-                if isinstance(s, Artifact):
-                    out[v] = s.key
-                else:
-                    out[v] = file_digest(Path(s) / MODEL_FILE)
-            return out
+            return {v: s.key if isinstance(s, Artifact) else _engine_digest(Path(s)) for v, s in self.source.items()}
         return {"weights": getattr(self.source, "digest", None)}
+
+
+def _engine_digest(p: Path) -> str:
+    """Content digest of an engine given as a path: a GGUF file, or a folder's graph (``model.onnx``)
+    with its ``genai_config.json`` / its ``model.gguf``."""
+    if p.is_file():
+        return file_digest(p)
+    files = [p / n for n in (MODEL_FILE, "genai_config.json", "model.gguf") if (p / n).is_file()]
+    if not files:
+        raise PreconditionError("bench", f"engine folder {p} holds no model.onnx or model.gguf",
+                                "pass a built engine folder (or its artifact key)")
+    return file_digest(files[0]) if len(files) == 1 else digest_of({f.name: file_digest(f) for f in files})
 
 
 def machine_fingerprint(threads: int) -> dict[str, Any]:
@@ -81,7 +87,8 @@ def machine_fingerprint(threads: int) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    return library_versions(("torch", "transformers", "onnxruntime", "lm_eval", "datasets"))
+    return library_versions(("torch", "transformers", "onnxruntime", "onnxruntime-genai", "llama-cpp-python",
+                             "lm_eval", "datasets"))
 
 
 def _model_limits(source: Any) -> tuple[int, str]:
@@ -95,10 +102,14 @@ def _model_limits(source: Any) -> tuple[int, str]:
     limit = None
     for f in folders:
         cfg = f / "config.json"
-        if cfg.is_file():
-            m = json.loads(cfg.read_text()).get("max_position_embeddings")
-            if m:
-                limit = m if limit is None else min(limit, m)
+        m = json.loads(cfg.read_text()).get("max_position_embeddings") if cfg.is_file() else None
+        gguf = f if f.suffix == ".gguf" else f / "model.gguf"
+        if not m and gguf.is_file():  # a GGUF engine: its {arch}.context_length
+            from .gguf_meta import gguf_dims
+
+            m = gguf_dims(gguf)[1]
+        if m:
+            limit = m if limit is None else min(limit, m)
     return (int(limit) if limit else 1 << 30), str(folders[0])
 
 
@@ -201,7 +212,8 @@ class BenchStage(Stage[BenchConfig]):
                 r["kv_bytes_per_token"] = c.get("kv_bytes_per_token") if r["measure"] != "prefill" else None
             ideal = ideal_speedups(pair.dims, pair.pruned, [int(s) for s in config.seq_lens],
                                    config.decode_context, pair.dense.prefill_logits,
-                                   dtype_bytes=2 if config.dtype != "float32" else 4)
+                                   dtype_bytes=2 if config.dtype != "float32" else 4,
+                                   kv_dtype_bytes=pair.dense.kv_dtype_bytes)
             speed_rows = _speedups(lat_rows, paired_speedups(samples, config.seed), ideal, config)
             serving = serving_figures(samples, config.batch_sizes)
 
@@ -255,6 +267,7 @@ class BenchStage(Stage[BenchConfig]):
                 df.write_csv(out_dir / f"{name}.csv")
 
             summary = _summary(plan, pair, config, machine, spd, lat, acc, cache, ppl, agree, task_info, serving)
+            summary["kv_bytes_per_token_counted"] = ideal["kv_bytes_per_token"]  # beside the measured figure
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
             title = f"{summary['model']} · {pair.backend} · layers {list(plan.layers)} · {machine['cpu']}"
             plot_latency(spd, out_dir / "latency.png", title, summary)

@@ -11,13 +11,21 @@ from harp_trt.config import StageConfig, digest_of, option, parse_batch_sizes, p
 from harp_trt.errors import ConfigError
 from harp_trt.lazy import Registry
 
-__all__ = ["BenchConfig", "ENGINES", "DEFAULT_TASKS"]
+__all__ = ["BenchConfig", "ENGINES", "ENGINE_SOURCES", "DEFAULT_TASKS"]
 
 # engine name -> loader returning an ``EnginePair`` (bench/stage/engines.py); "torch" imports only
-# PyTorch/transformers, "ort" only ONNX Runtime
+# PyTorch/transformers, "ort" only ONNX Runtime, "genai" onnxruntime-genai, "llamacpp" llama.cpp
 ENGINES: Registry = Registry("bench engine")
 ENGINES.register("torch", "bench.stage.engine_torch:load_torch_pair")
 ENGINES.register("ort", "bench.stage.engine_ort:load_ort_pair")
+ENGINES.register("genai", "bench.stage.engine_genai:load_genai_pair")
+ENGINES.register("llamacpp", "bench.stage.engine_llamacpp:load_llamacpp_pair")
+
+# what each engine compares: the plan's model (loaded twice), or built dense and HARP engines
+ENGINE_SOURCES = {"torch": "the plan's model (dense vs apply_harp)",
+                  "ort": "ONNX Runtime engine folders (dense export vs rewritten graph)",
+                  "genai": "onnxruntime-genai folders (deploy genai of the dense and HARP engines)",
+                  "llamacpp": "GGUF files, or folders holding model.gguf (llama.cpp, flash attention on)"}
 
 DEFAULT_TASKS = ("lambada_openai", "hellaswag", "piqa", "winogrande", "arc_easy")
 
@@ -32,8 +40,8 @@ class BenchConfig(StageConfig):
 
     VERSION = 2   # 2: batch_sizes, confidence intervals, genai-perf-named serving figures
     engine: str = option("torch", choices=ENGINES.names, help=(
-        "what runs dense and HARP: torch (HF dense vs apply_harp) or an engine pair built from the plan "
-        "(ort: dense export vs rewritten graph) (default %(default)s)"))
+        "runtime dense and HARP run in: " + "; ".join(f"{n}: {d}" for n, d in ENGINE_SOURCES.items())
+        + " (default %(default)s)"))
     seq_lens: tuple[int, ...] = option((128, 256, 512, 1024, 2048, 4096), parse=parse_ints,
                                        help="prefill prompt lengths (default %(default)s)")
     decode_context: int = option(512, help="context for TTFT / decode ms per token (default %(default)s)")
@@ -66,6 +74,24 @@ class BenchConfig(StageConfig):
     def engine_names() -> list[str]:
         """The registered bench engines (``ENGINES``), without importing any."""
         return ENGINES.names()
+
+    @staticmethod
+    def check_engine(name: str) -> str:
+        """``name`` if it is a bench engine, else ``UnknownNameError`` with "did you mean"."""
+        return ENGINES.check(name)
+
+    @staticmethod
+    def engine_help() -> str:
+        return "; ".join(f"{n}: {ENGINE_SOURCES.get(n, n)}" for n in ENGINES.names())
+
+    def source_help(self) -> str:
+        """What this config's engine compares (``ENGINE_SOURCES``)."""
+        return ENGINE_SOURCES.get(self.engine, self.engine)
+
+    def takes_engine_folders(self) -> bool:
+        """True where the engine compares built dense and HARP engines (--dense-engine/--harp-engine),
+        False where it loads the plan's model itself (torch)."""
+        return self.engine != "torch"
 
     def validate(self) -> None:
         ENGINES.check(self.engine)  # "did you mean", without importing the engine

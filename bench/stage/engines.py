@@ -26,6 +26,8 @@ class Engine(abc.ABC):
     backend: str = "?"
     variant: str = "?"
     prefill_logits: str = "last"   # which positions a prefill computes logits for ("last" | "all")
+    kv_dtype_bytes: int | None = None  # bytes per cached K/V element where the runtime fixes it (None: the
+                                       # bench dtype's); the counted KV bytes and decode-bytes ideal use it
 
     @property
     @abc.abstractmethod
@@ -47,6 +49,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def cache_bytes(self, state: Any) -> int:
         """Bytes the KV cache in ``state`` occupies (measured on the tensors, not computed)."""
+
+    def cache_tokens(self, state: Any) -> int | None:
+        """Token positions per sequence that ``cache_bytes(state)`` covers, where the runtime
+        allocates ahead of the tokens held (a buffer sized for the whole generation); None: exactly
+        the tokens the cache holds. The bench divides the bytes by this for KV bytes per token."""
+        return None
 
     def close(self) -> None:
         """Free the backend's resources (models, sessions)."""

@@ -92,9 +92,11 @@ def kv_bytes_per_token(d: ModelDims, pruned: Mapping[int, float] | None = None, 
 
 
 def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, float] | None = None,
-                           dtype_bytes: int = 4) -> int:
+                           dtype_bytes: int = 4, kv_dtype_bytes: int | None = None) -> int:
     """Bytes read by one decode step: every weight once (the embedding row is negligible) plus
-    the KV cache of ``context`` tokens. Pruned layers read V and the folded kv x h O only."""
+    the KV cache of ``context`` tokens. Pruned layers read V and the folded kv x h O only.
+    ``kv_dtype_bytes``: the cache's element size where it differs from the weights' (llama.cpp
+    keeps an f16 cache next to f32 weights)."""
     pruned = pruned or {}
     params = d.hidden * d.vocab  # LM head
     for i in range(d.num_layers):
@@ -108,15 +110,19 @@ def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, floa
     for i in range(d.num_layers):
         if i not in pruned:
             w = d.window(i)
-            cache += kv_cache_bytes(d.kv_heads, d.head_dim, dtype_bytes, tokens=min(context, w) if w else context)
+            cache += kv_cache_bytes(d.kv_heads, d.head_dim, kv_dtype_bytes or dtype_bytes,
+                                    tokens=min(context, w) if w else context)
     return params * dtype_bytes + cache
 
 
 def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_context: int,
-                   prefill_logits: str = "last", dtype_bytes: int = 4) -> dict[str, Any]:
+                   prefill_logits: str = "last", dtype_bytes: int = 4,
+                   kv_dtype_bytes: int | None = None) -> dict[str, Any]:
     """Dense / HARP work ratios: ``prefill`` per sequence length, ``ttft`` (the prefill of
     ``decode_context`` tokens), ``decode`` (FLOPs) and
-    ``decode_bytes`` (memory traffic) at ``decode_context``, plus the raw counts."""
+    ``decode_bytes`` (memory traffic) at ``decode_context``, plus the raw counts, and
+    ``kv_bytes_per_token``: the counted cache bytes one token adds (``kv_bytes_per_token``), dense
+    and HARP, to set beside what an engine's runtime allocates."""
     prefill = {}
     for s in seq_lens:
         dense, harp = prefill_flops(d, s, None, prefill_logits), prefill_flops(d, s, pruned, prefill_logits)
@@ -124,9 +130,12 @@ def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_c
     td = prefill_flops(d, decode_context, None, prefill_logits)
     th = prefill_flops(d, decode_context, pruned, prefill_logits)
     dd, dh = decode_flops(d, decode_context), decode_flops(d, decode_context, pruned)
-    bd = decode_bytes_per_token(d, decode_context, None, dtype_bytes)
-    bh = decode_bytes_per_token(d, decode_context, pruned, dtype_bytes)
+    kvb = kv_dtype_bytes or dtype_bytes
+    bd = decode_bytes_per_token(d, decode_context, None, dtype_bytes, kvb)
+    bh = decode_bytes_per_token(d, decode_context, pruned, dtype_bytes, kvb)
     return {"prefill": prefill,
             "ttft": {"dense_flops": td, "harp_flops": th, "ideal": td / th},
             "decode": {"dense_flops": dd, "harp_flops": dh, "ideal": dd / dh},
-            "decode_bytes": {"dense_bytes": bd, "harp_bytes": bh, "ideal": bd / bh}}
+            "decode_bytes": {"dense_bytes": bd, "harp_bytes": bh, "ideal": bd / bh},
+            "kv_bytes_per_token": {"dense": kv_bytes_per_token(d, None, kvb),
+                                   "harp": kv_bytes_per_token(d, pruned, kvb)}}

@@ -11,7 +11,8 @@ before it is timed. What is measured:
   (the batched prefill + the greedy pick), the ms of each following one-token decode step (the
   inter-token latency) and the end-to-end ms of the batch (``request``), from which output
   tokens/s and requests/s follow;
-* KV cache: bytes measured on the cache tensors after the batch-1 generation, per token of context.
+* KV cache: bytes measured on the cache tensors after the batch-1 generation, per token of context
+  (per allocated position where the runtime allocates ahead: ``Engine.cache_tokens``).
 
 Names and units follow genai-perf / trtllm-bench (``serving_figures``): ``time_to_first_token`` and
 ``inter_token_latency`` in ms with avg/p50/p90/p99, ``output_token_throughput`` in tokens/sec and
@@ -90,8 +91,9 @@ def _median(rows, variant, seq) -> float:
     return float(np.median([r["ms"] for r in rows if r["variant"] == variant and r["seq_len"] == seq]))
 
 
-def _generate(engine, ids: torch.Tensor, steps: int) -> tuple[float, list[float], float, int]:
-    """(ms to first token, ms of each later step, end-to-end ms, cache bytes at the end). Greedy."""
+def _generate(engine, ids: torch.Tensor, steps: int) -> tuple[float, list[float], float, int, int | None]:
+    """(ms to first token, ms of each later step, end-to-end ms, cache bytes at the end, token
+    positions those bytes cover or None for the tokens held: ``Engine.cache_tokens``). Greedy."""
     t0 = time.perf_counter()
     logits, state = engine.prefill(ids)
     tok = logits.argmax(-1, keepdim=True)
@@ -103,7 +105,7 @@ def _generate(engine, ids: torch.Tensor, steps: int) -> tuple[float, list[float]
         tok = logits.argmax(-1, keepdim=True)
         step_ms.append((time.perf_counter() - t) * 1e3)
     e2e = (time.perf_counter() - t0) * 1e3
-    return ttft, step_ms, e2e, engine.cache_bytes(state)
+    return ttft, step_ms, e2e, engine.cache_bytes(state), engine.cache_tokens(state)
 
 
 def measure_generation(pair: EnginePair, s: LatencySettings,
@@ -121,13 +123,13 @@ def measure_generation(pair: EnginePair, s: LatencySettings,
                 _generate(engines[v], ids, min(2, s.decode_tokens))
         for r in range(s.repeats):
             for v in _order(r):
-                ttft, steps, e2e, nbytes = _generate(engines[v], ids, s.decode_tokens)
+                ttft, steps, e2e, nbytes, slots = _generate(engines[v], ids, s.decode_tokens)
                 base = {"variant": v, "seq_len": s.decode_context, "batch_size": b, "repeat": r}
                 rows.append({"measure": "ttft", **base, "step": 0, "ms": ttft})
                 rows += [{"measure": "decode", **base, "step": i + 1, "ms": ms} for i, ms in enumerate(steps)]
                 rows.append({"measure": "request", **base, "step": 0, "ms": e2e})
-                if b == 1:
-                    tokens = s.decode_context + s.decode_tokens
+                if b == 1:  # a runtime that allocates ahead reports the positions it allocated
+                    tokens = slots or s.decode_context + s.decode_tokens
                     cache[v] = {"cache_bytes": nbytes, "cache_tokens": tokens, "kv_bytes_per_token": nbytes / tokens}
         if progress:
             med = {v: np.median([x["ms"] for x in rows if x["measure"] == "decode" and x["variant"] == v

@@ -182,8 +182,10 @@ def write_report(path: Path, summary: dict[str, Any], speedup: pl.DataFrame, lat
         "",
         "## KV cache",
         "",
-        f"Measured on the cache tensors: dense {s['kv_bytes_per_token']['dense']:.0f} B/token, HARP "
-        f"{s['kv_bytes_per_token']['harp']:.0f} B/token (x{s['kv_reduction']:.3g} smaller)."
+        f"Measured on the cache the {s['engine']} runtime holds: dense {s['kv_bytes_per_token']['dense']:.0f} "
+        f"B/token, HARP {s['kv_bytes_per_token']['harp']:.0f} B/token (x{s['kv_reduction']:.3g} smaller)"
+        + (f"; counted from the dimensions: dense {s['kv_bytes_per_token_counted']['dense']:.0f}, HARP "
+           f"{s['kv_bytes_per_token_counted']['harp']:.0f} B/token." if s.get("kv_bytes_per_token_counted") else ".")
         if s.get("kv_bytes_per_token") else "Not measured.",
         "",
         "## Accuracy",

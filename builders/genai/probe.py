@@ -1,8 +1,6 @@
 """Running a genai folder: greedy tokens from ``og.Generator`` and the resident memory a generator
-allocates (its KV cache), measured in a fresh process.
-
-``onnxruntime_genai`` 0.18 aborts the whole process ("Failed to load onnxruntime") when it is
-imported before ``onnxruntime``; ``import_genai`` imports them in the working order.
+allocates (its KV cache), measured in a fresh process. Folders are opened through
+``harp_trt.genai_runtime`` (the import order genai 0.18 needs, CPU, threads), shared with the bench.
 
 Memory: genai 0.18 reports no allocation figures through its Python API, so ``measure_kv_rss``
 reads the process's resident set (``/proc/self/statm``) after ``og.Model`` loads and after a
@@ -13,7 +11,6 @@ MAX_LENGTH [BATCH]`` prints it as JSON. A fresh process per measurement keeps on
 memory from being reused by the next."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -21,43 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from harp_trt.errors import PreconditionError
+from harp_trt.genai_runtime import genai_version, import_genai, open_genai_model
 
 __all__ = ["genai_version", "import_genai", "genai_greedy", "measure_kv_rss"]
-
-
-def genai_version() -> str | None:
-    """The installed onnxruntime-genai version, or None (without importing it)."""
-    try:
-        return importlib.metadata.version("onnxruntime-genai")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def import_genai() -> Any:
-    """``onnxruntime_genai``, imported after ``onnxruntime`` (the order 0.18 needs)."""
-    try:
-        import onnxruntime  # noqa: F401  (must precede onnxruntime_genai)
-        import onnxruntime_genai as og
-    except ImportError as exc:
-        raise PreconditionError("genai", f"onnxruntime_genai does not import: {exc}",
-                                "pip install -e '.[genai]'") from exc
-    return og
-
-
-def _model(og: Any, folder: Path, threads: int = 0) -> Any:
-    config = og.Config(str(folder))
-    config.clear_providers()  # CPU
-    if threads:
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-    return og.Model(config)
 
 
 def genai_greedy(folder: str | os.PathLike, prompt: Sequence[int], n_new: int, threads: int = 0) -> list[int]:
     """The ``n_new`` tokens ``og.Generator`` picks greedily after ``prompt`` (EOS does not stop it)."""
     og = import_genai()
-    model = _model(og, Path(folder), threads)
+    model = open_genai_model(folder, threads)
     params = og.GeneratorParams(model)
     total = len(prompt) + n_new
     params.set_search_options(max_length=total, min_length=total, do_sample=False)
@@ -75,7 +44,7 @@ def _rss() -> int:
 
 def _probe(folder: Path, max_length: int, batch: int) -> dict[str, Any]:
     og = import_genai()
-    model = _model(og, folder, threads=1)
+    model = open_genai_model(folder, threads=1)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=max_length, batch_size=batch, do_sample=False)
     before = _rss()

@@ -17,8 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--plan", help="calibrate artifact folder, its key, or a plan.json")
     src.add_argument("--artifact", dest="plan", help="same as --plan: a calibrate artifact key or folder")
     p.add_argument("--model", default=None, help="override the plan's model reference (same weights; torch engine)")
-    p.add_argument("--dense-engine", default=None, help="ort: folder (or artifact key) of the dense engine")
-    p.add_argument("--harp-engine", default=None, help="ort: folder (or artifact key) of the HARP engine")
+    p.add_argument("--dense-engine", default=None,
+                   help="engines other than torch: folder (or artifact key) of the dense engine")
+    p.add_argument("--harp-engine", default=None,
+                   help="engines other than torch: folder (or artifact key) of the HARP engine")
     add_config_arguments(p, _bench_config_class())
     p.add_argument("--dtype", default=None, help="torch engine: float32 | bfloat16 | float16 (default: bfloat16 "
                                                  "on CUDA, float32 on CPU)")
@@ -66,10 +68,12 @@ def run(args) -> dict:
     store = ArtifactStore(args.workdir)
     open_plan(args.plan, store)  # a missing or malformed plan fails here, in one line
     plan_ref = _open(args.plan, store)
-    if config.engine == "ort":
+    if config.takes_engine_folders():
         if not (args.dense_engine and args.harp_engine):
-            raise ConfigError("--engine ort needs --dense-engine DIR and --harp-engine DIR (built ORT engines)",
-                              "build them with the ORT builder, or use --engine torch")
+            raise ConfigError(f"--engine {config.engine} needs --dense-engine DIR and --harp-engine DIR "
+                              f"({config.source_help()})",
+                              f"build them with `harp-trt build --bench --bench-engine {config.engine}`, "
+                              "or use --engine torch")
         source = {"dense": _open(args.dense_engine, store), "harp": _open(args.harp_engine, store)}
     else:
         source = args.model

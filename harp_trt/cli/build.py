@@ -13,8 +13,8 @@ HELP = "calibrate -> rewrite -> build (-> bench), reusing every cached artifact"
 
 # the bench stage's flags as build takes them (--bench-seq-lens ...), with build's own defaults: a
 # shorter sweep, no lm-eval tasks, fewer repeats
-BENCH_FIELDS = ("seq_lens", "tasks", "limit", "repeats", "batch_sizes")
-BENCH_DEFAULTS = {"seq_lens": "128,512,1024,2048", "tasks": "none", "repeats": 3}
+BENCH_FIELDS = ("engine", "seq_lens", "tasks", "limit", "repeats", "batch_sizes", "threads")
+BENCH_DEFAULTS = {"engine": None, "seq_lens": "128,512,1024,2048", "tasks": "none", "repeats": 3}
 QUANT_FIELDS = ("quant", "quant_block_size", "quant_symmetric", "quant_accuracy_level")
 TRTLLM_FIELDS = ("tp_size", "pp_size")
 
@@ -28,8 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", default=None, metavar="STAGE",
                    help=f"rerun STAGE and every stage after it ({', '.join(PHASES)})")
     p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
+    bench_help = {"engine": {"help": "runtime the bench compares dense and HARP in, per backend (the first is its "
+                                     "default): " + "; ".join(f"{n}: {', '.join(BACKENDS.get(n).bench_names())}"
+                                                              for n in BACKENDS.names()),
+                             "choices": None},  # checked with "did you mean" against the backend
+                  "threads": {"help": "threads the bench's engines run on; 0 = the runtime's default (default 0)"}}
     add_config_arguments(p, STAGES.get("bench").config_class(), BENCH_FIELDS, prefix="bench-",
-                         overrides={k: {"default": v} for k, v in BENCH_DEFAULTS.items()},
+                         overrides={k: {**({"default": BENCH_DEFAULTS[k]} if k in BENCH_DEFAULTS else {}),
+                                        **bench_help.get(k, {})} for k in BENCH_FIELDS},
                          group="with --bench (the bench command's flags, prefixed)")
     add_config_arguments(p, STAGES.get("build-ort").config_class(), QUANT_FIELDS,
                          group="ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
@@ -101,13 +107,17 @@ def _ort_config(args):
 
 
 def _bench_config(args, placement):
-    from ..registry import STAGES
-
-    BenchConfig = STAGES.get("bench").config_class()
+    from ..registry import BACKENDS, STAGES
     from ._options import values_from_args
 
+    BenchConfig = STAGES.get("bench").config_class()
+    spec = BACKENDS.get(args.backend)  # "did you mean"
+    values = values_from_args(BenchConfig, args, BENCH_FIELDS, prefix="bench-")
+    engine = values.pop("engine", None) or spec.bench
+    # an engine this backend builds for, checked before any work
+    spec.bench_engines(BenchConfig.check_engine(engine), f"backend {args.backend}")
+    model = not spec.bench_engines(engine)  # the bench loads the model itself (torch): --device/--dtype apply
     return BenchConfig.from_dict({
-        "engine": "ort" if args.backend in ("ort", "triton", "genai") else "torch",
-        **values_from_args(BenchConfig, args, BENCH_FIELDS, prefix="bench-"), "corpus": args.corpus,
-        "dtype": placement.dtype if args.backend == "trtllm" else "float32",
-        "device": placement.kind if args.backend == "trtllm" else "cpu"})
+        "engine": engine, **values, "corpus": args.corpus,
+        "dtype": placement.dtype if model else "float32",
+        "device": placement.kind if model else "cpu"})
