@@ -18,13 +18,14 @@ from .errors import MissingDependencyError
 
 __all__ = ["EXTRAS", "available", "require", "check", "figures_skipped"]
 
-# top-level import name -> (distribution, what installs it)
+_IN_CHECKOUT = "pip install -e '.[%s]' in the harp-trt checkout"
+# top-level import name -> (distribution, what installs it: harp-trt installs from its checkout, not PyPI)
 EXTRAS: dict[str, tuple[str, str]] = {
-    "onnxruntime": ("onnxruntime", "pip install 'harp-trt[cpu]' (or 'harp-trt[gpu]' on a CUDA host)"),
-    "lm_eval": ("lm-eval", "pip install 'harp-trt[eval]'"),
-    "tritonclient": ("tritonclient", "pip install 'harp-trt[triton]'"),
-    "matplotlib": ("matplotlib", "pip install 'harp-trt[plots]'"),
-    "onnxruntime_genai": ("onnxruntime-genai", "pip install 'harp-trt[genai]'"),
+    "onnxruntime": ("onnxruntime", "pip install -e '.[cpu]' (or '.[gpu]' on a CUDA host) in the harp-trt checkout"),
+    "lm_eval": ("lm-eval", _IN_CHECKOUT % "eval"),
+    "tritonclient": ("tritonclient", _IN_CHECKOUT % "triton"),
+    "matplotlib": ("matplotlib", _IN_CHECKOUT % "plots"),
+    "onnxruntime_genai": ("onnxruntime-genai", _IN_CHECKOUT % "genai"),
 }
 
 

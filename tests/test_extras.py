@@ -70,7 +70,7 @@ def test_build_without_onnxruntime_names_cpu_and_gpu_extras_before_calibrating(t
                                       "--corpus", str(corpus)])
     assert res["code"] == 2
     assert error_line(err) == ("harp-trt build: error: onnxruntime is not installed: the export's check against "
-                               "PyTorch needs it; pip install 'harp-trt[cpu]' (or 'harp-trt[gpu]' on a CUDA host)")
+                               "PyTorch needs it; pip install -e '.[cpu]' (or '.[gpu]' on a CUDA host) in the harp-trt checkout")
     assert not list((tmp_path / "w").glob("calibrate-*"))  # refused before calibrate's work
     # the engine's own session, reached without the pipeline (harp-trt generate, served models)
     res, err = run(("onnxruntime",), None, "from harp_trt.ort_session import default_providers; default_providers()")
@@ -85,8 +85,8 @@ def test_bench_without_lm_eval_names_the_eval_extra(tiny, tmp_path):
     assert res["code"] == 2
     line = "lm-eval is not installed: the bench's accuracy tasks need it"
     assert error_line(err.split("MissingDependencyError")[0]) == (
-        f"harp-trt build: error: {line} (or pass --tasks none); pip install 'harp-trt[eval]'")
-    assert f"MissingDependencyError: {line}; pip install 'harp-trt[eval]'" in err  # importing the adapter
+        f"harp-trt build: error: {line} (or pass --tasks none); pip install -e '.[eval]' in the harp-trt checkout")
+    assert f"MissingDependencyError: {line}; pip install -e '.[eval]' in the harp-trt checkout" in err  # importing the adapter
     assert not list((tmp_path / "w").glob("calibrate-*"))
 
 
@@ -95,7 +95,7 @@ def test_triton_config_check_without_tritonclient_names_the_triton_extra():
                    "from builders.triton.pbtxt import parse_model_config; parse_model_config('name: \"m\"')")
     assert error_line(err) == ("MissingDependencyError: tritonclient is not installed: Triton repositories need it "
                                "(each config.pbtxt is checked against its ModelConfig schema); "
-                               "pip install 'harp-trt[triton]'")
+                               "pip install -e '.[triton]' in the harp-trt checkout")
 
 
 def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_path, capsys):
@@ -104,9 +104,9 @@ def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_
             "--corpus", str(corpus), "--workdir", str(tmp_path / "w"), "--json"]
     res, err = run(("matplotlib",), argv, "from calib.plots import plot_search; plot_search(None, [], None)")
     assert res["code"] == 0 and res["loaded"] == []  # calibrate imports no optional library
-    assert ("alpha_search.png not written: matplotlib is not installed; pip install 'harp-trt[plots]'") in err
+    assert ("alpha_search.png not written: matplotlib is not installed; pip install -e '.[plots]' in the harp-trt checkout") in err
     assert ("MissingDependencyError: matplotlib is not installed: the alpha-search plot needs it; "
-            "pip install 'harp-trt[plots]'") in err  # the plot itself, called directly
+            "pip install -e '.[plots]' in the harp-trt checkout") in err  # the plot itself, called directly
     bare = [p for p in (tmp_path / "w").glob("calibrate-*") if p.is_dir()]
     assert len(bare) == 1 and (bare[0] / "plan.json").is_file() and not (bare[0] / "alpha_search.png").exists()
     # with matplotlib (this process): another key, the figures written, the same plan
@@ -132,7 +132,7 @@ def test_extras_in_pyproject_match_the_hints():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras, base = project["optional-dependencies"], " ".join(project["dependencies"])
     for module, (dist, hint) in EXTRAS.items():
-        extra = hint.split("harp-trt[")[1].split("]")[0]
+        extra = hint.split("'.[")[1].split("]")[0]
         assert any(r.startswith(dist) for r in extras[extra]), (module, extra)
         assert dist not in base, dist
     assert [r.split("==")[0] for r in extras["gpu"]] == ["onnxruntime-gpu"]
