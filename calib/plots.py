@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harp_trt.extras import require
+
 __all__ = ["plot_search"]
 
 
 def plot_search(plan, trace: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the alpha-search plot needs it").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from harp_trt.errors import PreconditionError
+from harp_trt.extras import figures_skipped
 from harp_trt.plan import Plan
 from harp_trt.ppl import PAD
 from harp_trt.stage import Stage
@@ -46,7 +47,8 @@ class CalibrateInputs:
 class CalibrateStage(Stage[CalibrateConfig]):
     name = "calibrate"
     version = 1
-    outputs = ("plan.json", "search_trace.parquet", "scores.csv", "alpha_search.png")
+    outputs = ("plan.json", "search_trace.parquet", "scores.csv")
+    figures = ("alpha_search.png",)
 
     def key_material(self, config: CalibrateConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
         inp: CalibrateInputs = inputs["calibrate"]
@@ -159,9 +161,12 @@ class CalibrateStage(Stage[CalibrateConfig]):
         pl.DataFrame(res.trace).write_parquet(out_dir / "search_trace.parquet")
         pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
                       "selected": [i in selected for i in range(len(scores))]}).write_csv(out_dir / "scores.csv")
-        from .plots import plot_search
+        if self.figures_enabled():
+            from .plots import plot_search
 
-        plot_search(plan, res.trace, out_dir / "alpha_search.png")
+            plot_search(plan, res.trace, out_dir / "alpha_search.png")
+        else:
+            log.warning(figures_skipped(self.figures))
         return {"model": inp.resolved.to_dict(), "plan": "plan.json", "layers": selected,
                 "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
 

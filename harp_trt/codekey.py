@@ -26,6 +26,8 @@ What counts as an import (each rule has a reason):
    that data (``Path(__file__).parent / "assets"`` in ``builders/triton/``: the Triton model and
    client files copied into a repository): every file there counts, its Python files as imports
    (the served model imports ``harp_trt.serving``).
+6. ``require("a.b", ...)`` (``harp_trt.extras``: an optional dependency imported with a typed
+   error when missing) imports ``a.b`` like ``import a.b``: its version still shapes the key.
 
 A module reached by several roads counts once; the digest covers the bytes of every file counted,
 by path relative to the repository root, and the versions of the ``LIBRARIES`` the code imports.
@@ -138,7 +140,7 @@ class _Found:
 
 @functools.lru_cache(maxsize=None)
 def _scan(src: _Source, full: bool, root: Path) -> _Found:
-    """Apply rules 1-5 to the code of one file that runs: all of it (``full``) or, for a package
+    """Apply rules 1-6 to the code of one file that runs: all of it (``full``) or, for a package
     reached only as a parent, its module-level code (rule 2)."""
     found, dynamic, strings, uses_file = _Found(), False, set(), False
     tree = ast.parse(src.path.read_bytes(), filename=str(src.path))
@@ -162,6 +164,9 @@ def _scan(src: _Source, full: bool, root: Path) -> _Found:
                 found.modules.add(target)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             strings.add(node.value)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "require"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.external.add(node.args[0].value.split(".")[0])  # rule 6 (a module of this repo is never required)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr == "import_module" and node.args and not isinstance(node.args[0], ast.Constant)):
             dynamic = True

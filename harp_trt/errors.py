@@ -6,7 +6,7 @@ __all__ = [
     "HarpError", "ConfigError", "UnknownNameError", "ModelError", "UnknownModelError",
     "UnsupportedArchitectureError", "HubUnavailableError", "CorruptWeightsError", "CorpusError",
     "CacheError", "StageError", "PreconditionError", "PostconditionError", "VerificationError",
-    "GraphError", "GateError",
+    "GraphError", "GateError", "MissingDependencyError",
 ]
 
 
@@ -82,6 +82,11 @@ class VerificationError(StageError):
 
 class GraphError(StageError):
     """An ONNX graph could not be read or rewritten."""
+
+
+class MissingDependencyError(HarpError):
+    """An optional dependency is not installed; the message names the extra that installs it
+    (``harp_trt.extras``)."""
 
 
 class GateError(HarpError):

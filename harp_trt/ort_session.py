@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ConfigError, GraphError
+from .extras import require
 from .kvcache import kv_cache_bytes
 from .onnx_io import EXPORT_META_KEY, kv_layers_of_names, past_name, present_name
 
@@ -39,7 +40,7 @@ Past = dict[int, tuple[np.ndarray, np.ndarray]]
 
 def default_providers() -> list[str]:
     """CUDA (then CPU as fallback) when onnxruntime-gpu is installed, else CPU."""
-    import onnxruntime as ort
+    ort = require("onnxruntime", "ONNX Runtime sessions need it")
 
     avail = ort.get_available_providers()
     return (["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in avail
@@ -53,8 +54,7 @@ class OrtCausalLM:
     def __init__(self, onnx_path: str | Path, providers: Sequence[str] | None = None,
                  intra_op_threads: int | None = None, graph_optimization_level: str = "all",
                  session_config: dict[str, str] | None = None, kv_hint: tuple[int, int, int] | None = None):
-        import onnxruntime as ort
-
+        ort = require("onnxruntime", "ONNX Runtime sessions need it")
         path = Path(onnx_path)
         if path.is_dir():
             path = path / _model_file_of(path)
@@ -328,7 +328,7 @@ class StaticCache:
         self._fill(past, max(capacity, self.length + 1))
 
     def _fill(self, past: Past, capacity: int) -> None:
-        import onnxruntime as ort
+        ort = require("onnxruntime", "ONNX Runtime sessions need it")
 
         shape = (self.batch, self.lm.kv_heads, capacity, self.lm.head_dim)
         self.buffers = {}

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 
 from .config import StageConfig
 from .errors import ConfigError
+from .extras import check
 from .plan import Plan
 from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step
 from .stage import Hooks
@@ -119,6 +120,8 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
             configs[stage_name] = STAGES.get(stage_name).config_class()()
         return configs[stage_name]
 
+    _check_requirements(spec, bench_config, needed, configs)
+
     from .models import resolve_model
 
     resolved = resolve_model(model_ref, store.root)  # once: a GGUF or new folder is hashed here
@@ -149,6 +152,16 @@ def run_stage(name: str, config: StageConfig, refs: Mapping[str, Any], store: Ar
     ``prepare`` the references, then the cached ``execute``."""
     stage = STAGES.get(name).stage_class()()
     return stage.execute(store, config, stage.prepare(store, config, refs, hooks or Hooks()), force=force)
+
+
+def _check_requirements(spec: BackendSpec, bench_config, needed: set[str],
+                        configs: Mapping[str, StageConfig]) -> None:
+    """``MissingDependencyError`` (``harp_trt.extras``) for the first optional dependency a step of
+    this run needs and lacks: before calibrate's minutes, not after them."""
+    steps = [(s.stage, configs.get(s.stage)) for s in spec.steps if _wanted(s, needed, configs)]
+    for name, config in steps + ([("bench", bench_config)] if bench_config is not None else []):
+        entry = STAGES.get(name)
+        check(entry.stage_class()().requirements(config or entry.config_class()()))
 
 
 def _trtllm_importable() -> bool:

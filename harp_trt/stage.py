@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 from .codekey import CodeKey, code_key
 from .config import StageConfig
 from .errors import PostconditionError, PreconditionError
+from .extras import available, check
 from .store import MANIFEST, Artifact, ArtifactStore, publishing
 
 __all__ = ["Stage", "Hooks"]
@@ -39,6 +40,9 @@ class Stage(Generic[C]):
     name: ClassVar[str]
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ()  # files every artifact of this stage must hold
+    # PNGs written only where matplotlib is installed (the ``plots`` extra); an artifact made
+    # without them is keyed apart, so installing the extra later writes them
+    figures: ClassVar[tuple[str, ...]] = ()
     # where the scan of the stage's code starts besides its own module (``harp_trt.codekey``):
     # for an import no scan can see; the closure itself is computed, never listed
     code: ClassVar[tuple[str, ...]] = ()
@@ -63,6 +67,16 @@ class Stage(Generic[C]):
         return {"stage_version": self.version, "code": self.code_version(), "config": config.key_material(),
                 "upstream": upstream}
 
+    def requirements(self, config: C) -> tuple[tuple[str, str], ...]:
+        """(module, "what needs it") pairs from optional extras that this run imports
+        (``harp_trt.extras``): checked before the stage's work, not on a cache hit."""
+        return ()
+
+    @staticmethod
+    def figures_enabled() -> bool:
+        """Whether this process writes the stage's ``figures`` (matplotlib installed)."""
+        return available("matplotlib")
+
     def prepare(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any], hooks: "Hooks") -> dict[str, Any]:
         """Turn the pipeline's references (``model``, ``plan``, upstream artifacts) into this
         stage's inputs. Default: as given; stages whose inputs load data lazily override it."""
@@ -76,7 +90,8 @@ class Stage(Generic[C]):
         raise NotImplementedError
 
     def check_postconditions(self, config: C, inputs: Mapping[str, Any], out_dir) -> None:
-        missing = [f for f in self.outputs if not (out_dir / f).exists()]
+        expected = self.outputs + (self.figures if self.figures_enabled() else ())
+        missing = [f for f in expected if not (out_dir / f).exists()]
         if missing:
             raise PostconditionError(self.name, f"artifact is missing {', '.join(missing)}")
 
@@ -107,13 +122,17 @@ class Stage(Generic[C]):
 
     def execute(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any],
                 force: bool = False) -> Artifact:
-        key = store.make_key(self.name, self.key_material(config, inputs))
+        material = self.key_material(config, inputs)
+        if self.figures and not self.figures_enabled():
+            material = {**material, "figures": False}
+        key = store.make_key(self.name, material)
         if not force and (hit := store.get(key)) is not None:
             log.info("%s: cache hit %s", self.name, key)
             return hit
         with store.lock(key):
             if not force and (hit := store.get(key)) is not None:
                 return hit
+            check(self.requirements(config))
             self.check_preconditions(config, inputs)
             t0 = time.perf_counter()
             with store.writing(key) as tmp:

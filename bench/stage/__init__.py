@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 
 from harp_trt.config import digest_of
 from harp_trt.errors import GateError, HarpError, PostconditionError, PreconditionError
+from harp_trt.extras import figures_skipped
 from harp_trt.onnx_io import MODEL_FILE, check_plan_weights, file_digest, read_export_meta
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
@@ -117,7 +118,14 @@ class BenchStage(Stage[BenchConfig]):
     name = "bench"
     version = 1
     outputs = ("latency.parquet", "latency.csv", "latency_samples.parquet", "speedup.parquet", "speedup.csv",
-               "accuracy.parquet", "accuracy.csv", "report.md", "latency.png", "accuracy.png", "summary.json")
+               "accuracy.parquet", "accuracy.csv", "report.md", "summary.json")
+    figures = ("latency.png", "accuracy.png")
+
+    def requirements(self, config: BenchConfig) -> tuple[tuple[str, str], ...]:
+        """onnxruntime for the ORT engines; lm-eval for the accuracy tasks (``--tasks none`` skips them)."""
+        return ((("onnxruntime", "the bench's ORT engines need it"),) if config.engine == "ort" else ()) + (
+            (("lm_eval", "the bench's accuracy tasks need it (or pass --tasks none)"),)
+            if config.accuracy and config.tasks else ())
 
     def prepare(self, store: ArtifactStore, config: BenchConfig, inputs: Mapping[str, Any], hooks) -> dict[str, Any]:
         """``{"calibrate": Artifact | folder | plan.json | Plan, "source": model ref | ResolvedModel |
@@ -270,10 +278,13 @@ class BenchStage(Stage[BenchConfig]):
             summary["kv_bytes_per_token_counted"] = ideal["kv_bytes_per_token"]  # beside the measured figure
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
             title = f"{summary['model']} · {pair.backend} · layers {list(plan.layers)} · {machine['cpu']}"
-            plot_latency(spd, out_dir / "latency.png", title, summary)
-            tasks_only = acc.filter(pl.col("task") != "heldout")
-            plot_accuracy(tasks_only, {"dense": ppl.get("dense", 0.0), "harp": ppl.get("harp", 0.0)} if ppl else {},
-                          out_dir / "accuracy.png", title)
+            if self.figures_enabled():
+                plot_latency(spd, out_dir / "latency.png", title, summary)
+                tasks_only = acc.filter(pl.col("task") != "heldout")
+                plot_accuracy(tasks_only, {"dense": ppl.get("dense", 0.0), "harp": ppl.get("harp", 0.0)}
+                              if ppl else {}, out_dir / "accuracy.png", title)
+            else:
+                log.warning(figures_skipped(self.figures))
             write_report(out_dir / "report.md", summary, spd, lat, acc)
         finally:
             pair.close()

@@ -16,10 +16,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lm_eval.api.model import TemplateLM
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from .engines import Engine
+from harp_trt.extras import require
+
+require("lm_eval", "the bench's accuracy tasks need it")  # a typed error naming the extra, not an ImportError
+from lm_eval.api.model import TemplateLM  # noqa: E402
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
+
+from .engines import Engine  # noqa: E402
 
 __all__ = ["EngineLM"]
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import polars as pl
 
+from harp_trt.extras import require
+
 __all__ = ["markdown_table", "write_report", "plot_latency", "plot_accuracy", "serving_rows"]
 
 
@@ -41,9 +43,7 @@ def plot_latency(speedup: pl.DataFrame, path: Path, title: str, summary: dict[st
     (dense latency / ideal speed-up); measured speed-up with its 95 % interval vs the ideal.
     Bottom (when ``summary`` has them): TTFT and ITL p50/p90/p99 per variant; output tokens/s per
     batch size with each throughput speed-up and its interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the latency plot needs it").use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -117,9 +117,7 @@ def plot_latency(speedup: pl.DataFrame, path: Path, title: str, summary: dict[st
 
 def plot_accuracy(tasks: pl.DataFrame, ppl: dict[str, float], path: Path, title: str) -> None:
     """Per-task accuracy (dense vs HARP, with standard errors) and held-out perplexity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "the accuracy plot needs it").use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -173,8 +171,7 @@ def write_report(path: Path, summary: dict[str, Any], speedup: pl.DataFrame, lat
         "",
         markdown_table(speedup),
         "",
-        "![latency](latency.png)",
-        "",
+        *_figure(path, "latency"),
         *_serving_section(s),
         "## Latency (ms)",
         "",
@@ -200,8 +197,13 @@ def write_report(path: Path, summary: dict[str, Any], speedup: pl.DataFrame, lat
     if accuracy.height:
         lines += ["lm-eval (0-shot, `--limit` applies; `split` = the split evaluated, ARC is its validation "
                   "split):", "", markdown_table(accuracy), ""]
-    lines += ["![accuracy](accuracy.png)", ""]
+    lines += _figure(path, "accuracy")
     Path(path).write_text("\n".join(lines))
+
+
+def _figure(report: Path, name: str) -> list[str]:
+    """The Markdown image line of ``name``.png beside the report, if it was written (the plots extra)."""
+    return [f"![{name}]({name}.png)", ""] if (Path(report).parent / f"{name}.png").exists() else []
 
 
 def _ci_text(ci: dict[str, Any] | None, pairs: bool = True) -> str:

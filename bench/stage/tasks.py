@@ -28,6 +28,7 @@ import yaml
 from filelock import FileLock
 
 from harp_trt.errors import CorpusError, UnknownNameError
+from harp_trt.extras import require
 from harp_trt.pypi import downloaded_wheel
 from harp_trt.lazy import Registry
 
@@ -186,8 +187,7 @@ def check_eval_data(names: Iterable[str], data_root: Path) -> None:
 def write_task_yamls(names: Iterable[str], data_root: Path, out_dir: Path) -> dict[str, dict[str, Any]]:
     """Write one YAML per built-in task into ``out_dir``; returns {task: {split, file, ...}}.
     Raises CorpusError naming the missing file when the data folder lacks a task's data."""
-    import lm_eval
-
+    lm_eval = require("lm_eval", "the bench's accuracy tasks need it")
     tasks_root = Path(lm_eval.__file__).parent / "tasks"
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {}

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from harp_trt.errors import GraphError, PreconditionError, VerificationError
+from harp_trt.extras import require
 from harp_trt.kvcache import kv_cache_bytes
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, VOCAB_FILES, copy_tokenizer,
                              read_export_meta)
@@ -49,7 +50,8 @@ class OrtBuilder:
     def build(self, onnx_path: str | Path, out_dir: str | Path, config: OrtBuildConfig | None = None,
               tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
         import onnx_ir as ir
-        import onnxruntime as ort
+
+        ort = require("onnxruntime", "the ORT engine needs it")
 
         from harp_trt.ort_session import default_providers
 
@@ -197,6 +199,9 @@ class OrtBuildStage(Stage[OrtBuildConfig]):
     name = STAGE
     version = 1
     outputs = (ENGINE_JSON, "model.onnx")
+
+    def requirements(self, config: OrtBuildConfig) -> tuple[tuple[str, str], ...]:
+        return (("onnxruntime", "the ORT engine needs it"),)
 
     def check_preconditions(self, config: OrtBuildConfig, inputs: Mapping[str, Any]) -> None:
         art = inputs.get("onnx")

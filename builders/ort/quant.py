@@ -20,6 +20,7 @@ from typing import Any
 import onnx_ir as ir
 
 from harp_trt.errors import ConfigError, GraphError
+from harp_trt.extras import require
 
 from .config import QUANT_MODES, QuantSpec
 
@@ -66,7 +67,8 @@ def _fold_transposed_weights(model: ir.Model) -> int:
 def quantize_weights(model: ir.Model, spec: QuantSpec, stage: str = "build-ort") -> tuple[ir.Model, dict[str, Any]]:
     """The graph with every constant-weight MatMul as MatMulNBits, and a report of what changed.
     Raises ConfigError when ``block_size`` does not divide a weight's K (the hidden or MLP size)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    MatMulNBitsQuantizer = require("onnxruntime.quantization.matmul_nbits_quantizer",
+                                   "int4 weights need it").MatMulNBitsQuantizer
 
     spec.validate()
     _fold_transposed_weights(model)

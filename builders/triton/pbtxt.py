@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from harp_trt.errors import PostconditionError
+from harp_trt.extras import require
 
 __all__ = ["Enum", "render_pbtxt", "parse_model_config", "string_params", "model_metadata",
            "ONNX_TO_TRITON", "TRITON_TO_NUMPY", "STAGE"]
 
 STAGE = "triton"
+_NEEDS = "Triton repositories need it (each config.pbtxt is checked against its ModelConfig schema)"
 
 # onnx.TensorProto.DataType value -> Triton DataType symbol
 ONNX_TO_TRITON: dict[int, str] = {
@@ -90,8 +92,8 @@ def parse_model_config(source: str | Path, where: str | None = None):
     """Parse pbtxt text (or a ``config.pbtxt`` path) into ``model_config_pb2.ModelConfig``.
     Raises ``PostconditionError`` (stage ``triton``) naming the file and the parser's message."""
     from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
 
+    model_config_pb2 = require("tritonclient.grpc.model_config_pb2", _NEEDS)
     if isinstance(source, Path):
         where = where or str(source)
         text = source.read_text()
@@ -119,7 +121,7 @@ def model_metadata(config) -> dict[str, Any]:
     """What Triton's model-metadata endpoint (KServe v2) reports for a parsed ModelConfig: tensor
     names, ``datatype`` without the ``TYPE_`` prefix (``TYPE_STRING`` -> ``BYTES``) and ``shape`` =
     ``dims`` (with a leading -1 when ``max_batch_size`` > 0)."""
-    from tritonclient.grpc import model_config_pb2
+    model_config_pb2 = require("tritonclient.grpc.model_config_pb2", _NEEDS)
 
     def one(t):
         dt = model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_")

@@ -50,6 +50,7 @@ from torch import nn
 
 from ..dims import ModelDims
 from ..errors import ConfigError, GraphError, PreconditionError, VerificationError
+from ..extras import require
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, copy_tokenizer,
                       input_names, output_names, read_export_meta)
 from ..stage import Stage
@@ -291,8 +292,8 @@ def verify_export(model: nn.Module, onnx_path: Path, atol: float = 1e-4,
     (batch, seq, past) in ``shapes``; returns max |diff| per output kind and raises
     ``VerificationError`` if logits differ by more than ``atol * max(1, max|logits|)``."""
     import numpy as np
-    import onnxruntime as ort
 
+    ort = require("onnxruntime", "the export's check against PyTorch needs it")
     kv_layers = kv_layers_of(model)
     wrapper = _FlatKV(model, kv_layers, model.config.num_hidden_layers).eval()
     so = ort.SessionOptions()
@@ -335,6 +336,9 @@ class ExportStage(Stage[ExportConfig]):
     # model). Keep it so: import what the export needs from its own modules, never from rules.
     version = 2
     outputs = ("model.onnx", "config.json")
+
+    def requirements(self, config: ExportConfig) -> tuple[tuple[str, str], ...]:
+        return (("onnxruntime", "the export's check against PyTorch needs it"),)
 
     def key_material(self, config: ExportConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
         base = super().key_material(config, inputs)

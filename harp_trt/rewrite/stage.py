@@ -145,6 +145,9 @@ class RewriteStage(Stage[RewriteConfig]):
     version = 1
     outputs = ("model.onnx", "plan.json", REPORT)
 
+    def requirements(self, config: RewriteConfig) -> tuple[tuple[str, str], ...]:
+        return (("onnxruntime", "the rewrite's check against PyTorch needs it (or --no-verify)"),) if config.verify else ()
+
     # -- inputs ---------------------------------------------------------------------------------
     @staticmethod
     def _source(inputs: Mapping[str, Any]) -> Path:
