@@ -6,7 +6,7 @@ The base install runs ``harp-trt build`` on the ort backend once an ONNX Runtime
 wheels install the same ``onnxruntime`` package over each other. What one optional stage alone
 needs is an extra: ``eval`` (lm-eval, the bench's accuracy tasks), ``triton`` (tritonclient, the
 Triton repository's config check), ``plots`` (matplotlib: the PNGs, skipped with a warning
-without it), ``genai`` (onnxruntime-genai). Nothing here imports a library until asked."""
+without it), ``genai`` (onnxruntime-genai), ``gguf`` (llama-cpp-python: llama.cpp). Nothing here imports a library until asked."""
 from __future__ import annotations
 
 import importlib
@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tritonclient": ("tritonclient", _IN_CHECKOUT % "triton"),
     "matplotlib": ("matplotlib", _IN_CHECKOUT % "plots"),
     "onnxruntime_genai": ("onnxruntime-genai", _IN_CHECKOUT % "genai"),
+    "llama_cpp": ("llama-cpp-python", _IN_CHECKOUT % "gguf" + " (it builds llama.cpp from source: ~10 CPU-minutes)"),
 }
 
 

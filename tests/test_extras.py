@@ -90,6 +90,17 @@ def test_bench_without_lm_eval_names_the_eval_extra(tiny, tmp_path):
     assert not list((tmp_path / "w").glob("calibrate-*"))
 
 
+def test_gguf_backend_without_llama_cpp_names_the_gguf_extra_before_calibrating(tiny, tmp_path):
+    folder, corpus = tiny
+    res, err = run(("llama_cpp",), ["build", "--model", str(folder), "--workdir", str(tmp_path / "w"),
+                                    "--corpus", str(corpus), "--backend", "gguf"])
+    assert res["code"] == 2
+    assert error_line(err) == ("harp-trt build: error: llama-cpp-python is not installed: llama.cpp writes, checks "
+                               "and quantizes the GGUF; pip install -e '.[gguf]' in the harp-trt checkout (it builds "
+                               "llama.cpp from source: ~10 CPU-minutes)")
+    assert not list((tmp_path / "w").glob("calibrate-*"))
+
+
 def test_triton_config_check_without_tritonclient_names_the_triton_extra():
     res, err = run(("tritonclient",), None,
                    "from builders.triton.pbtxt import parse_model_config; parse_model_config('name: \"m\"')")

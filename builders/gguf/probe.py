@@ -30,9 +30,9 @@ _KV_LINE = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\
 
 
 def _lib():
-    import llama_cpp
+    from harp_trt.extras import require
 
-    return llama_cpp
+    return require("llama_cpp", "llama.cpp writes, checks and quantizes the GGUF")
 
 
 def llama_cpp_version() -> str:

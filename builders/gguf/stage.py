@@ -74,6 +74,9 @@ class GgufStage(Stage[GgufConfig]):
                 "model_digest": getattr(model, "digest", None),
                 "tokenizer": tokenizer_digest(Path(model.folder)) if model is not None else None}
 
+    def requirements(self, config: GgufConfig) -> tuple[tuple[str, str], ...]:
+        return (("llama_cpp", "llama.cpp writes, checks and quantizes the GGUF"),)
+
     def check_preconditions(self, config: GgufConfig, inputs: Mapping[str, Any]) -> None:
         plan, model = inputs.get("plan"), inputs.get("model")
         if plan is not None and not isinstance(plan, Plan):
