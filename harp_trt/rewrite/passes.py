@@ -330,13 +330,13 @@ class HarpRewritePass(ir_passes.InPlacePass):
             outs = [v for v in m.kv_outputs if v in list(graph.outputs)]
             for v in outs:
                 graph.outputs.remove(v)
-            dead = remove_dead(graph)
+            dead = remove_dead(model)
             ins = []
             for v in m.kv_inputs:
                 if v not in list(graph.inputs):
                     continue
                 _reroute_shape_reads(graph, v, matches)
-                dead.extend(remove_dead(graph))
+                dead.extend(remove_dead(model))
                 if v.uses():
                     raise GraphError(STAGE, f"layer {layer}: KV input {v.name!r} is still used after "
                                             f"the rewrite by {[u.node.name for u in v.uses()]}")
