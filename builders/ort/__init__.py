@@ -1,9 +1,10 @@
 """ONNX Runtime backend: engine folders (optimized ``model.onnx`` + ``engine.json`` + tokenizer)
 built from an exported or HARP-rewritten graph. See ``builder.py`` for the engine format and
-``gqa.py`` for the GroupQueryAttention pass."""
+``passes.py`` for the graph passes (``gqa.py``: the GroupQueryAttention fusion rule, ``quant.py``:
+weight-only quantization)."""
 from __future__ import annotations
 
-__all__ = ["OrtBuilder", "OrtBuildConfig", "OrtBuildStage", "fuse_group_query_attention"]
+__all__ = ["OrtBuilder", "OrtBuildConfig", "OrtBuildStage", "graph_passes"]
 
 
 def __getattr__(name):  # lazy: importing the package does not import onnxruntime
@@ -15,8 +16,8 @@ def __getattr__(name):  # lazy: importing the package does not import onnxruntim
         from . import builder
 
         return getattr(builder, name)
-    if name == "fuse_group_query_attention":
-        from .gqa import fuse_group_query_attention
+    if name == "graph_passes":
+        from .passes import graph_passes
 
-        return fuse_group_query_attention
+        return graph_passes
     raise AttributeError(name)

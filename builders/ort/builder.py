@@ -1,8 +1,8 @@
 """ORT engine builder: ONNX graph (dense export or HARP rewrite) -> engine folder.
 
-An engine folder holds ``model.onnx`` (the graph after the ``GroupQueryAttention`` pass and ONNX
-Runtime's own graph optimizations, saved with ``SessionOptions.optimized_model_filepath``),
-``model.onnx.data`` above 2 GB, the tokenizer files and ``engine.json``::
+An engine folder holds ``model.onnx`` (the graph after the passes of ``passes.py``, the
+``GroupQueryAttention`` fusion and weight quantization, then ONNX Runtime's own graph
+optimizations, saved with ``SessionOptions.optimized_model_filepath``), ``model.onnx.data`` above 2 GB, the tokenizer files and ``engine.json``::
 
     {"format": "harp-engine/1", "backend": "ort", "model": "model.onnx",
      "providers": [...], "intra_op_threads": 2, "graph_optimization_level": "all",
@@ -49,13 +49,12 @@ class OrtBuilder:
 
     def build(self, onnx_path: str | Path, out_dir: str | Path, config: OrtBuildConfig | None = None,
               tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
-        import onnx_ir as ir
-
         ort = require("onnxruntime", "the ORT engine needs it")
 
         from harp_trt.ort_session import default_providers
 
-        from .gqa import GqaReport, fuse_group_query_attention
+        from .gqa import GqaReport
+        from .passes import FuseGroupQueryAttentionPass, QuantizeWeightsPass, graph_passes
 
         config = config or OrtBuildConfig()
         src = Path(onnx_path)
@@ -68,43 +67,13 @@ class OrtBuilder:
             raise GraphError(STAGE, f"{src.name} is not a harp-trt export or rewrite (no export metadata): "
                              "--quant quantizes only graphs this tool wrote",
                              "run `harp-trt build` or `harp-trt rewrite` to produce the graph")
-        try:
-            model = ir.load(src)
-        except Exception as e:  # external data missing or truncated
-            raise GraphError(STAGE, f"cannot load {src} with its weights: {type(e).__name__}: {e}"[:400],
-                             "check model.onnx.data sits next to model.onnx") from None
-        report = fuse_group_query_attention(model, meta) if config.attention == "gqa" else GqaReport()
-        quant = None
-        if config.quant != "none":
-            from .quant import quantize_weights
-
-            model, quant = quantize_weights(model, config.quant_spec(), STAGE)
-        weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
-                           if v.const_value is not None)
-        external = weight_bytes > EXTERNAL_DATA_THRESHOLD
-        staged = out / ".staged.onnx"
-        ir.save(model, staged, external_data=(staged.name + EXTERNAL_DATA_SUFFIX) if external else None)
-        del model
-
+        passes = graph_passes(config, meta, STAGE)
+        staged, external = self._transform(src, out, passes)
+        report = next((p.report for p in passes if isinstance(p, FuseGroupQueryAttentionPass)), GqaReport())
+        quant = next((p.report for p in passes if isinstance(p, QuantizeWeightsPass)), None)
         providers = list(config.providers) or default_providers()
-        levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
-        so = ort.SessionOptions()
-        so.graph_optimization_level = levels[config.optimization_level]
-        so.optimized_model_filepath = str(out / MODEL_FILE)
-        so.log_severity_level = 3
-        if external:
-            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                      MODEL_FILE + EXTERNAL_DATA_SUFFIX)
-            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         try:
-            try:
-                ort.InferenceSession(str(staged), so, providers=providers)
-            except Exception as e:
-                raise GraphError(STAGE, f"ONNX Runtime cannot optimize {src.name}: {str(e).splitlines()[0][:300]}",
-                                 "try attention='onnx' or a lower optimization_level") from None
+            self._optimize(src, staged, out / MODEL_FILE, config, providers, external)
             if quant is None:
                 check = self._verify(src, out / MODEL_FILE, config.verify_rtol)
             else:
@@ -132,6 +101,53 @@ class OrtBuilder:
         log.info("engine %s: attention on GQA for %d layers, KV %d B/token (dense %d)", out,
                  len(report.matched), spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"])
         return spec
+
+    @staticmethod
+    def _transform(src: Path, out: Path, passes: list) -> tuple[Path, bool]:
+        """Load ``src`` with its weights, run ``passes`` (``passes.py``: the one place that orders
+        them) and save the result beside the engine as ``.staged.onnx``. Returns (path, whether
+        its weights went to external data)."""
+        import onnx_ir as ir
+
+        from .passes import run_passes
+
+        try:
+            model = ir.load(src)
+        except Exception as e:  # external data missing or truncated
+            raise GraphError(STAGE, f"cannot load {src} with its weights: {type(e).__name__}: {e}"[:400],
+                             "check model.onnx.data sits next to model.onnx") from None
+        model = run_passes(passes, model)
+        weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                           if v.const_value is not None)
+        external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+        staged = out / ".staged.onnx"
+        ir.save(model, staged, external_data=(staged.name + EXTERNAL_DATA_SUFFIX) if external else None)
+        return staged, external
+
+    @staticmethod
+    def _optimize(src: Path, staged: Path, target: Path, config: OrtBuildConfig, providers: list[str],
+                  external: bool) -> None:
+        """ONNX Runtime's graph optimizations on ``staged``, saved to ``target``
+        (``SessionOptions.optimized_model_filepath``)."""
+        import onnxruntime as ort
+
+        levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+        so = ort.SessionOptions()
+        so.graph_optimization_level = levels[config.optimization_level]
+        so.optimized_model_filepath = str(target)
+        so.log_severity_level = 3
+        if external:
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                        MODEL_FILE + EXTERNAL_DATA_SUFFIX)
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        try:
+            ort.InferenceSession(str(staged), so, providers=providers)
+        except Exception as e:
+            raise GraphError(STAGE, f"ONNX Runtime cannot optimize {src.name}: {str(e).splitlines()[0][:300]}",
+                             "try attention='onnx' or a lower optimization_level") from None
 
     @staticmethod
     def _kv_layout(path: Path, meta: Mapping[str, Any]) -> dict[str, Any]:

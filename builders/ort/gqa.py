@@ -1,7 +1,8 @@
-"""Graph pass: opset-23 ``Attention`` (as exported by ``harp_trt.rewrite.export``) ->
+"""Graph rule: opset-23 ``Attention`` (as exported by ``harp_trt.rewrite.export``) ->
 ``com.microsoft::GroupQueryAttention``, the attention kernel ORT runs fastest on CPU.
 
-Matched per layer (``FuseGroupQueryAttention.pattern``)::
+One rule of the house protocol (``harp_trt/graph_rules.py``: ``pattern`` / ``check`` /
+``rewrite``), run by ``FuseGroupQueryAttentionPass`` (``passes.py``). Matched per layer::
 
     q = RotaryEmbedding(Transpose(Reshape(q2d)), cos, sin)
     present_k = Concat(past_k, RotaryEmbedding(Transpose(Reshape(k2d)), cos, sin))   # graph output
@@ -24,18 +25,16 @@ export's, and the present outputs keep their names. Layers whose mask is not pla
 as they are, with the reason reported."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import onnx_ir as ir
 
+from harp_trt.graph_rules import GraphRule, MatchResult
 from harp_trt.onnx_io import parse_kv_name
 
-__all__ = ["FuseGroupQueryAttention", "GqaMatch", "GqaReport", "fuse_group_query_attention"]
-
-log = logging.getLogger(__name__)
+__all__ = ["FuseGroupQueryAttention", "GqaMatch", "GqaReport", "MS_DOMAIN"]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -55,6 +54,8 @@ class GqaMatch:
     out2d: ir.Value
     rotary_attrs: dict[str, Any]
     layer: int
+    scale: float | None            # the Attention node's, carried over
+    softcap: float
 
 
 @dataclass
@@ -63,7 +64,7 @@ class GqaReport:
     skipped: dict[str, str] = field(default_factory=dict)     # Attention node name -> reason
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rule": "FuseGroupQueryAttention", "converted_layers": self.matched,
+        return {"rule": FuseGroupQueryAttention.name, "converted_layers": self.matched,
                 "skipped": self.skipped}
 
 
@@ -83,19 +84,37 @@ def _is_bnsh_transpose(node: ir.Node | None) -> bool:
     return node is not None and list(_attr(node, "perm", [])) == [0, 2, 1, 3]
 
 
-class FuseGroupQueryAttention:
-    """One rule: ``pattern`` finds candidates, ``check`` returns why one does not match (or None),
+class FuseGroupQueryAttention(GraphRule[GqaMatch]):
+    """``pattern`` finds the candidates, ``check`` returns the match or why there is none,
     ``rewrite`` replaces a match. ``num_heads``/``kv_heads``/``head_dim`` come from the export
     metadata; ``window_layers`` are layers with a real sliding window (never converted)."""
+
+    name = "FuseGroupQueryAttention"
+    description = "opset-23 Attention with the export's rotary and KV-cache Concat"
 
     def __init__(self, num_heads: int, kv_heads: int, head_dim: int, window_layers: set[int] = frozenset()):
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.window_layers = set(window_layers)
         self._shared: dict[str, ir.Value] | None = None
 
+    @classmethod
+    def from_export_meta(cls, meta: Mapping[str, Any]) -> "FuseGroupQueryAttention | None":
+        """The rule for a graph with harp-trt's export metadata (``harp_trt.onnx_io.read_export_meta``),
+        None without it. Layers with a sliding window shorter than the context stay Attention."""
+        if not all(k in meta for k in ("num_heads", "kv_heads", "head_dim", "num_layers")):
+            return None
+        window_layers: set[int] = set()
+        sw, ctx = meta.get("sliding_window"), meta.get("max_position_embeddings") or 0
+        if "layer_windows" in meta:  # the family's own rule (FamilySpec.layer_windows), recorded at export
+            window_layers = {i for i, w in enumerate(meta["layer_windows"]) if w and (not ctx or w < ctx)}
+        elif sw and sw < ctx:  # graphs exported before layer_windows was recorded
+            types = meta.get("layer_types") or []
+            window_layers = {i for i in range(meta["num_layers"])
+                             if not types or types[i] == "sliding_attention"}
+        return cls(meta["num_heads"], meta["kv_heads"], meta["head_dim"], window_layers)
+
     # -- pattern / check ----------------------------------------------------------------------
-    @staticmethod
-    def pattern(graph: ir.Graph) -> list[ir.Node]:
+    def pattern(self, graph: ir.Graph) -> list[ir.Node]:
         return [n for n in graph if n.op_type == "Attention" and n.domain == ""]
 
     def _kv_chain(self, value: ir.Value, rotary: bool):
@@ -124,8 +143,12 @@ class FuseGroupQueryAttention:
             return f"{node.name}: new K/V are not Transpose(Reshape(x)) to BNSH"
         return node, rot, rs.inputs[0]
 
-    def check(self, node: ir.Node) -> str | GqaMatch:
+    def check(self, graph: ir.Graph, node: ir.Node) -> MatchResult[GqaMatch]:
         """The match, or the reason ``node`` cannot be converted."""
+        found = self._match(node)
+        return MatchResult.fail(found) if isinstance(found, str) else MatchResult(found)
+
+    def _match(self, node: ir.Node) -> str | GqaMatch:
         if len(node.inputs) != 4 or any(v is None for v in node.inputs):
             return "Attention must have exactly (Q, K, V, mask) inputs (past handled outside)"
         if _attr(node, "is_causal", 0) != 0 or _attr(node, "qk_matmul_output_mode", 0) != 0:
@@ -167,7 +190,8 @@ class FuseGroupQueryAttention:
         rot_attrs = {a: _attr(q_rot, a) for a in ("interleaved", "rotary_embedding_dim") if a in q_rot.attributes}
         return GqaMatch(node, q_rs.inputs[0], k2d, v2d, q_rot.inputs[1], q_rot.inputs[2],
                         k_cat.inputs[0], v_cat.inputs[0], k_cat.outputs[0], v_cat.outputs[0],
-                        out_rs.outputs[0], rot_attrs, layer)
+                        out_rs.outputs[0], rot_attrs, layer, _attr(node, "scale"),
+                        _attr(node, "softcap", 0.0) or 0.0)
 
     @staticmethod
     def _same_cos_sin(a: ir.Node, b: ir.Node) -> bool:
@@ -215,7 +239,10 @@ class FuseGroupQueryAttention:
         self._shared = {"seqlens_k": seqlens, "total": total_scalar, "bias": bias}
         return self._shared
 
-    def rewrite(self, graph: ir.Graph, m: GqaMatch, scale: float | None, softcap: float) -> None:
+    def rewrite(self, graph: ir.Graph, m: GqaMatch) -> ir.Node:
+        """Insert the GroupQueryAttention node for ``m`` and move the Attention's users and the
+        present outputs onto it (the old nodes are left dead); returns the new node."""
+        scale, softcap = m.scale, m.softcap
         shared = self._shared_inputs(graph)
         prefix = f"gqa/layer{m.layer}"
         rq = ir.node("RotaryEmbedding", [m.q2d, m.cos, m.sin], {"num_heads": self.num_heads, **m.rotary_attrs},
@@ -241,47 +268,9 @@ class FuseGroupQueryAttention:
             old.replace_all_uses_with(new, replace_graph_outputs=True)
             new.name = name
         y.shape, y.type = m.out2d.shape, m.out2d.type
+        return gqa
 
 
 def _layer_of(name: str) -> int | None:
     k = parse_kv_name(name)
     return k.layer if k is not None and k.direction == "present" else None
-
-
-def fuse_group_query_attention(model: ir.Model, meta: dict[str, Any]) -> GqaReport:
-    """Convert every matching ``Attention`` of ``model`` in place; ``meta`` is the export metadata
-    (``harp_trt.onnx_io.read_export_meta``). Dead nodes are removed afterwards."""
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
-
-    report = GqaReport()
-    graph = model.graph
-    needed = ("num_heads", "kv_heads", "head_dim", "num_layers")
-    if not all(k in meta for k in needed):
-        report.skipped["*"] = "graph has no harp_trt.export metadata (not from export_dense); left unchanged"
-        return report
-    window_layers: set[int] = set()
-    sw, ctx = meta.get("sliding_window"), meta.get("max_position_embeddings") or 0
-    if "layer_windows" in meta:  # the family's own rule (FamilySpec.layer_windows), recorded at export
-        window_layers = {i for i, w in enumerate(meta["layer_windows"]) if w and (not ctx or w < ctx)}
-    elif sw and sw < ctx:  # graphs exported before layer_windows was recorded
-        types = meta.get("layer_types") or []
-        window_layers = {i for i in range(meta["num_layers"])
-                         if not types or types[i] == "sliding_attention"}
-    rule = FuseGroupQueryAttention(meta["num_heads"], meta["kv_heads"], meta["head_dim"], window_layers)
-    candidates = rule.pattern(graph)
-    if not candidates:
-        report.skipped["*"] = "no opset-23 Attention nodes (eager attention export?)"
-    for node in candidates:
-        m = rule.check(node)
-        if isinstance(m, str):
-            report.skipped[node.name or "Attention"] = m
-            continue
-        rule.rewrite(graph, m, _attr(node, "scale"), _attr(node, "softcap", 0.0) or 0.0)
-        report.matched.append(m.layer)
-    if report.matched:
-        model.opset_imports.setdefault(MS_DOMAIN, 1)
-        RemoveUnusedNodesPass()(model)
-    log.info("GroupQueryAttention: converted layers %s; skipped %d", report.matched, len(report.skipped))
-    for name, why in report.skipped.items():
-        log.info("  not converted %s: %s", name, why)
-    return report

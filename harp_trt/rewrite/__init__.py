@@ -1,7 +1,7 @@
 """The rewrite stage: turn a dense ONNX export into the HARP graph (arXiv 2507.01900, Eq. 4-5).
 
 Pruned layers' attention blocks become ``MatMul(MatMul(x, W_V) + b_V, alpha * W_O_fold)``
-(``rules.py``, ``fold.py``), their KV-cache inputs/outputs and dead Q/K/rotary nodes go
+(``rules/``, ``fold.py``), their KV-cache inputs/outputs and dead Q/K/rotary nodes go
 (``passes.py``), and the result is checked in ONNX Runtime against PyTorch (``verify.py``).
 ``export.py`` (the dense export) is imported on its own: it pulls in torch."""
 from __future__ import annotations

@@ -332,7 +332,7 @@ class ExportStage(Stage[ExportConfig]):
 
     name = "export"
     # code version: the import closure of this module (harp_trt.codekey), which does not reach the
-    # rewrite rules (rules.py, passes.py): a change there must not re-export (minutes for a 7B
+    # rewrite rules (rules/, passes.py): a change there must not re-export (minutes for a 7B
     # model). Keep it so: import what the export needs from its own modules, never from rules.
     version = 2
     outputs = ("model.onnx", "config.json")

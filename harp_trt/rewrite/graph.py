@@ -1,5 +1,5 @@
 """Small structural helpers over ``onnx_ir`` graphs: constants, bounded back/forward traces,
-dead-code removal with accounting, and loading/saving with external data."""
+dead-code removal (onnx-ir's own pass) with accounting, and loading/saving with external data."""
 from __future__ import annotations
 
 import logging
@@ -129,30 +129,30 @@ class DeadCode:
             self.node_ops[op] = self.node_ops.get(op, 0) + c
 
 
-def remove_dead(graph: ir.Graph) -> DeadCode:
-    """Remove every node none of whose outputs is used or a graph output, then every initializer
-    nothing uses (and that is not a graph input/output). Returns what went."""
+def remove_dead(model: ir.Model) -> DeadCode:
+    """onnx-ir's ``RemoveUnusedNodesPass`` (nodes none of whose outputs is used or a graph output,
+    then initializers nothing uses that are not graph inputs or outputs), with an account of what
+    went: removed nodes in the pass's order (last first) and the initializers' sizes."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    graph = model.graph
+    nodes = list(graph)
+    tensors = {name: v.const_value for name, v in graph.initializers.items()}
+    RemoveUnusedNodesPass()(model)
     out = DeadCode()
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(graph)):
-            if any(o.is_graph_output() or o.uses() for o in node.outputs):
-                continue
-            out.nodes.append(node.name or f"<{node.op_type}>")
-            out.node_ops[node.op_type] = out.node_ops.get(node.op_type, 0) + 1
-            graph.remove(node, safe=True)
-            changed = True
-    for name, value in list(graph.initializers.items()):
-        if value.uses() or value.is_graph_output() or value.is_graph_input():
+    for node in reversed(nodes):
+        if node.graph is not None:
             continue
-        tensor = value.const_value
+        out.nodes.append(node.name or f"<{node.op_type}>")
+        out.node_ops[node.op_type] = out.node_ops.get(node.op_type, 0) + 1
+    for name, tensor in tensors.items():
+        if name in graph.initializers:
+            continue
         if tensor is not None:
             n = int(np.prod(tensor.shape.numpy())) if tensor.shape is not None else 0
             out.params += n
             out.sizes[name] = n
             out.bytes += tensor.nbytes
-        del graph.initializers[name]
         out.initializers.append(name)
     return out
 

@@ -19,7 +19,8 @@ import onnx_ir.passes as ir_passes
 from ..errors import GraphError, PostconditionError
 from ..onnx_io import parse_any_kv_name
 from .graph import STAGE, DeadCode, remove_dead
-from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, _is_bias_add, describe
+from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, describe
+from .rules.tracing import is_bias_add
 
 __all__ = ["HarpRewritePass", "LayerReport", "RewriteResult", "RewritePreconditionError",
            "RewritePostconditionError", "count_attention_layers"]
@@ -131,7 +132,7 @@ def _block_constants(m: AttentionMatch, removed_block: bool) -> tuple[dict[str, 
         if w is not None and w.name:
             harp[w.name] = -1  # all of it
         for use in node.outputs[0].uses():
-            b = _is_bias_add(use.node, node.outputs[0])
+            b = is_bias_add(use.node, node.outputs[0])
             if b is not None and b.name:
                 harp[b.name] = -1
     replaced = {v.name for v in (m.w_o, m.b_o) if v is not None and v.name}
@@ -253,7 +254,7 @@ def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, matches: Mapping[int, Att
 
 
 class HarpRewritePass(ir_passes.InPlacePass):
-    """Rewrite the pruned layers of ``model`` in place (HARP Eq. 4-5, ``rules.py``).
+    """Rewrite the pruned layers of ``model`` in place (HARP Eq. 4-5, ``rules/``).
 
     ``alphas`` maps layer index -> alpha. ``num_layers`` is the model's decoder depth (the plan's);
     the graph must have exactly that many attention cores. ``head_dim`` is an optional hint for
@@ -330,13 +331,13 @@ class HarpRewritePass(ir_passes.InPlacePass):
             outs = [v for v in m.kv_outputs if v in list(graph.outputs)]
             for v in outs:
                 graph.outputs.remove(v)
-            dead = remove_dead(graph)
+            dead = remove_dead(model)
             ins = []
             for v in m.kv_inputs:
                 if v not in list(graph.inputs):
                     continue
                 _reroute_shape_reads(graph, v, matches)
-                dead.extend(remove_dead(graph))
+                dead.extend(remove_dead(model))
                 if v.uses():
                     raise GraphError(STAGE, f"layer {layer}: KV input {v.name!r} is still used after "
                                             f"the rewrite by {[u.node.name for u in v.uses()]}")

@@ -1,0 +1,102 @@
+"""The ORT build's graph passes and the one place that orders them (``graph_passes``), composed
+with onnx-ir's ``Sequential`` (``passes/_pass_infra.py``) as onnxscript's ``optimize_for_ort``
+composes its own:
+
+    FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
+    QuantizeWeightsPass                                      (quant="int4" | "int8")
+
+ONNX Runtime's own graph optimizations run after these, on the saved graph (``builder.py``)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import onnx_ir as ir
+import onnx_ir.passes as ir_passes
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from harp_trt.errors import HarpError
+
+from .config import OrtBuildConfig, QuantSpec
+from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
+from .quant import quantize_weights
+
+__all__ = ["FuseGroupQueryAttentionPass", "QuantizeWeightsPass", "graph_passes", "run_passes"]
+
+log = logging.getLogger(__name__)
+
+
+class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
+    """Every ``Attention`` that ``FuseGroupQueryAttention`` matches becomes ``GroupQueryAttention``;
+    ``report`` says which layers were converted and why the others were not. ``meta`` is the
+    export metadata (``harp_trt.onnx_io.read_export_meta``): without it nothing changes."""
+
+    def __init__(self, meta: Mapping[str, Any]):
+        super().__init__()
+        self.meta = meta
+        self.report = GqaReport()
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        report = self.report = GqaReport()
+        rule = FuseGroupQueryAttention.from_export_meta(self.meta)
+        if rule is None:
+            report.skipped["*"] = "graph has no harp_trt.export metadata (not from export_dense); left unchanged"
+            return ir_passes.PassResult(model, modified=False)
+        graph = model.graph
+        candidates = rule.pattern(graph)
+        if not candidates:
+            report.skipped["*"] = "no opset-23 Attention nodes (eager attention export?)"
+        for node in candidates:
+            found = rule.check(graph, node)
+            if not found:
+                report.skipped[node.name or "Attention"] = found.reason
+                continue
+            rule.rewrite(graph, found.match)
+            report.matched.append(found.match.layer)
+        if report.matched:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        log.info("GroupQueryAttention: converted layers %s; skipped %d", report.matched, len(report.skipped))
+        for name, why in report.skipped.items():
+            log.info("  not converted %s: %s", name, why)
+        return ir_passes.PassResult(model, modified=bool(report.matched))
+
+
+class QuantizeWeightsPass(ir_passes.PassBase):
+    """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``); ``report`` is what changed. The
+    quantizer returns a new model, and the tied LM head's weight is folded in the input first."""
+
+    in_place = False
+    changes_input = True
+
+    def __init__(self, spec: QuantSpec, stage: str):
+        super().__init__()
+        self.spec, self.stage = spec, stage
+        self.report: dict[str, Any] | None = None
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        out, self.report = quantize_weights(model, self.spec, self.stage)
+        return ir_passes.PassResult(out, modified=True)
+
+
+def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) -> list[ir_passes.PassBase]:
+    """The passes ``config`` asks for, in the order they run."""
+    passes: list[ir_passes.PassBase] = []
+    if config.attention == "gqa":
+        passes += [FuseGroupQueryAttentionPass(meta), RemoveUnusedNodesPass()]
+    if config.quant != "none":
+        passes.append(QuantizeWeightsPass(config.quant_spec(), stage))
+    return passes
+
+
+def run_passes(passes: Sequence[ir_passes.PassBase], model: ir.Model) -> ir.Model:
+    """``Sequential(*passes)`` on ``model``; the model they return. A harp-trt error raised inside
+    a pass comes out as itself (``Sequential`` wraps every error in ``PassError``)."""
+    if not passes:
+        return model
+    try:
+        return ir_passes.Sequential(*passes)(model).model
+    except ir_passes.PassError as e:
+        if isinstance(e.__cause__, HarpError):
+            raise e.__cause__ from None
+        raise
+
