@@ -127,7 +127,7 @@ STAGES.register("genai", StageSpec("builders.genai.stage:GenaiStage", "builders.
                                    "onnxruntime-genai folder (og.Model) around an engine"))
 STAGES.register("gguf", StageSpec("builders.gguf.stage:GgufStage", "builders.gguf.config:GgufConfig", "build",
                                   "llama.cpp deci GGUF (HARP layers as linear attention), verified in llama.cpp"))
-STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
+STAGES.register("bench", StageSpec("bench.stage.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
                                    "latency and accuracy, dense vs HARP"))
 
 _ORT_QUANTIZED, _ORT_EXACT = "builders.ort.steps:quantized", "builders.ort.steps:exact"

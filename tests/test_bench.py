@@ -47,7 +47,7 @@ def _cli_args(setup, *extra):
 @pytest.fixture(scope="module")
 def bench_art(setup):
     from bench.stage.config import BenchConfig
-    from bench.stage import run_bench
+    from bench.stage.stage import run_bench
 
     cfg = BenchConfig(seq_lens=(16, 48), decode_context=24, decode_tokens=3, warmup=1, repeats=3, tasks=(),
                       corpus=str(setup["root"] / "corpus.txt"), ppl_tokens=384, ppl_seq_len=128)
@@ -220,7 +220,7 @@ def test_heldout_perplexity_matches_reference(bench_art, setup):
 
 
 def test_stage_is_cached(bench_art, setup):
-    from bench.stage import run_bench
+    from bench.stage.stage import run_bench
 
     art, cfg = bench_art
     again = run_bench(setup["root"] / "plan.json", str(setup["folder"]), cfg, setup["store"])
@@ -257,7 +257,7 @@ def _ci(point, low, high, pairs=5):
 
 
 def test_check_gates_names_each_figure():
-    from bench.stage import check_gates
+    from bench.stage.stage import check_gates
     from harp_trt.errors import GateError
 
     s = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "ppl": {"dense": 10.0, "harp": 10.4, "increase": 0.04},
@@ -278,7 +278,7 @@ def test_check_gates_names_each_figure():
 
 def test_min_speedup_gate_fails_only_below_the_upper_bound():
     """The point estimate under the threshold is not a failure while the interval reaches it."""
-    from bench.stage import check_gates
+    from bench.stage.stage import check_gates
     from harp_trt.errors import GateError
 
     s = {"prefill_speedup": {"2048": 1.031}, "speedups": {"prefill_2048": _ci(1.031, 0.992, 1.071)}}
@@ -299,7 +299,7 @@ def test_min_speedup_gate_fails_only_below_the_upper_bound():
 
 def test_min_speedup_gate_reads_summaries_without_intervals():
     """A cached summary from bench config version 1 (no ``speedups``): the point is both bounds."""
-    from bench.stage import check_gates, headline_speedup
+    from bench.stage.stage import check_gates, headline_speedup
     from harp_trt.errors import GateError
 
     old = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "decode_speedup": 1.2, "decode_context": 512}
@@ -521,7 +521,7 @@ def ort_engines(setup):
 def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     """Same plan in ONNX Runtime (dense export vs rewritten graph): same perplexities as the
     PyTorch reference, same measured KV bytes, every table filled."""
-    from bench.stage import run_bench
+    from bench.stage.stage import run_bench
 
     art_t, cfg = bench_art
     cfg = cfg.replace(engine="ort", repeats=2, seq_lens=(16,), batch_sizes=(4,))
