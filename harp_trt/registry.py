@@ -111,7 +111,7 @@ PHASES = ("calibrate", "export", "rewrite", "build", "bench")  # pipeline order,
 STAGES: Registry[StageSpec] = Registry("stage")
 STAGES.register("calibrate", StageSpec("calib.stage:CalibrateStage", "calib.config:CalibrateConfig", "calibrate",
                                        "score layers, choose P, search alpha (arXiv 2507.01900, Algorithm 1)"))
-STAGES.register("export", StageSpec("harp_trt.rewrite.export:ExportStage", "harp_trt.rewrite.config:ExportConfig",
+STAGES.register("export", StageSpec("harp_trt.export.export:ExportStage", "harp_trt.export.config:ExportConfig",
                                     "export", "dense ONNX graph with a KV cache"))
 STAGES.register("rewrite", StageSpec("harp_trt.rewrite.stage:RewriteStage", "harp_trt.rewrite.config:RewriteConfig",
                                      "rewrite", "HARP graph surgery (Eq. 4-5), verified against PyTorch"))

@@ -503,7 +503,7 @@ def ort_engines(setup):
 
     pytest.importorskip("onnxruntime")
     from harp_trt.models import load_model
-    from harp_trt.rewrite.export import export_dense
+    from harp_trt.export.export import export_dense
     from harp_trt.rewrite.stage import rewrite_onnx
 
     root = setup["root"]

@@ -112,7 +112,7 @@ def test_unknown_names_say_did_you_mean():
 def test_registry_checks_the_base_class():
     reg = Registry("thing", base="harp_trt.stage:Stage")
     reg.register("config", "harp_trt.config:StageConfig")
-    reg.register("stage", "harp_trt.rewrite.export:ExportStage")
+    reg.register("stage", "harp_trt.export.export:ExportStage")
     assert reg.get("stage").name == "export"
     with pytest.raises(TypeError, match="not a subclass of Stage"):
         reg.get("config")

@@ -55,7 +55,7 @@ def _one_torch_thread():
 def exports(tmp_path_factory):
     """family -> (store, export artifact, resolved model); one export per family per module."""
     from harp_trt.models import resolve_model
-    from harp_trt.rewrite.export import ExportConfig, ExportStage
+    from harp_trt.export.export import ExportConfig, ExportStage
 
     root = tmp_path_factory.mktemp("rewrite")
     store = ArtifactStore(root / "cache")
