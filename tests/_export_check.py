@@ -1,5 +1,5 @@
 """The tests' check of a dense export against PyTorch on the same inputs (ONNX Runtime, CPU): the
-export stage itself verifies with ``harp_trt.rewrite.verify``; this compares the raw graph, present
+export stage itself verifies with ``harp_trt.verify``; this compares the raw graph, present
 KV outputs included, on hand-made shapes (prefill and a step with a past)."""
 from __future__ import annotations
 

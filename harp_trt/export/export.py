@@ -314,7 +314,7 @@ class ExportStage(Stage[ExportConfig]):
 
     def run(self, config: ExportConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
         from ..families import family_of
-        from ..rewrite.verify import VerifyConfig, verify_rewrite
+        from ..verify import VerifyConfig, verify_rewrite
 
         resolved = inputs["model"]
         path = export_folder(Path(resolved.folder), Path(out_dir), opset=config.opset, dtype=config.dtype)

@@ -2,7 +2,7 @@
 
 Pruned layers' attention blocks become ``MatMul(MatMul(x, W_V) + b_V, alpha * W_O_fold)``
 (``rules.py``, ``fold.py``), their KV-cache inputs/outputs and dead Q/K/rotary nodes go
-(``passes.py``), and the result is checked in ONNX Runtime against PyTorch (``verify.py``).
+(``passes.py``), and the result is checked in ONNX Runtime against PyTorch (``harp_trt/verify.py``).
 The dense export it starts from is its own stage, ``harp_trt/export/``."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def __getattr__(name):  # lazy: `import harp_trt.rewrite` stays cheap
 
         return getattr(stage, name)
     if name in ("verify_rewrite", "VerifyConfig"):
-        from . import verify
+        from .. import verify
 
         return getattr(verify, name)
     raise AttributeError(name)

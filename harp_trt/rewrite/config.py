@@ -35,6 +35,6 @@ class RewriteConfig(StageConfig):
                               f"(protobuf's limit), got {self.external_data_mb}")
 
     def verify_config(self):
-        from .verify import VerifyConfig
+        from ..verify import VerifyConfig
 
         return VerifyConfig(rtol=self.rtol, decode_steps=self.decode_steps, greedy_steps=self.greedy_steps)
