@@ -120,7 +120,7 @@ STAGES.register("build-ort", StageSpec("builders.ort.builder:OrtBuildStage", "bu
 STAGES.register("trtllm", StageSpec("builders.trtllm.stage:TrtllmCheckpointStage",
                                     "builders.trtllm.config:TrtllmCheckpointConfig", "build",
                                     "TensorRT-LLM checkpoint + build_engine.sh"))
-STAGES.register("triton", StageSpec("builders.triton.repository:TritonRepoStage",
+STAGES.register("triton", StageSpec("builders.triton.stage:TritonRepoStage",
                                     "builders.triton.config:TritonRepoConfig", "build",
                                     "Triton model repository around an engine"))
 STAGES.register("genai", StageSpec("builders.genai.stage:GenaiStage", "builders.genai.config:GenaiConfig", "build",
