@@ -17,7 +17,7 @@ def __getattr__(name):
 
         return BenchConfig
     if name in __all__:
-        from . import stage
+        from .stage import stage
 
         return getattr(stage, name)
     raise AttributeError(name)

@@ -82,10 +82,60 @@ def search_figures(model, family, windows, layers, grid, naive: bool) -> dict:
             "ppl_alpha1": res.ppl_alpha1, "ppl_searched": res.ppl_searched}
 
 
+def naive_vs_cached(dense, family, small) -> dict:
+    """The naive and the cached search on the top two layers over a three-point grid: their
+    seconds, speed-up and whether they agree (same alphas, perplexity relative difference)."""
+    import copy
+
+    n = dense.config.num_hidden_layers
+    top2 = list(range(n - 2, n))
+    naive = search_figures(dense, family, small, top2, (0.0, 0.5, 1.0), naive=True)
+    cached_model = copy.deepcopy(dense)
+    cached = search_figures(cached_model, family, small, top2, (0.0, 0.5, 1.0), naive=False)
+    del cached_model
+    return {"layers": top2, "grid": [0.0, 0.5, 1.0], "tokens": int(small.numel()),
+            "naive_s": naive["seconds"], "cached_s": cached["seconds"],
+            "speedup": round(naive["seconds"] / max(cached["seconds"], 1e-9), 2),
+            "identical_alphas": naive["alphas"] == cached["alphas"],
+            "ppl_rel_diff": abs(naive["ppl_searched"] / cached["ppl_searched"] - 1)}
+
+
+def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, spent) -> None:
+    """Prefill per ``--seq-lens`` and decode at the largest batch that fits, dense vs HARP, into
+    ``out``; what the time budget leaves out is listed in ``out["skipped"]``."""
+    import torch
+
+    from bench.gpu_prefill import max_batch, time_decode, time_prefill
+
+    rows = []
+    for s in args.seq_lens:
+        if spent() > args.budget_s:
+            out["skipped"].append(f"prefill {s}")
+            continue
+        rows += time_prefill(models, [s], args.repeats, 1, device, vocab)
+    out["prefill"] = {}
+    for r in rows:
+        out["prefill"].setdefault(str(r["seq_len"]), {})[r["variant"]] = [round(r["mean_s"], 5),
+                                                                       round(r["ci95_s"], 5)]
+    out["prefill_speedup"] = {k: round(v["dense"][0] / v["harp"][0], 4) for k, v in out["prefill"].items()
+                              if "dense" in v and "harp" in v}
+    out["paper_prefill"] = {"seq_len": 65536, "dense_s": 5.4466, "harp_s": 4.5394, "gpu": "H100"}
+    if spent() < args.budget_s:
+        ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
+        batches = max_batch(models, ctx, steps, 0.8, 256, device, torch.finfo(dtype).bits // 8)
+        dec = time_decode(models, batches, ctx, steps, device, dtype, vocab)
+        best = {r["variant"]: r for r in dec if r["kind"] == "max_batch"}
+        out["decode"] = {"context": ctx, "batch": batches,
+                         "tokens_per_s": {v: round(r["tokens_per_s"], 1) for v, r in best.items()},
+                         "kv_bytes_per_token": {v: r["kv_bytes_per_token"] for v, r in best.items()}}
+    else:
+        out["skipped"].append("decode")
+
+
 def run(args) -> dict:
     import torch
 
-    from bench.gpu_prefill import build_models, max_batch, time_decode, time_prefill
+    from bench.gpu_prefill import build_models
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)
@@ -109,19 +159,7 @@ def run(args) -> dict:
 
     # naive vs cached on a small configuration (runs first: the full search patches the model)
     small = windows[: max(1, 8192 // args.seq_len)] if not args.dry_run else windows
-    top2 = list(range(n - 2, n))
-    naive = search_figures(dense, family, small, top2, (0.0, 0.5, 1.0), naive=True)
-    import copy
-
-    cached_model = copy.deepcopy(dense)
-    cached = search_figures(cached_model, family, small, top2, (0.0, 0.5, 1.0), naive=False)
-    del cached_model
-    out["naive_vs_cached"] = {
-        "layers": top2, "grid": [0.0, 0.5, 1.0], "tokens": int(small.numel()),
-        "naive_s": naive["seconds"], "cached_s": cached["seconds"],
-        "speedup": round(naive["seconds"] / max(cached["seconds"], 1e-9), 2),
-        "identical_alphas": naive["alphas"] == cached["alphas"],
-        "ppl_rel_diff": abs(naive["ppl_searched"] / cached["ppl_searched"] - 1)}
+    out["naive_vs_cached"] = naive_vs_cached(dense, family, small)
 
     # the full search: P layers x 11 candidates on all windows
     layers = list(range(n - args.layers, n))
@@ -140,30 +178,7 @@ def run(args) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         dense_model, harp_model, attn = build_models(args.shape, args.layers, device, dtype)
-        models = {"dense": dense_model, "harp": harp_model}
-        rows = []
-        for s in args.seq_lens:
-            if spent() > args.budget_s:
-                out["skipped"].append(f"prefill {s}")
-                continue
-            rows += time_prefill(models, [s], args.repeats, 1, device, vocab)
-        out["prefill"] = {}
-        for r in rows:
-            out["prefill"].setdefault(str(r["seq_len"]), {})[r["variant"]] = [round(r["mean_s"], 5),
-                                                                           round(r["ci95_s"], 5)]
-        out["prefill_speedup"] = {k: round(v["dense"][0] / v["harp"][0], 4) for k, v in out["prefill"].items()
-                                  if "dense" in v and "harp" in v}
-        out["paper_prefill"] = {"seq_len": 65536, "dense_s": 5.4466, "harp_s": 4.5394, "gpu": "H100"}
-        if spent() < args.budget_s:
-            ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
-            batches = max_batch(models, ctx, steps, 0.8, 256, device, torch.finfo(dtype).bits // 8)
-            dec = time_decode(models, batches, ctx, steps, device, dtype, vocab)
-            best = {r["variant"]: r for r in dec if r["kind"] == "max_batch"}
-            out["decode"] = {"context": ctx, "batch": batches,
-                             "tokens_per_s": {v: round(r["tokens_per_s"], 1) for v, r in best.items()},
-                             "kv_bytes_per_token": {v: r["kv_bytes_per_token"] for v, r in best.items()}}
-        else:
-            out["skipped"].append("decode")
+        latency_figures(out, {"dense": dense_model, "harp": harp_model}, args, device, dtype, vocab, spent)
     else:
         out["skipped"] += ["prefill", "decode"]
     out["attention"] = attn

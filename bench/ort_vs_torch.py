@@ -30,8 +30,8 @@ def build_engine(model_ref: str, workdir: str | None, threads: int, attention: s
     from builders.ort.builder import OrtBuildStage
     from builders.ort.config import OrtBuildConfig
     from harp_trt.models import resolve_model
-    from harp_trt.rewrite.config import ExportConfig
-    from harp_trt.rewrite.export import ExportStage
+    from harp_trt.export.config import ExportConfig
+    from harp_trt.export.export import ExportStage
     from harp_trt.store import ArtifactStore
 
     store = ArtifactStore(workdir)

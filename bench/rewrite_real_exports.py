@@ -9,7 +9,7 @@ Exports the model twice, with the tools users run:
 
 then rewrites each with the plan (default P=4: layers 26-29, alphas 0.6 0.35 0.8 0.5), checks the
 result with ``onnx.checker`` and verifies it in ONNX Runtime against the PyTorch HARP model
-(``harp_trt.rewrite.verify``: prefill + decode steps, tolerance ``rtol x max(1, max|logits|)``).
+(``harp_trt.verify``: prefill + decode steps, tolerance ``rtol x max(1, max|logits|)``).
 Each graph is rewritten and verified in a child process so its peak RSS is its own.
 
     python bench/rewrite_real_exports.py [--model smollm2-135m] [--optimum-python PY] [--json]
@@ -106,7 +106,7 @@ def _rewrite_and_verify(args: tuple) -> dict:
 
     from harp_trt.plan import Plan
     from harp_trt.rewrite.stage import rewrite_onnx
-    from harp_trt.rewrite.verify import VerifyConfig, verify_rewrite
+    from harp_trt.verify import VerifyConfig, verify_rewrite
 
     plan = Plan.from_dict(plan_dict)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

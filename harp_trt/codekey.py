@@ -16,8 +16,8 @@ What counts as an import (each rule has a reason):
    reached only that way contributes its *module-level* imports, not those inside its functions.
    Its PEP 562 ``__getattr__`` (the lazy re-exports in ``harp_trt/rewrite/__init__.py``) runs only
    for code that takes a name from the package itself (rule 1 then applies to the package in
-   full). This is what keeps the rewrite rules out of the export's key: ``export.py`` imports its
-   siblings ``verify`` and ``graph``, never ``rules``, so changing a rule does not re-export.
+   full). The export stage (``harp_trt/export/``) imports no module of ``harp_trt/rewrite/``, so
+   changing a rule does not re-export.
 3. Lazy registries (``harp_trt/lazy.py``) import ``"package.module:attr"`` strings on first use: a
    string literal of that shape naming a module of this repository counts as an import of it.
 4. A package that imports computed submodule names (``importlib.import_module(f"{__name__}.{x}")``

@@ -1,7 +1,7 @@
 """``OrtCausalLM``: run an exported (dense, HARP-rewritten or ORT-built) causal LM graph in ONNX
 Runtime with a KV cache, from numpy.
 
-The graph follows ``harp_trt.rewrite.export``'s I/O contract. The KV layers are discovered from
+The graph follows ``harp_trt.export.export``'s I/O contract. The KV layers are discovered from
 the session's inputs (``past_key_values.{i}.key``), so a HARP graph whose pruned layers lost their
 KV I/O just works and the cache is allocated for kept layers only. Generation supports batches
 with left padding (``attention_mask`` 0 on the left), greedy or sampled (temperature, top-k,
@@ -94,7 +94,7 @@ class OrtCausalLM:
         if missing or "logits" not in outs:
             raise GraphError(STAGE, f"{path.name} does not follow the causal-LM I/O contract "
                              f"(missing {', '.join(missing + ([] if 'logits' in outs else ['logits']))})",
-                             "export it with harp_trt.rewrite.export.export_dense")
+                             "export it with harp_trt.export.export.export_dense")
         self.kv_layers: list[int] = kv_layers_of_names(ins)
         for i in self.kv_layers:
             for name in (past_name(i, "value"), present_name(i, "key"), present_name(i, "value")):

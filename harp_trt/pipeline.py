@@ -5,20 +5,14 @@ stages to run after calibrate and wire each stage's inputs to earlier steps' art
 class is imported from its ``"module:Class"`` entry only when its step runs. Each stage's artifact
 key depends only on its config, its code version and its upstream keys/digests, so a rerun with
 nothing changed is all cache hits (no model is loaded). ``force="rewrite"`` reruns that phase and
-every later one. Backends:
+every later one.
 
-- ``ort``    export + rewrite, then the ONNX Runtime engine (``builders/ort``); with a bench, the
-             dense engine is built too so both are measured on the same backend (which steps a
-             bench needs follows from the engines ``BackendSpec.bench_engines`` names for it).
-- ``trtllm`` TensorRT-LLM checkpoint + build_engine.sh from the plan (``builders/trtllm``); the
-             engine itself is built only where ``tensorrt_llm`` imports and a GPU exists.
-- ``triton`` the ``ort`` engine wrapped as a Triton model repository (``builders/triton``).
-- ``genai``  the ``ort`` engine as a folder onnxruntime-genai opens (``builders/genai``); its bench
-             compares the dense and HARP genai folders in onnxruntime-genai (``--bench-engine ort``:
-             the ORT engines)."""
+The pipeline knows no backend and no option of one: a backend's steps, their conditions
+(``Step.when``, ``Step.only_if``), their config adjustments (``Step.adjust``) and its closing notes
+(``BackendSpec.after``) are declared in the registry, the conditions as lazy ``"module:function"``
+strings that the backend implements beside its stage (e.g. ``builders/ort/steps.py``)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +22,7 @@ from .config import StageConfig
 from .errors import ConfigError
 from .extras import check
 from .plan import Plan
-from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step
+from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step, load_object
 from .stage import Hooks
 from .store import Artifact, ArtifactStore
 
@@ -77,21 +71,23 @@ def _needed(spec: BackendSpec, engines: tuple[tuple[str, str], ...]) -> set[str]
     return seen
 
 
-def _wanted(step: Step, needed: set[str], configs: Mapping[str, StageConfig]) -> bool:
-    if step.when == "bench":
-        return step.name in needed
-    if step.when == "bench-quant":
-        return step.name in needed and getattr(configs.get(step.stage), "quant", "none") != "none"
-    return True
+def _step_config(step: Step, needed: set[str], config: StageConfig) -> StageConfig | None:
+    """The config ``step`` runs with, or None when it does not run: a ``bench`` step only when the
+    bench needs it; then the backend's ``only_if`` and ``adjust`` on its stage config."""
+    if step.when == "bench" and step.name not in needed:
+        return None
+    if step.only_if and not load_object(step.only_if)(config):
+        return None
+    return load_object(step.adjust)(config) if step.adjust else config
 
 
-def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str = "ort",
+def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
               force: str | None = None, bench_config=None, configs: Mapping[str, StageConfig] | None = None,
               on_phase: Callable[[str], None] | None = None, progress=None, placement=None) -> BuildResult:
     """Run the pipeline; returns the per-stage records (cached or built) and the plan. ``configs``
     maps registry stage names (``"build-ort"``, ``"trtllm"``...) to their configs; a stage not
-    named runs with its config class's defaults. The ORT config (e.g. ``quant="int4"``) builds
-    every ORT engine of the run alike."""
+    named runs with its config class's defaults, and one config builds every step of that stage
+    alike (up to the step's ``adjust``)."""
     spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
     # the engines the bench compares (variant -> step; empty: it loads the model); ConfigError first
     bench_engines = spec.bench_engines(bench_config.engine, f"backend {backend}") if bench_config is not None else ()
@@ -130,15 +126,11 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str =
     out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
     for step in spec.steps:
-        if not _wanted(step, needed, configs):
-            continue
-        config = config_of(step.stage)
-        if step.fp32:  # the exact engines behind the bench's perplexity_fp32 row
-            config = dataclasses.replace(config, quant="none")
-        ctx[step.name] = run(step.name, step.stage, config, {k: ctx[src] for k, src in step.inputs})
-    if backend == "trtllm" and not _trtllm_importable():
-        out.notes.append("TensorRT-LLM is not importable here: stopped after the checkpoint; run "
-                         f"{out.artifact('build').path / 'build_engine.sh'} on a GPU host")
+        config = _step_config(step, needed, config_of(step.stage))
+        if config is not None:
+            ctx[step.name] = run(step.name, step.stage, config, {k: ctx[src] for k, src in step.inputs})
+    if spec.after:
+        out.notes += load_object(spec.after)(ctx)
 
     if bench_config is not None:
         source = {variant: ctx[name] for variant, name in bench_engines if name in ctx} if bench_engines else resolved
@@ -158,13 +150,10 @@ def _check_requirements(spec: BackendSpec, bench_config, needed: set[str],
                         configs: Mapping[str, StageConfig]) -> None:
     """``MissingDependencyError`` (``harp_trt.extras``) for the first optional dependency a step of
     this run needs and lacks: before calibrate's minutes, not after them."""
-    steps = [(s.stage, configs.get(s.stage)) for s in spec.steps if _wanted(s, needed, configs)]
+    def default(name: str) -> StageConfig:
+        return configs.get(name) or STAGES.get(name).config_class()()
+
+    steps = [(s.stage, c) for s in spec.steps if (c := _step_config(s, needed, default(s.stage))) is not None]
     for name, config in steps + ([("bench", bench_config)] if bench_config is not None else []):
-        entry = STAGES.get(name)
-        check(entry.stage_class()().requirements(config or entry.config_class()()))
+        check(STAGES.get(name).stage_class()().requirements(config))
 
-
-def _trtllm_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tensorrt_llm") is not None

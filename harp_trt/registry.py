@@ -57,15 +57,17 @@ class StageSpec:
 class Step:
     """One pipeline step: run stage ``stage`` and record its artifact as ``name``. ``inputs`` maps
     the stage's input names to earlier steps' names (or ``"model"`` / ``"plan"``). ``when``:
-    ``always``, ``bench`` (only when the bench that follows compares engines that need this step:
-    its ``BackendSpec.bench_engines`` name it or a step reading it) or ``bench-quant`` (the same,
-    and only when the ORT engines are quantized: the exact fp32 engines); ``fp32``: build unquantized."""
+    ``always`` or ``bench`` (only when the bench that follows compares engines that need this step:
+    its ``BackendSpec.bench_engines`` name it or a step reading it). The backend declares the rest
+    beside its stage, as lazy ``"module:function"`` strings called with the step's stage config:
+    ``only_if`` (run only when it answers true) and ``adjust`` (the config the step runs with)."""
 
     name: str
     stage: str
     inputs: tuple[tuple[str, str], ...]
     when: str = "always"
-    fp32: bool = False
+    only_if: str = ""
+    adjust: str = ""
 
 
 Engines = tuple[tuple[str, str], ...]  # variant ("dense", "harp", "dense_fp32"...) -> step name
@@ -77,13 +79,16 @@ class BackendSpec:
     (``bench.stage.config.ENGINES``) that ``build --bench`` runs unless told otherwise, and
     ``engines``, the steps whose artifacts it compares (``variant -> step``; empty: the bench
     engine loads the plan's model itself, as ``torch`` does). ``also``: other bench engines the
-    backend's artifacts serve, each with its own ``variant -> step`` table."""
+    backend's artifacts serve, each with its own ``variant -> step`` table. ``after``: lazy
+    ``"module:function"`` called with the run's artifacts (step name -> ``Artifact``) after the
+    steps, returning notes for the user (e.g. what is left to run elsewhere)."""
 
     steps: tuple[Step, ...]
     engines: Engines
     help: str
     bench: str = "torch"
     also: tuple[tuple[str, Engines], ...] = ()
+    after: str = ""
 
     def bench_names(self) -> list[str]:
         return [self.bench, *(name for name, _ in self.also)]
@@ -106,7 +111,7 @@ PHASES = ("calibrate", "export", "rewrite", "build", "bench")  # pipeline order,
 STAGES: Registry[StageSpec] = Registry("stage")
 STAGES.register("calibrate", StageSpec("calib.stage:CalibrateStage", "calib.config:CalibrateConfig", "calibrate",
                                        "score layers, choose P, search alpha (arXiv 2507.01900, Algorithm 1)"))
-STAGES.register("export", StageSpec("harp_trt.rewrite.export:ExportStage", "harp_trt.rewrite.config:ExportConfig",
+STAGES.register("export", StageSpec("harp_trt.export.export:ExportStage", "harp_trt.export.config:ExportConfig",
                                     "export", "dense ONNX graph with a KV cache"))
 STAGES.register("rewrite", StageSpec("harp_trt.rewrite.stage:RewriteStage", "harp_trt.rewrite.config:RewriteConfig",
                                      "rewrite", "HARP graph surgery (Eq. 4-5), verified against PyTorch"))
@@ -115,23 +120,26 @@ STAGES.register("build-ort", StageSpec("builders.ort.builder:OrtBuildStage", "bu
 STAGES.register("trtllm", StageSpec("builders.trtllm.stage:TrtllmCheckpointStage",
                                     "builders.trtllm.config:TrtllmCheckpointConfig", "build",
                                     "TensorRT-LLM checkpoint + build_engine.sh"))
-STAGES.register("triton", StageSpec("builders.triton.repository:TritonRepoStage",
+STAGES.register("triton", StageSpec("builders.triton.stage:TritonRepoStage",
                                     "builders.triton.config:TritonRepoConfig", "build",
                                     "Triton model repository around an engine"))
 STAGES.register("genai", StageSpec("builders.genai.stage:GenaiStage", "builders.genai.config:GenaiConfig", "build",
                                    "onnxruntime-genai folder (og.Model) around an engine"))
 STAGES.register("gguf", StageSpec("builders.gguf.stage:GgufStage", "builders.gguf.config:GgufConfig", "build",
                                   "llama.cpp deci GGUF (HARP layers as linear attention), verified in llama.cpp"))
-STAGES.register("bench", StageSpec("bench.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
+STAGES.register("bench", StageSpec("bench.stage.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
                                    "latency and accuracy, dense vs HARP"))
 
+_ORT_QUANTIZED, _ORT_EXACT = "builders.ort.steps:quantized", "builders.ort.steps:exact"
 _ORT_STEPS = (
     Step("export", "export", (("model", "model"),)),
     Step("rewrite", "rewrite", (("plan", "plan"), ("export", "export"), ("model", "model"))),
     Step("build", "build-ort", (("onnx", "rewrite"),)),
     Step("build:dense", "build-ort", (("onnx", "export"),), when="bench"),
-    Step("build:dense-fp32", "build-ort", (("onnx", "export"),), when="bench-quant", fp32=True),
-    Step("build:harp-fp32", "build-ort", (("onnx", "rewrite"),), when="bench-quant", fp32=True),
+    Step("build:dense-fp32", "build-ort", (("onnx", "export"),), when="bench", only_if=_ORT_QUANTIZED,
+         adjust=_ORT_EXACT),
+    Step("build:harp-fp32", "build-ort", (("onnx", "rewrite"),), when="bench", only_if=_ORT_QUANTIZED,
+         adjust=_ORT_EXACT),
 )
 _ORT_ENGINES = (("harp", "build"), ("dense", "build:dense"), ("dense_fp32", "build:dense-fp32"),
                 ("harp_fp32", "build:harp-fp32"))
@@ -149,7 +157,8 @@ BACKENDS.register("genai", BackendSpec(_GENAI_STEPS, (("harp", "build:genai"), (
                                        "the ort engine as an onnxruntime-genai folder (og.Model)", "genai",
                                        (("ort", _ORT_ENGINES), *_MODEL)))
 BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
-                                        "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)"))
+                                        "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)",
+                                        after="builders.trtllm.steps:engine_note"))
 BACKENDS.register("gguf", BackendSpec(
     (Step("build", "gguf", (("plan", "plan"), ("model", "model"))),
      Step("build:dense", "gguf", (("model", "model"),), when="bench")),  # no plan: the dense GGUF

@@ -22,7 +22,7 @@ import torch
 
 from .errors import CorruptWeightsError
 
-__all__ = ["WeightReader", "SafetensorsWriter", "TensorSpec", "ST_DTYPES", "dtype_code", "state_bytes", "read_header"]
+__all__ = ["WeightReader", "SafetensorsWriter", "TensorSpec", "ST_DTYPES", "dtype_code", "read_header"]
 
 # safetensors dtype codes <-> torch dtypes
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -158,10 +158,6 @@ class WeightReader:
         if dtype is not None and dtype != t.dtype:
             t = t.to(dtype)
         return t if str(device) == "cpu" else t.to(device)
-
-
-def state_bytes(specs: Iterable[TensorSpec]) -> int:
-    return sum(s.nbytes for s in specs)
 
 
 class SafetensorsWriter:

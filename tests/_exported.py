@@ -34,7 +34,7 @@ def _root() -> Path:
 @functools.cache
 def exported(family: str, harp: bool = False) -> Path:
     """``model.onnx`` of ``tiny(family, harp)``."""
-    from harp_trt.rewrite.export import export_dense
+    from harp_trt.export.export import export_dense
 
     return export_dense(tiny(family, harp), _root() / f"{family}{'-harp' if harp else ''}")
 

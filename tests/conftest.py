@@ -214,7 +214,7 @@ def trained_qwen2(tmp_path_factory) -> Path:
 def smollm2_export(smollm2, test_cache):
     """(store, export artifact) of the real SmolLM2-135M, exported once per session (the export and
     its verification take ~4 min on 2 cores) and shared by every integration test that needs it."""
-    from harp_trt.rewrite.export import ExportConfig, ExportStage
+    from harp_trt.export.export import ExportConfig, ExportStage
     from harp_trt.store import ArtifactStore
 
     store = ArtifactStore(test_cache)

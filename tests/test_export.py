@@ -10,12 +10,13 @@ import onnx
 import pytest
 import torch
 
+from _export_check import verify_export
 from _exported import HARP_ALPHAS, exported, tiny
 from conftest import save_tiny
 from harp_trt.errors import ConfigError, GraphError, PreconditionError
+from harp_trt.export.config import ExportConfig
+from harp_trt.export.export import ExportStage, export_dense
 from harp_trt.onnx_io import EXPORT_META_KEY, input_names, output_names, read_export_meta
-from harp_trt.rewrite.config import ExportConfig
-from harp_trt.rewrite.export import ExportStage, export_dense, verify_export
 from harp_trt.store import ArtifactStore
 
 ATOL = 1e-4  # fp32 logits of tiny models: ORT vs PyTorch differ by ~3e-7; 1e-4 leaves headroom
@@ -138,7 +139,7 @@ def test_streamed_export_equals_in_memory_export(tmp_path, fam):
     computes what the in-memory export computes, bit for bit, on prefill and with a past."""
     import onnxruntime as ort
 
-    from harp_trt.rewrite.export import _example, export_folder
+    from harp_trt.export.export import _example, export_folder
 
     folder = save_tiny(fam, tmp_path / "m", tie_word_embeddings=(fam == "gemma2"))
     streamed = export_folder(folder, tmp_path / "streamed")
@@ -159,7 +160,7 @@ def test_streamed_export_equals_in_memory_export(tmp_path, fam):
 
 def test_streamed_export_in_bfloat16(tmp_path):
     """A bf16 graph for GPU engines: bf16 initializers and KV I/O, the fp32 export's structure."""
-    from harp_trt.rewrite.export import export_folder
+    from harp_trt.export.export import export_folder
 
     folder = save_tiny("llama", tmp_path / "m")
     path = export_folder(folder, tmp_path / "bf16", dtype="bfloat16")
@@ -178,7 +179,7 @@ def test_export_stores_each_weight_once(tmp_path, tied, path):
     """Every initializer is read by the graph, and together they are the model's parameter bytes
     (a tied embedding once) plus a few small constants: no weight beside its transposed copy."""
     from conftest import make_tiny
-    from harp_trt.rewrite.export import export_folder
+    from harp_trt.export.export import export_folder
 
     model = make_tiny("qwen2", tie_word_embeddings=tied)
     with torch.no_grad():  # random init leaves the biases at 0: equal tensors the optimizer would share

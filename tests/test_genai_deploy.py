@@ -32,7 +32,7 @@ def built(tmp_path_factory):
     from builders.ort.config import OrtBuildConfig
     from harp_trt.harp import apply_harp
     from harp_trt.onnx_io import copy_tokenizer
-    from harp_trt.rewrite.export import export_dense
+    from harp_trt.export.export import export_dense
 
     root = tmp_path_factory.mktemp("genai")
     hf = save_tiny("llama", root / "hf", max_position_embeddings=CONTEXT)

@@ -11,7 +11,7 @@ import pytest
 
 from harp_trt.config import StageConfig
 from harp_trt.errors import UnknownNameError
-from harp_trt.registry import BACKENDS, PHASES, STAGES, Registry
+from harp_trt.registry import BACKENDS, PHASES, STAGES, Registry, load_object
 from harp_trt.stage import Stage
 
 HEAVY = ("torch", "onnx", "onnxruntime", "onnx_ir", "transformers", "numpy", "polars", "safetensors")
@@ -71,12 +71,33 @@ def test_backend_steps_are_wired():
         seen = {"model", "plan", "calibrate"}
         for step in spec.steps:
             STAGES.check(step.stage)
-            assert step.when in ("always", "bench", "bench-quant")
+            assert step.when in ("always", "bench")
+            for fn in (step.only_if, step.adjust):
+                assert not fn or callable(load_object(fn)), (name, step.name, fn)
             missing = [src for _, src in step.inputs if src not in seen]
             assert not missing, (name, step.name, missing)
             seen.add(step.name)
         assert all(s in seen for _, s in spec.engines), name
     assert [s.name for s in BACKENDS.get("triton").steps][-1] == "build:triton"
+    assert callable(load_object(BACKENDS.get("trtllm").after))
+
+
+def test_core_names_no_backend_option():
+    """The pipeline knows no backend and no option of one (issue 22, item 2): no backend name, no
+    ``quant``/``fp32`` in its code (names, attributes, strings outside docstrings)."""
+    import ast
+    from pathlib import Path
+
+    import harp_trt.pipeline as pipeline
+
+    banned = set(BACKENDS.names()) | {"quant", "fp32"}
+    tree = ast.parse(Path(pipeline.__file__).read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    words = [n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else n.value
+             for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Attribute))
+             or (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs)]
+    assert not [w for w in words if any(b in w.split() or b == w for b in banned)]
 
 
 def test_unknown_names_say_did_you_mean():
@@ -91,7 +112,7 @@ def test_unknown_names_say_did_you_mean():
 def test_registry_checks_the_base_class():
     reg = Registry("thing", base="harp_trt.stage:Stage")
     reg.register("config", "harp_trt.config:StageConfig")
-    reg.register("stage", "harp_trt.rewrite.export:ExportStage")
+    reg.register("stage", "harp_trt.export.export:ExportStage")
     assert reg.get("stage").name == "export"
     with pytest.raises(TypeError, match="not a subclass of Stage"):
         reg.get("config")

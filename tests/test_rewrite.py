@@ -55,7 +55,7 @@ def _one_torch_thread():
 def exports(tmp_path_factory):
     """family -> (store, export artifact, resolved model); one export per family per module."""
     from harp_trt.models import resolve_model
-    from harp_trt.rewrite.export import ExportConfig, ExportStage
+    from harp_trt.export.export import ExportConfig, ExportStage
 
     root = tmp_path_factory.mktemp("rewrite")
     store = ArtifactStore(root / "cache")
@@ -193,7 +193,7 @@ def test_external_data_round_trip(exports, tmp_path):
     """A graph stored with external data is read with it, and a large result is written with it."""
     import onnx_ir as ir
 
-    from harp_trt.rewrite.verify import verify_rewrite
+    from harp_trt.verify import verify_rewrite
 
     store, export, resolved = exports("llama")
     src = tmp_path / "src" / "model.onnx"
@@ -215,7 +215,7 @@ def test_external_data_round_trip(exports, tmp_path):
 
 
 def test_verification_failure_names_output_step_and_diff(exports, tmp_path):
-    from harp_trt.rewrite.verify import verify_rewrite
+    from harp_trt.verify import verify_rewrite
 
     store, export, resolved = exports("llama")
     plan = _plan(resolved, "llama", (1,), (0.5,))

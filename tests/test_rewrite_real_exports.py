@@ -28,7 +28,7 @@ from harp_trt.errors import PreconditionError, VerificationError
 from harp_trt.plan import Plan
 from harp_trt.rewrite.graph import check_onnx
 from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage, check_foreign_graph, graph_facts
-from harp_trt.rewrite.verify import VerifyConfig, verify_rewrite
+from harp_trt.verify import VerifyConfig, verify_rewrite
 from harp_trt.store import ArtifactStore
 
 FIXTURES = Path(__file__).parent / "fixtures" / "real_exports"

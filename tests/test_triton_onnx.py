@@ -31,7 +31,7 @@ NUM_LAYERS = 4
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(folder laid out like an export artifact, HARP PyTorch model): model.onnx, tokenizer, manifest."""
-    from harp_trt.rewrite.export import export_dense
+    from harp_trt.export.export import export_dense
 
     folder = tmp_path_factory.mktemp("export")
     model = apply_harp(make_tiny("llama"), ALPHAS)
@@ -303,7 +303,7 @@ def test_stage_execute_caches_the_repository(engine, tmp_path):
 
 def test_bf16_graph_is_refused_for_onnx_serving(tmp_path):
     from conftest import save_tiny
-    from harp_trt.rewrite.export import export_folder
+    from harp_trt.export.export import export_folder
 
     folder = save_tiny("llama", tmp_path / "m")
     export_folder(folder, tmp_path / "bf16", dtype="bfloat16")

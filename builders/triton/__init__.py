@@ -12,8 +12,8 @@ _EXPORTS = {
     "TensorSpec": "onnx_repo", "external_data_files": "onnx_repo", "onnx_io": "onnx_repo",
     "onnx_model_config": "onnx_repo",
     "model_metadata": "pbtxt", "parse_model_config": "pbtxt", "render_pbtxt": "pbtxt", "string_params": "pbtxt",
-    "ArtifactInfo": "repository", "TritonRepoStage": "repository", "inspect_artifact": "repository",
-    "validate_repository": "repository", "write_repository": "repository",
+    "ArtifactInfo": "artifact", "inspect_artifact": "artifact", "validate_repository": "validate",
+    "TritonRepoStage": "stage", "write_repository": "stage",
     "TEMPLATE_KEYS": "trtllm_repo", "TRTLLM_MODELS": "trtllm_repo", "trtllm_model_configs": "trtllm_repo",
 }
 __all__ = sorted(_EXPORTS)

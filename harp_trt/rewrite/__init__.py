@@ -2,11 +2,11 @@
 
 Pruned layers' attention blocks become ``MatMul(MatMul(x, W_V) + b_V, alpha * W_O_fold)``
 (``rules/``, ``fold.py``), their KV-cache inputs/outputs and dead Q/K/rotary nodes go
-(``passes.py``), and the result is checked in ONNX Runtime against PyTorch (``verify.py``).
-``export.py`` (the dense export) is imported on its own: it pulls in torch."""
+(``passes.py``), and the result is checked in ONNX Runtime against PyTorch (``harp_trt/verify.py``).
+The dense export it starts from is its own stage, ``harp_trt/export/``."""
 from __future__ import annotations
 
-__all__ = ["HarpRewritePass", "RewriteResult", "LayerReport", "fold_o_proj", "ExportConfig", "RewriteConfig",
+__all__ = ["HarpRewritePass", "RewriteResult", "LayerReport", "fold_o_proj", "RewriteConfig",
            "RewriteStage", "rewrite_onnx", "verify_rewrite", "VerifyConfig"]
 
 
@@ -19,16 +19,16 @@ def __getattr__(name):  # lazy: `import harp_trt.rewrite` stays cheap
         from .fold import fold_o_proj
 
         return fold_o_proj
-    if name in ("ExportConfig", "RewriteConfig"):
-        from . import config
+    if name == "RewriteConfig":
+        from .config import RewriteConfig
 
-        return getattr(config, name)
+        return RewriteConfig
     if name in ("RewriteStage", "rewrite_onnx"):
         from . import stage
 
         return getattr(stage, name)
     if name in ("verify_rewrite", "VerifyConfig"):
-        from . import verify
+        from .. import verify
 
         return getattr(verify, name)
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""The export and rewrite stages' settings. Light on purpose (no torch, no onnx): the CLI builds
+"""The rewrite stage's settings. Light on purpose (no torch, no onnx): the CLI builds
 its flags from the fields' ``option`` declarations."""
 from __future__ import annotations
 
@@ -8,28 +8,7 @@ from ..config import StageConfig, option
 from ..errors import ConfigError
 from ..onnx_io import EXTERNAL_DATA_THRESHOLD, PROTOBUF_LIMIT
 
-__all__ = ["ExportConfig", "RewriteConfig"]
-
-
-@dataclass(frozen=True)
-class ExportConfig(StageConfig):
-    """``opset``: ONNX opset (>= 23). ``verify_atol``: logits tolerance relative to max|logits|."""
-
-    VERSION = 2
-    opset: int = 23
-    verify_atol: float = 1e-4
-    dtype: str = "float32"   # float16 / bfloat16 graphs for GPU engines (onnxruntime-gpu)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        if self.opset < 23:
-            raise ConfigError(f"ExportConfig.opset must be >= 23, got {self.opset}")
-        if not 0 < self.verify_atol < 1:
-            raise ConfigError(f"ExportConfig.verify_atol must lie in (0, 1), got {self.verify_atol}")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"ExportConfig.dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+__all__ = ["RewriteConfig"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +35,6 @@ class RewriteConfig(StageConfig):
                               f"(protobuf's limit), got {self.external_data_mb}")
 
     def verify_config(self):
-        from .verify import VerifyConfig
+        from ..verify import VerifyConfig
 
         return VerifyConfig(rtol=self.rtol, decode_steps=self.decode_steps, greedy_steps=self.greedy_steps)

@@ -31,7 +31,7 @@ from ..store import Artifact
 from .config import RewriteConfig
 from .graph import STAGE, check_onnx, fix_constant_shapes, load_graph, save_graph
 from .passes import HarpRewritePass
-from .verify import verify_rewrite
+from ..verify import verify_rewrite
 
 __all__ = ["RewriteStage", "rewrite_onnx", "check_plan_graph", "check_foreign_graph", "graph_facts", "REPORT"]
 

@@ -49,15 +49,14 @@ import torch
 from torch import nn
 
 from ..dims import ModelDims
-from ..errors import ConfigError, GraphError, PreconditionError, VerificationError
-from ..extras import require
+from ..errors import ConfigError, GraphError, PreconditionError
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, copy_tokenizer,
                       input_names, output_names, read_export_meta)
 from ..stage import Stage
 from .config import ExportConfig
 from .initializers import bind_lazily, drop_dead_initializers, fold_weight_transposes, optimize
 
-__all__ = ["export_dense", "export_folder", "verify_export", "kv_layers_of", "ExportStage",
+__all__ = ["export_dense", "export_folder", "kv_layers_of", "ExportStage",
            "exporter_versions"]
 
 log = logging.getLogger(__name__)
@@ -285,43 +284,6 @@ def _check_opset(opset: int) -> None:
                           "(Attention, RotaryEmbedding, RMSNormalization)")
 
 
-# ---- numeric check ---------------------------------------------------------------------------
-def verify_export(model: nn.Module, onnx_path: Path, atol: float = 1e-4,
-                  shapes: tuple[tuple[int, int, int], ...] = ((1, 7, 0), (2, 3, 4))) -> dict[str, float]:
-    """Run the ONNX graph in ORT (CPU) and the PyTorch model on the same inputs, for each
-    (batch, seq, past) in ``shapes``; returns max |diff| per output kind and raises
-    ``VerificationError`` if logits differ by more than ``atol * max(1, max|logits|)``."""
-    import numpy as np
-
-    ort = require("onnxruntime", "the export's check against PyTorch needs it")
-    kv_layers = kv_layers_of(model)
-    wrapper = _FlatKV(model, kv_layers, model.config.num_hidden_layers).eval()
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-    names = input_names(kv_layers)
-    report = {"logits": 0.0, "present": 0.0, "tolerance": 0.0}
-    for b, s, p in shapes:
-        args = _example(model, kv_layers, b, s, p, seed=1 + b + s + p)
-        with torch.no_grad():
-            ref = wrapper(*args)
-        flat = [args[0], args[1], args[2], *args[3]]
-        got = sess.run(None, {n: t.numpy() for n, t in zip(names, flat)})
-        tol = atol * max(1.0, float(ref[0].abs().max()))
-        report["tolerance"] = max(report["tolerance"], tol)
-        report["logits"] = max(report["logits"], float(np.abs(got[0] - ref[0].numpy()).max()))
-        for g_, r_ in zip(got[1:], ref[1:]):
-            report["present"] = max(report["present"], float(np.abs(g_ - r_.numpy()).max()))
-    log.info("export check: logits max|diff| %.3g, present max|diff| %.3g (tolerance %.3g)",
-             report["logits"], report["present"], report["tolerance"])
-    if not (report["logits"] <= report["tolerance"] and report["present"] <= report["tolerance"]):
-        raise VerificationError(
-            "export", f"ONNX differs from PyTorch: logits max|diff| {report['logits']:.3g}, present "
-            f"max|diff| {report['present']:.3g}, tolerance {report['tolerance']:.3g}",
-            "report this with the model type; try another opset")
-    return report
-
-
 # ---- the stage -------------------------------------------------------------------------------
 class ExportStage(Stage[ExportConfig]):
     """inputs: ``{"model": ResolvedModel}``. Writes ``model.onnx`` (+ ``model.onnx.data`` over
@@ -355,7 +317,7 @@ class ExportStage(Stage[ExportConfig]):
 
     def run(self, config: ExportConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
         from ..families import family_of
-        from .verify import VerifyConfig, verify_rewrite
+        from ..verify import VerifyConfig, verify_rewrite
 
         resolved = inputs["model"]
         path = export_folder(Path(resolved.folder), Path(out_dir), opset=config.opset, dtype=config.dtype)

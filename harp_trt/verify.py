@@ -29,9 +29,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..dims import attention_dims
-from ..errors import GraphError, VerificationError
-from .graph import STAGE
+from .dims import attention_dims
+from .errors import GraphError, VerificationError
+
+STAGE = "rewrite"  # the stage its errors name (the export stage checks its graph with it too)
 
 __all__ = ["VerifyConfig", "VerifyResult", "verify_rewrite", "make_prompts"]
 
@@ -95,9 +96,9 @@ def _positions(mask: np.ndarray, new: int) -> np.ndarray:
 def _reference_stack(reference, alphas: Mapping[int, float]):
     """A LayerStack for the reference: a loaded model (patched in place) or a folder (sequential,
     streamed embeddings: one layer resident)."""
-    from ..device import Placement
-    from ..harp import apply_harp
-    from ..layerwise import LayerStack
+    from .device import Placement
+    from .harp import apply_harp
+    from .layerwise import LayerStack
 
     if isinstance(reference, (str, Path)):
         stack = LayerStack.open(reference, Placement("cpu", "float32", sequential=True), stream_embeddings=True)
@@ -126,7 +127,7 @@ def verify_rewrite(onnx_path: Path, reference, alphas: Mapping[int, float],
     """Compare the graph at ``onnx_path`` with the HARP model of ``alphas`` built from
     ``reference`` (a loaded ``*ForCausalLM``, patched in place, or a model folder read layer by
     layer). See the module docstring."""
-    from ..ort_session import OrtCausalLM
+    from .ort_session import OrtCausalLM
 
     try:
         sess = OrtCausalLM(onnx_path, session_config=dict(session_options or {"session.disable_prepacking": "1"}),

@@ -17,7 +17,6 @@ stage's postcondition), so a failure leaves nothing half-written. An existing, n
 is replaced only with ``force``."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -25,152 +24,23 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.onnx_io import TOKENIZER_FILES, copy_tokenizer, tokenizer_files
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
+from harp_trt.onnx_io import copy_tokenizer, tokenizer_files
 from harp_trt.mapping import ParallelMapping
 from harp_trt.stage import Stage
-from harp_trt.store import MANIFEST
 
+from .artifact import ONNX_STAGES, TRTLLM_STAGES, ArtifactInfo, inspect_artifact
 from .config import TritonRepoConfig
-from .pbtxt import STAGE, parse_model_config
+from .pbtxt import STAGE
 from .readme import readme_llm, readme_onnx, readme_trtllm
+from .validate import validate_repository
 
 __all__ = ["TritonRepoStage", "ArtifactInfo", "inspect_artifact", "write_repository",
            "validate_repository", "ONNX_STAGES", "TRTLLM_STAGES", "REPO_MANIFEST"]
 
 log = logging.getLogger(__name__)
 
-ONNX_STAGES = ("export", "rewrite", "build-ort")
-TRTLLM_STAGES = ("trtllm",)
 REPO_MANIFEST = "harp_triton.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class ArtifactInfo:
-    kind: str               # "onnx" or "trtllm"
-    path: Path
-    stage: str | None       # the manifest's stage, "ort-engine" for an engine.json folder, None for a bare folder
-    manifest: dict[str, Any]
-    onnx: Path | None = None
-    engine: dict[str, Any] | None = None  # engine.json of an ORT engine folder
-
-
-def inspect_artifact(ref: str | os.PathLike, store=None) -> ArtifactInfo:
-    """Classify an artifact folder (or a cache key, looked up in ``store``) for the Triton target."""
-    p = Path(ref)
-    if not p.is_dir() and store is not None:
-        try:
-            p = store.open(str(ref)).path
-        except Exception:  # CacheError: report below with the Triton wording
-            pass
-    if not p.is_dir():
-        raise PreconditionError(STAGE, f"no artifact folder at {ref}",
-                                "pass an export/rewrite/ORT-engine/trtllm artifact folder or its cache key "
-                                "(`harp-trt cache ls`)")
-    p = p.resolve()
-    manifest = json.loads((p / MANIFEST).read_text()) if (p / MANIFEST).is_file() else {}
-    stage = manifest.get("stage")
-    engine_json = p / "engine.json"
-    valid = ", ".join(ONNX_STAGES + TRTLLM_STAGES)
-    if stage in TRTLLM_STAGES:
-        return ArtifactInfo("trtllm", p, stage, manifest)
-    if stage is not None and stage not in ONNX_STAGES and not engine_json.is_file():
-        raise PreconditionError(STAGE, f"{p.name} is a {stage!r} artifact; Triton repositories are written from "
-                                f"{valid} artifacts or an ORT engine folder",
-                                "deploy the plan first (`harp-trt deploy trtllm --plan ...`, or export/rewrite it "
-                                "to ONNX), then pass that artifact")
-    name = manifest.get("onnx") or "model.onnx"
-    engine: Any = None
-    if engine_json.is_file():
-        try:
-            engine = json.loads(engine_json.read_text())
-        except ValueError:
-            raise PreconditionError(STAGE, f"{engine_json} is not valid JSON") from None
-        stage = stage or "ort-engine"
-        onnx_name = engine.get("model") if isinstance(engine, dict) else None  # builders/ort engine.json
-        name = onnx_name if isinstance(onnx_name, str) and onnx_name.endswith(".onnx") else name
-    onnx_path = p / name
-    if not onnx_path.is_file():
-        what = f"{stage!r} artifact" if stage else "folder"
-        raise PreconditionError(STAGE, f"{what} {p} has no {name}",
-                                "re-run the stage that writes it; an ONNX Runtime repository needs the graph")
-    return ArtifactInfo("onnx", p, stage, manifest, onnx_path,
-                        engine if engine_json.is_file() and isinstance(engine, dict) else None)
-
-
-# ---- validation -------------------------------------------------------------------------------
-def validate_repository(repo: Path) -> dict[str, Any]:
-    """Parse every ``<model>/config.pbtxt`` into ``ModelConfig`` and check the repository is
-    loadable as far as it can be without a server: model name = folder name, a version folder
-    ``1/`` exists, no ``${...}`` left in any text file, and every ensemble step names a model of the
-    repository, maps only tensors that model has, with matching data types and dims, and reads only
-    ensemble inputs or outputs of earlier steps. Returns ``{model name: ModelConfig}``."""
-    repo = Path(repo)
-    configs = {}
-    for cfg_path in sorted(repo.glob("*/config.pbtxt")):
-        msg = parse_model_config(cfg_path, where=str(cfg_path.relative_to(repo)))
-        folder = cfg_path.parent.name
-        if msg.name != folder:
-            raise PostconditionError(STAGE, f"{folder}/config.pbtxt names the model {msg.name!r}; Triton needs "
-                                     f"the folder name {folder!r}")
-        if not (cfg_path.parent / "1").is_dir():
-            raise PostconditionError(STAGE, f"model {folder} has no version folder 1/")
-        if not msg.input or not msg.output:
-            raise PostconditionError(STAGE, f"model {folder} declares no inputs or no outputs")
-        configs[folder] = msg
-    if not configs:
-        raise PostconditionError(STAGE, f"{repo} holds no <model>/config.pbtxt")
-    for f in repo.rglob("*"):
-        if f.is_file() and f.suffix in (".pbtxt", ".py", ".md", ".json", ".sh") and f.stat().st_size < 1 << 22:
-            text = f.read_text(errors="replace")
-            if "${" in text and f.name not in TOKENIZER_FILES:
-                raise PostconditionError(STAGE, f"{f.relative_to(repo)} still holds a template key "
-                                         f"{text[text.index('${'):][:40].splitlines()[0]!r}")
-    for name, msg in configs.items():
-        if msg.platform == "ensemble":
-            _check_ensemble(name, msg, configs)
-    return configs
-
-
-def _tensors(msg, group: str) -> dict[str, Any]:
-    return {t.name: t for t in getattr(msg, group)}
-
-
-def _check_ensemble(name: str, ens, configs: dict[str, Any]) -> None:
-    def fail(text: str):
-        raise PostconditionError(STAGE, f"ensemble {name}: {text}")
-
-    available = dict(_tensors(ens, "input"))  # tensor name -> spec (data_type, dims)
-    for i, step in enumerate(ens.ensemble_scheduling.step):
-        model = configs.get(step.model_name)
-        if model is None:
-            fail(f"step {i} runs model {step.model_name!r}, which is not in the repository")
-        if model.max_batch_size < ens.max_batch_size:
-            fail(f"max_batch_size {ens.max_batch_size} exceeds {step.model_name}'s {model.max_batch_size}")
-        m_in, m_out = _tensors(model, "input"), _tensors(model, "output")
-        for key, value in step.input_map.items():
-            if key not in m_in:
-                fail(f"step {step.model_name} maps input {key!r}, which the model does not have")
-            if value not in available:
-                fail(f"step {step.model_name} reads {value!r} before any step produces it")
-            src, dst = available[value], m_in[key]
-            if src.data_type != dst.data_type or list(src.dims) != list(dst.dims):
-                fail(f"{value!r} ({src.data_type}, {list(src.dims)}) does not match {step.model_name}.{key} "
-                     f"({dst.data_type}, {list(dst.dims)})")
-        required = {n for n, t in m_in.items() if not t.optional}
-        missing = required - set(step.input_map)
-        if missing:
-            fail(f"step {step.model_name} leaves required input(s) {sorted(missing)} unmapped")
-        for key, value in step.output_map.items():
-            if key not in m_out:
-                fail(f"step {step.model_name} maps output {key!r}, which the model does not have")
-            available[value] = m_out[key]
-    for out in ens.output:
-        if out.name not in available:
-            fail(f"output {out.name!r} is produced by no step")
-        src = available[out.name]
-        if src.data_type != out.data_type or list(src.dims) != list(out.dims):
-            fail(f"output {out.name!r} does not match the step output that produces it")
 
 
 # ---- the stage --------------------------------------------------------------------------------
