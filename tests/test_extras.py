@@ -132,7 +132,7 @@ def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_
 
 def test_help_and_main_path_import_no_optional_library():
     res, _ = run((), ["build", "--help"],
-                 "import calib.stage, harp_trt.pipeline, harp_trt.rewrite.export, harp_trt.rewrite.stage, "
+                 "import calib.stage, harp_trt.pipeline, harp_trt.export.export, harp_trt.rewrite.stage, "
                  "builders.ort.builder, bench.stage, harp_trt.ort_session")
     assert res["code"] == 0 and res["loaded"] == []
 

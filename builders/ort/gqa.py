@@ -1,4 +1,4 @@
-"""Graph rule: opset-23 ``Attention`` (as exported by ``harp_trt.rewrite.export``) ->
+"""Graph rule: opset-23 ``Attention`` (as exported by ``harp_trt.export.export``) ->
 ``com.microsoft::GroupQueryAttention``, the attention kernel ORT runs fastest on CPU.
 
 One rule of the house protocol (``harp_trt/graph_rules.py``: ``pattern`` / ``check`` /

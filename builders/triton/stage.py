@@ -53,6 +53,10 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
     name: ClassVar[str] = STAGE
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = ("README.md", "client.py", REPO_MANIFEST)
+
+    def requirements(self, config) -> tuple[tuple[str, str], ...]:
+        return (("tritonclient", "Triton repositories need it (each config.pbtxt is checked against its "
+                                 "ModelConfig schema)"),)
     INPUT_KEYS: ClassVar[tuple[str, ...]] = ("artifact", "engine", "onnx", "trtllm")
 
     @classmethod
