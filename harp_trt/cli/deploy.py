@@ -25,7 +25,6 @@ from ._options import add_config_arguments, config_from_args
 NAME = "deploy"
 HELP = ("deploy a HARP plan or artifact: trtllm (TensorRT-LLM checkpoint), triton (model repository), "
         "genai (onnxruntime-genai folder) or gguf (llama.cpp)")
-TARGETS = ("trtllm", "triton", "genai", "gguf")
 
 
 def _common_suppressed(p: argparse.ArgumentParser) -> None:
@@ -42,27 +41,29 @@ def _common_suppressed(p: argparse.ArgumentParser) -> None:
             p.add_argument(*a.option_strings, **kw)
 
 
+# target -> (help, description, the function adding its flags)
+_TARGETS = {
+    "trtllm": ("TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
+               "write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan", "add_trtllm_arguments"),
+    "triton": ("Triton model repository for an ONNX or TensorRT-LLM artifact",
+               "write a Triton model repository (config.pbtxt checked against Triton's schema, client.py, "
+               "README.md) for an ONNX or TensorRT-LLM artifact", "add_triton_arguments"),
+    "genai": ("onnxruntime-genai folder (og.Model) for an ORT engine",
+              "write a folder onnxruntime-genai opens with og.Model: the engine's graph, tokenizer files and a "
+              "genai_config.json read from its metadata", "add_genai_arguments"),
+    "gguf": ("llama.cpp deci GGUF for a HARP plan (verified in llama.cpp)",
+             "write a llama.cpp GGUF (deci architecture: pruned layers as one folded linear attention, no KV "
+             "cache) for a HARP plan, verified in llama.cpp", "add_gguf_arguments"),
+}
+TARGETS = tuple(_TARGETS)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="target", required=True, metavar="{trtllm,triton,genai,gguf}")
-    t = sub.add_parser("trtllm", help="TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
-                       description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan")
-    add_trtllm_arguments(t)
-    _common_suppressed(t)
-    r = sub.add_parser("triton", help="Triton model repository for an ONNX or TensorRT-LLM artifact",
-                       description="write a Triton model repository (config.pbtxt checked against Triton's "
-                                   "schema, client.py, README.md) for an ONNX or TensorRT-LLM artifact")
-    add_triton_arguments(r)
-    _common_suppressed(r)
-    g = sub.add_parser("genai", help="onnxruntime-genai folder (og.Model) for an ORT engine",
-                       description="write a folder onnxruntime-genai opens with og.Model: the engine's graph, "
-                                   "tokenizer files and a genai_config.json read from its metadata")
-    add_genai_arguments(g)
-    _common_suppressed(g)
-    f = sub.add_parser("gguf", help="llama.cpp deci GGUF for a HARP plan (verified in llama.cpp)",
-                       description="write a llama.cpp GGUF (deci architecture: pruned layers as one folded "
-                                   "linear attention, no KV cache) for a HARP plan, verified in llama.cpp")
-    add_gguf_arguments(f)
-    _common_suppressed(f)
+    sub = p.add_subparsers(dest="target", required=True, metavar="{" + ",".join(_TARGETS) + "}")
+    for name, (help_, description, adder) in _TARGETS.items():
+        t = sub.add_parser(name, help=help_, description=description)
+        globals()[adder](t)
+        _common_suppressed(t)
 
 
 def _config_class(stage: str) -> type:
