@@ -19,7 +19,8 @@ attention on, in one process.
   token are bytes per allocated cell. With flash attention a layer without KV heads adds nothing;
   without it llama.cpp pads such a layer's V to full width ([TAG_V_CACHE_VARIABLE] there), which is
   why flash attention is on.
-* ``kv_dtype_bytes`` comes from the same line (f16 by default: llama.cpp's ``type_k``/``type_v``)."""
+* ``kv_dtype_bytes`` comes from the same line (f16 by default: llama.cpp's ``type_k``/``type_v``;
+  ``kv_type="q8_0"`` sets both to q8_0, 34 bytes per 32 elements)."""
 from __future__ import annotations
 
 import contextlib
