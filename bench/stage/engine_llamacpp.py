@@ -19,7 +19,8 @@ attention on, in one process.
   token are bytes per allocated cell. With flash attention a layer without KV heads adds nothing;
   without it llama.cpp pads such a layer's V to full width ([TAG_V_CACHE_VARIABLE] there), which is
   why flash attention is on.
-* ``kv_dtype_bytes`` comes from the same line (f16 by default: llama.cpp's ``type_k``/``type_v``)."""
+* ``kv_dtype_bytes`` comes from the same line (f16 by default: llama.cpp's ``type_k``/``type_v``;
+  ``kv_type="q8_0"`` sets both to q8_0, 34 bytes per 32 elements)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,7 @@ from harp_trt.store import Artifact
 
 from .engines import Engine, EnginePair
 
-__all__ = ["LlamaCppEngine", "load_llamacpp_pair", "gguf_path", "CONTEXT_CAP"]
+__all__ = ["LlamaCppEngine", "load_llamacpp_pair", "gguf_path", "CONTEXT_CAP", "KV_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,10 @@ REPORT = "harp_gguf.json"   # builders/gguf's report (not imported: stages meet 
 CONTEXT_CAP = 8192   # tokens the batch-1 context holds at most (its KV is allocated up front)
 _KV_LINE = re.compile(r"llama_kv_cache: size = *([\d.]+) MiB \( *(\d+) cells, *(\d+) layers, *(\d+)/(\d+) seqs\), "
                       r"K \((\w+)\): *[\d.]+ MiB, V \((\w+)\)")
-_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+# bytes per cached element of llama.cpp's KV types (q8_0: blocks of 32 int8 values + one f16 scale,
+# 34 bytes per 32 elements: vendor/llama.cpp/ggml/src/ggml-common.h, block_q8_0)
+_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
+KV_TYPES = ("f16", "q8_0")
 _CAPTURE: list[str] | None = None
 
 
@@ -121,8 +125,12 @@ class LlamaCppEngine(Engine):
     backend = "llamacpp"
     prefill_logits = "last"
 
-    def __init__(self, path: Path, variant: str, threads: int, headroom: int, max_positions: int):
+    def __init__(self, path: Path, variant: str, threads: int, headroom: int, max_positions: int,
+                 kv_type: str = "f16"):
         self.lc = lc = _lc()
+        if kv_type not in KV_TYPES:
+            raise PreconditionError(STAGE, f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        self.kv_type = kv_type
         lc.llama_backend_init()
         self.path, self.variant, self.headroom = Path(path), variant, int(headroom)
         self.threads = int(threads or os.cpu_count() or 1)  # 0: every core, as ONNX Runtime's default
@@ -151,12 +159,20 @@ class LlamaCppEngine(Engine):
         room = max(need, min(self._max, CONTEXT_CAP) if n_seq == 1 else need + self.headroom)
         if c is not None:
             room = max(room, 2 * c.cells)
+        c = self._create(n_seq, room)
+        self._contexts[n_seq] = c
+        return c
+
+    def _create(self, n_seq: int, room: int) -> _Context:
+        """A new context of ``n_seq`` streams of ``room`` cells, with llama.cpp's logged KV size."""
         p = self.lc.llama_context_default_params()
         p.n_ctx = p.n_batch = n_seq * room
         p.n_ubatch = min(512, p.n_ctx)
         p.n_seq_max = n_seq
         p.n_threads = p.n_threads_batch = self.threads
         p.flash_attn_type = self.lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if self.kv_type != "f16":  # llama.cpp's default is f16 (llama_context_default_params)
+            p.type_k = p.type_v = getattr(self.lc, f"GGML_TYPE_{self.kv_type.upper()}")
         with _captured_log(self.lc) as lines:
             ctx = self.lc.llama_init_from_model(self.model, p)
         if not ctx:
@@ -164,13 +180,19 @@ class LlamaCppEngine(Engine):
                                     f"{self.path.name}")
         m = next((_KV_LINE.search(line) for line in lines if _KV_LINE.search(line)), None)
         if m is None:
+            self.lc.llama_free(ctx)
             raise PreconditionError(STAGE, f"llama.cpp logged no KV cache size for {self.path.name}",
                                     "this llama.cpp's log format differs from the one bench/stage/engine_llamacpp.py reads")
         cells, streams = int(m.group(2)), int(m.group(5))
-        c = _Context(ctx, n_seq, int(self.lc.llama_n_ctx(ctx)) // n_seq, round(float(m.group(1)) * 2**20),
-                     cells * streams, m.group(6))
-        self._contexts[n_seq] = c
-        return c
+        return _Context(ctx, n_seq, int(self.lc.llama_n_ctx(ctx)) // n_seq, round(float(m.group(1)) * 2**20),
+                        cells * streams, m.group(6))
+
+    def kv_allocation(self, tokens: int) -> tuple[int, int]:
+        """(KV bytes, cells) llama.cpp allocates for a one-sequence context of ``tokens`` positions,
+        read from its log as the context is created; the context is freed again."""
+        c = self._create(1, tokens)
+        self.lc.llama_free(c.ctx)
+        return c.kv_bytes, c.kv_cells
 
     def _decode(self, c: _Context, tokens: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
         """Decode ``tokens [B, n]`` at positions ``start..`` (row b is sequence b) as one batch;
@@ -256,9 +278,10 @@ def _report(folder: Path) -> dict[str, Any]:
         return {}
 
 
-def load_llamacpp_pair(plan, source, config) -> EnginePair:
+def load_llamacpp_pair(plan, source, config, kv_type: str = "f16") -> EnginePair:
     """``source``: ``{"dense": ..., "harp": ...}`` GGUF files or folders holding ``model.gguf``. The
-    HARP file's layers without KV heads must be the plan's pruned layers."""
+    HARP file's layers without KV heads must be the plan's pruned layers. ``kv_type``: the KV
+    cache's element type (``KV_TYPES``)."""
     from .gguf_meta import gguf_dims, gguf_tokenizer
 
     paths = {v: gguf_path(source[v]) for v in ("dense", "harp")}
@@ -272,7 +295,7 @@ def load_llamacpp_pair(plan, source, config) -> EnginePair:
         raise PreconditionError(STAGE, f"HARP GGUF {paths['harp']} has no KV heads in layers {sorted(no_kv)}; the "
                                 f"plan prunes {list(plan.layers)}", "write the HARP GGUF from this plan")
     headroom = max(config.decode_tokens, config.greedy_tokens) + 1
-    engines = {v: LlamaCppEngine(p, v, config.threads, headroom, ctx_len) for v, p in paths.items()}
+    engines = {v: LlamaCppEngine(p, v, config.threads, headroom, ctx_len, kv_type) for v, p in paths.items()}
     import llama_cpp
 
     info = {v: {"gguf": str(p), "threads": engines[v].threads, "flash_attention": True,

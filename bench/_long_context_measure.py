@@ -1,0 +1,130 @@
+"""Measurements of ``bench/long_context.py``: interleaved decode and prefill timings of a dense and a
+HARP engine (and optional peers) of one runtime, and the KV capacity of a fixed budget measured by
+allocating it. The statistics are ``bench.stage.latency``'s (``paired_speedup``, ``latency_stats``).
+
+Decode at a context C and batch B: every engine prefills a prompt of C tokens per sequence once
+(untimed), runs ``warmup`` untimed steps, then ``repeats`` rounds in which each engine, in an order
+that rotates every round, times ``steps`` one-token decode steps. A round's median step time is one
+inter-token latency per engine; the rounds pair dense and HARP for the speed-up's 95 % interval.
+The context grows by ``warmup + repeats x steps`` tokens during the run (small next to C)."""
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from bench.stage.latency import _ids, latency_stats, paired_speedup
+
+__all__ = ["rotation", "measure_decode", "measure_prefill", "largest_fit", "peak_rss_bytes"]
+
+
+def rotation(names: list[str], r: int) -> list[str]:
+    """``names`` rotated by ``r``: each engine goes first in turn."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process so far (``getrusage``: KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _step(engine, tok: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any, float]:
+    t = time.perf_counter()
+    logits, state = engine.decode(tok, state)
+    ms = (time.perf_counter() - t) * 1e3
+    return logits.argmax(-1, keepdim=True), state, ms
+
+
+def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int, steps: int, repeats: int,
+                   warmup: int, seed: int = 0) -> dict[str, Any]:
+    """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
+    ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
+    "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
+    ids = _ids(vocab, context, seed + context, batch=batch)
+    names = list(engines)
+    live: dict[str, tuple[torch.Tensor, Any]] = {}
+    for n in names:
+        logits, state = engines[n].prefill(ids)
+        live[n] = (logits.argmax(-1, keepdim=True), state)
+    for n in names:
+        tok, state = live[n]
+        for _ in range(warmup):
+            tok, state, _ = _step(engines[n], tok, state)
+        live[n] = (tok, state)
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    every: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in rotation(names, r):
+            tok, state = live[n]
+            ms = []
+            for _ in range(steps):
+                tok, state, m = _step(engines[n], tok, state)
+                ms.append(m)
+            live[n] = (tok, state)
+            rounds[n].append(float(np.median(ms)))
+            every[n] += ms
+    out: dict[str, Any] = {"context": context, "batch": batch, "steps_per_round": steps, "rounds": repeats,
+                           "per_engine": {}}
+    for n in names:
+        state = live[n][1]
+        nbytes, slots = engines[n].cache_bytes(state), engines[n].cache_tokens(state)
+        held = context + warmup + repeats * steps
+        out["per_engine"][n] = {"tokens_per_s": batch * 1e3 / float(np.median(every[n])),
+                                "itl": latency_stats(every[n]), "kv_bytes": int(nbytes),
+                                "kv_tokens": int(slots) if slots else batch * held}
+    out["speedup"] = paired_speedup(rounds["dense"], rounds["harp"], seed)
+    out["peer_ratio"] = {n: paired_speedup(rounds["dense"], rounds[n], seed)
+                         for n in names if n not in ("dense", "harp")}
+    del live
+    gc.collect()
+    return out
+
+
+def measure_prefill(engines: dict[str, Any], vocab: int, seq: int, repeats: int, warmup: int,
+                    seed: int = 0) -> dict[str, Any]:
+    """Seconds of one batch-1 prefill of ``seq`` tokens per engine, interleaved with a rotating
+    order; the speed-up pairs each round's dense and HARP times."""
+    ids = _ids(vocab, seq, seed + seq)
+    names = list(engines)
+    for w in range(warmup):
+        for n in rotation(names, w):
+            engines[n].prefill(ids)
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in rotation(names, r):
+            t = time.perf_counter()
+            _, state = engines[n].prefill(ids)
+            ms[n].append((time.perf_counter() - t) * 1e3)
+            del state
+    return {"seq_len": seq, "per_engine": {n: {"seconds": float(np.median(v)) / 1e3, "ms": latency_stats(v)}
+                                           for n, v in ms.items()},
+            "speedup": paired_speedup(ms["dense"], ms["harp"], seed)}
+
+
+def largest_fit(alloc: Callable[[int], int], budget: int, step: int) -> dict[str, int]:
+    """The most tokens (a multiple of ``step``) whose allocation fits ``budget`` bytes.
+    ``alloc(n)`` allocates a KV cache for ``n`` tokens in the runtime, frees it and returns the
+    bytes the runtime reported; sizes are probed doubling, then by bisection (the runtime's size
+    must grow with n, which every per-token cache does)."""
+    if alloc(step) > budget:
+        return {"tokens": 0, "bytes": 0, "probes": 1}
+    lo, probes = 1, 1
+    hi = 2
+    while True:
+        probes += 1
+        if alloc(hi * step) > budget:
+            break
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        probes += 1
+        if alloc(mid * step) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return {"tokens": lo * step, "bytes": alloc(lo * step), "probes": probes + 1}

@@ -1,0 +1,151 @@
+"""One runtime's figures for ``bench/long_context.py``: decode and prefill (measured interleaved),
+KV bytes per token and KV capacity (measured in the runtime), each beside its ideal from
+``bench/stage/flops.py``."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from bench.stage import flops
+
+from ._long_context_measure import largest_fit, measure_decode, measure_prefill, peak_rss_bytes
+
+__all__ = ["measure_runtime", "element_bytes", "decode_ideal", "prefill_ideal", "capacity_allocator"]
+
+log = logging.getLogger("long_context")
+
+
+def element_bytes(runtime: str, pair, quant: str) -> tuple[float, float]:
+    """(weight bytes per parameter, KV bytes per element) as the runtime holds them. ORT/genai:
+    fp32 or the ``--quant`` element size (scales and unquantized matrices left out: the byte ideal
+    of a quantized engine is approximate), the session's KV dtype; llama.cpp: the GGUF's f16
+    weights (builders/gguf's default), the KV type it logged (``LlamaCppEngine.kv_dtype_bytes``)."""
+    if runtime == "llamacpp":
+        return 2.0, float(pair.dense.kv_dtype_bytes)
+    weights = {"none": 4.0, "int8": 1.0, "int4": 0.5}[quant]
+    if runtime == "ort":
+        return weights, float(np.dtype(pair.dense.session.kv_dtype).itemsize)
+    return weights, 4.0   # genai runs the ORT engine's graph: its fp32 KV
+
+
+def decode_ideal(d, pruned, context: int, batch: int, wb: float, kvb: float) -> dict[str, float]:
+    """Bytes one decode step reads at ``context`` for ``batch`` sequences: the weights once plus each
+    sequence's KV (``flops.decode_bytes_per_token``; batch 1 is exactly its figure)."""
+    def step(p):
+        weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb)
+        return weights + batch * (flops.decode_bytes_per_token(d, context, p, wb, kvb) - weights)
+    dense, harp = step(None), step(pruned)
+    return {"dense_bytes": dense, "harp_bytes": harp, "ideal": dense / harp}
+
+
+def prefill_ideal(d, pruned, seq: int, logits: str) -> dict[str, float]:
+    dense, harp = flops.prefill_flops(d, seq, None, logits), flops.prefill_flops(d, seq, pruned, logits)
+    return {"dense_flops": dense, "harp_flops": harp, "ideal": dense / harp}
+
+
+def capacity_allocator(runtime: str, engine, step: int):
+    """``alloc(tokens) -> bytes``: a KV cache for ``tokens`` positions allocated by the runtime and
+    freed. llama.cpp: a one-sequence context of that many cells (its logged KV size); genai: a
+    generator of ``tokens / step`` sequences of ``max_length`` = ``step`` after its first forward
+    (the present buffers it holds; needs ``past_present_share_buffer``, else None); ORT: the
+    engine's ``StaticCache`` (K and V buffers of every KV layer) of that capacity."""
+    if runtime == "llamacpp":
+        return lambda n: engine.kv_allocation(n)[0]
+    if runtime == "genai":
+        def alloc(n):
+            gen = engine._generator(n // step, step)
+            gen.append_tokens(np.ones((n // step, 1), dtype=np.int32))
+            from bench.stage.engine_genai import _State
+            state = _State(gen, n // step, step, None)
+            if engine.cache_tokens(state) != step:
+                raise LookupError("genai does not allocate max_length ahead (no past_present_share_buffer)")
+            return engine.cache_bytes(state)
+        return alloc
+    from harp_trt.ort_session import StaticCache
+
+    lm = engine.session
+
+    def alloc(n):
+        empty = np.zeros((1, lm.kv_heads, 0, lm.head_dim), lm.kv_dtype)
+        cache = StaticCache(lm, {i: (empty, empty) for i in lm.kv_layers}, n)
+        return int(sum(k.nbytes + v.nbytes for k, v in cache.buffers.values()))
+    return alloc
+
+
+def _capacity(runtime: str, pair, args, L: int, P: int) -> dict[str, Any]:
+    budget, step = args.kv_budget_bytes, args.capacity_step
+    out: dict[str, Any] = {"budget_bytes": budget, "step_tokens": step, "ideal": L / (L - P),
+                           "per_layer": True}
+    if runtime == "genai":
+        step = min(step, pair.dense.max_positions)
+        out["step_tokens"] = step
+    try:
+        for v, e in pair.engines().items():
+            out[v] = largest_fit(capacity_allocator(runtime, e, step), budget, step)
+    except LookupError as exc:
+        return {**out, "per_layer": False, "ratio": None, "why": str(exc)}
+    d, h = out["dense"]["tokens"], out["harp"]["tokens"]
+    out["ratio"] = h / d if d else None
+    # a fit is a multiple of the step: the ratio is within this of the exact one
+    out["ratio_granularity"] = (h + step) / d - h / d if d else None
+    return out
+
+
+def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, Any]:
+    """Batch 1: prefill ``context`` tokens, decode one, bytes the runtime holds / positions they cover."""
+    from bench.stage.latency import _ids
+
+    out: dict[str, Any] = {}
+    ids = _ids(vocab, context, 11)
+    for v, e in pair.engines().items():
+        logits, state = e.prefill(ids)
+        _, state = e.decode(logits.argmax(-1, keepdim=True), state)
+        tokens = e.cache_tokens(state) or context + 1
+        out[v] = e.cache_bytes(state) / tokens
+        del state
+    out["ratio"] = out["harp"] / out["dense"]
+    out["counted"] = {"dense": flops.kv_bytes_per_token(d, None, kvb),
+                      "harp": flops.kv_bytes_per_token(d, pair.pruned, kvb)}
+    return out
+
+
+def _check_contexts(pair, args) -> None:
+    from harp_trt.errors import ConfigError
+
+    need = max(args.contexts) + args.warmup + args.repeats * args.decode_steps + 1
+    longest = max([need, *args.prefill_lens])
+    if longest > pair.max_positions:
+        raise ConfigError(f"contexts up to {max(args.contexts)} plus {need - max(args.contexts)} decoded tokens "
+                          f"(or a prefill of {max(args.prefill_lens, default=0)}) exceed the model's "
+                          f"{pair.max_positions} positions", "give shorter --contexts / --prefill-lens")
+
+
+def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str, Any]:
+    _check_contexts(pair, args)
+    d, L, P = pair.dims, pair.dims.num_layers, len(pair.pruned)
+    wb, kvb = element_bytes(runtime, pair, args.quant)
+    engines = {**pair.engines(), **peers}
+    out: dict[str, Any] = {"engines": pair.info, "weight_bytes_per_param": wb, "kv_bytes_per_element": kvb,
+                           "kv_type": args.kv_type if runtime == "llamacpp" else str(np.dtype("float32")),
+                           "decode": [], "prefill": []}
+    out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, min(args.contexts), kvb, d)
+    for c in args.contexts:
+        for b in args.batches:
+            m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed)
+            m["ideal"] = decode_ideal(d, pair.pruned, c, b, wb, kvb)
+            m["fraction_of_ideal"] = m["speedup"]["speedup"] / m["ideal"]["ideal"]
+            out["decode"].append(m)
+            log.info("%s decode %d x %d: dense %.1f, harp %.1f tok/s, speed-up %.3f [%.3f, %.3f], ideal %.3f",
+                     runtime, c, b, m["per_engine"]["dense"]["tokens_per_s"], m["per_engine"]["harp"]["tokens_per_s"],
+                     m["speedup"]["speedup"], m["speedup"]["speedup_ci95_low"], m["speedup"]["speedup_ci95_high"],
+                     m["ideal"]["ideal"])
+    for s in args.prefill_lens:
+        m = measure_prefill(pair.engines(), d.vocab, s, args.repeats, min(args.warmup, 1), args.seed)
+        m["ideal"] = prefill_ideal(d, pair.pruned, s, pair.dense.prefill_logits)
+        out["prefill"].append(m)
+        log.info("%s prefill %d: speed-up %.3f, ideal %.3f", runtime, s, m["speedup"]["speedup"], m["ideal"]["ideal"])
+    out["kv_capacity"] = _capacity(runtime, pair, args, L, P)
+    out["peak_rss_bytes"] = peak_rss_bytes()
+    return out

@@ -1,0 +1,239 @@
+"""Long-context decode, prefill and KV capacity of a dense and a HARP engine on the runtimes users run
+(issue 21): our ONNX Runtime engine (``--quant``), onnxruntime-genai, llama.cpp (flash attention on,
+``--kv-type``).
+
+    python bench/long_context.py --model smollm2-135m --prune-layers 22,23,24,25,26,27,28,29 \\
+        --runtime llamacpp --contexts 2048,4096 --batches 1,4 --prefill-lens 4096 --kv-budget 2GiB
+
+The plan is ``--plan`` (a plan.json, a calibrate artifact or its key) or made from ``--model`` and
+``--prune-layers`` at ``--alpha`` (speed does not depend on the alphas); the engines are built by
+the pipeline's own stages (``harp_trt.registry.BACKENDS``: the steps the runtime's bench compares),
+cached in ``--workdir``. Per runtime, interleaved with the order rotating
+(``bench/_long_context_measure.py``): decode tokens/s with ITL p50/p90/p99 at every context x batch,
+prefill seconds at every ``--prefill-lens``, KV bytes per token as the runtime allocates them, peak
+RSS of the process, and the KV capacity of ``--kv-budget`` found by allocating caches in the runtime.
+Every figure sits next to its ideal from ``bench/stage/flops.py``: bytes per decode step (weights
+once plus every sequence's KV, at the runtime's weight and KV element sizes), prefill FLOPs, the
+counted KV bytes per token, and L/(L-P) for capacity. Speed-ups carry 95 % intervals
+(``bench.stage.latency.paired_speedup``). Writes ``long_context.png`` (matplotlib, if installed) and
+``long_context.json`` under ``--out`` and ends stdout with the JSON object."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harp_trt.errors import ConfigError, HarpError  # noqa: E402
+
+__all__ = ["main", "parse_args", "run", "parse_bytes", "RUNTIMES"]
+
+log = logging.getLogger("long_context")
+
+RUNTIMES = {"ort": "ort", "genai": "genai", "llamacpp": "gguf"}   # runtime -> pipeline backend
+WEIGHT_BYTES = {"none": 4, "int8": 1, "int4": 0.5}                 # ORT weight element size per --quant
+BUSY_NOTE = ("timings from a shared, busy machine unless stated otherwise: speed-ups and their intervals "
+             "cover this run's repeat-to-repeat noise only")
+
+
+def parse_bytes(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``64KiB`` or a plain byte count."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*", text)
+    if not m:
+        raise ConfigError(f"--kv-budget takes a size like 2GiB, 512MiB or a byte count, got {text!r}")
+    scale = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"{flag} takes positive integers, got {text!r}")
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--plan", help="plan.json, calibrate artifact folder or its key in --workdir")
+    src.add_argument("--model", help="model reference (preset, HF folder); with --prune-layers")
+    p.add_argument("--prune-layers", default="", help="layers to prune with --model, e.g. 22,23,...,29")
+    p.add_argument("--alpha", type=float, default=0.5, help="alpha of every pruned layer (default 0.5)")
+    p.add_argument("--corpus", default="wiki", help="text the plan's perplexities are read on (with --model)")
+    p.add_argument("--calib-tokens", type=int, default=512, help="tokens of that text (default 512)")
+    p.add_argument("--runtime", default="ort", choices=[*RUNTIMES, "all"])
+    p.add_argument("--quant", default="none", choices=list(WEIGHT_BYTES), help="ORT/genai weights")
+    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="llama.cpp's KV cache type")
+    p.add_argument("--contexts", default="2048,4096,8192")
+    p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--prefill-lens", default="4096,8192")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per engine per round")
+    p.add_argument("--repeats", type=int, default=5, help="rounds (pairs for the intervals)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps / prefills first")
+    p.add_argument("--kv-budget", default="2GiB", help="KV budget the capacity is measured in")
+    p.add_argument("--capacity-step", type=int, default=256, help="token granularity of the capacity search")
+    p.add_argument("--peer", default="", choices=["", "genai-int4"], help="add onnxruntime-genai's own int4 model")
+    p.add_argument("--threads", type=int, default=0, help="runtime threads (0 = the runtime's default)")
+    p.add_argument("--workdir", default=str(Path.home() / ".cache" / "harp-trt"), help="artifact cache")
+    p.add_argument("--out", default="long_context_out", help="folder for the JSON and the plot")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    a.contexts, a.batches = _ints(a.contexts, "--contexts"), _ints(a.batches, "--batches")
+    a.prefill_lens = _ints(a.prefill_lens, "--prefill-lens") if a.prefill_lens.strip() not in ("", "none") else ()
+    a.layers = _ints(a.prune_layers, "--prune-layers") if a.prune_layers else ()
+    if a.model and not a.layers:
+        raise ConfigError("--model needs --prune-layers (the layers to prune), e.g. --prune-layers 28,29")
+    if a.plan and a.layers:
+        raise ConfigError("--prune-layers makes a plan from --model; with --plan the plan names its layers")
+    if not 0.0 <= a.alpha <= 1.0:
+        raise ConfigError(f"--alpha must lie in [0, 1], got {a.alpha}")
+    for name in ("decode_steps", "repeats", "capacity_step"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0 or a.threads < 0:
+        raise ConfigError("--warmup and --threads must be >= 0")
+    a.kv_budget_bytes = parse_bytes(a.kv_budget)
+    a.runtimes = list(RUNTIMES) if a.runtime == "all" else [a.runtime]
+    return a
+
+
+# ---- plan and engines: the pipeline's stages, cached ------------------------------------------
+def make_plan(args, store):
+    """(plan, resolved model, calibrate artifact or None)."""
+    from harp_trt.models import resolve_model
+    from harp_trt.pipeline import run_stage
+    from harp_trt.plan import Plan, open_plan
+    from harp_trt.registry import STAGES
+
+    if args.plan:
+        plan = open_plan(args.plan, store)
+        return plan, resolve_model(plan.model_ref, store.root), None
+    resolved = resolve_model(args.model, store.root)
+    cfg = STAGES.get("calibrate").config_class()(
+        layers=len(args.layers), prune_layers=tuple(args.layers), alphas=(float(args.alpha),) * len(args.layers),
+        corpus=args.corpus, tokens=args.calib_tokens, seq_len=min(128, args.calib_tokens))
+    art = run_stage("calibrate", cfg, {"model": resolved}, store)
+    return Plan.load(art.path), resolved, art
+
+
+def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[str, Any]:
+    """The dense and HARP artifacts the runtime's bench compares, built by walking the backend's
+    steps that lead to them (``BackendSpec.steps``; other bench-only steps are skipped)."""
+    from harp_trt.pipeline import run_stage
+    from harp_trt.registry import BACKENDS, STAGES
+
+    spec = BACKENDS.get(RUNTIMES[runtime])
+    # only the dense and HARP engines (not the fp32 references a quantized bench also reads)
+    engines = {v: name for v, name in spec.bench_engines(runtime, f"backend {RUNTIMES[runtime]}")
+               if v in ("dense", "harp")}
+    inputs = {s.name: [src for _, src in s.inputs] for s in spec.steps}
+    needed, todo = set(), list(engines.values())
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo += inputs.get(name, [])
+    ctx: dict[str, Any] = {"model": resolved, "plan": plan, "calibrate": calib_art}
+    for step in spec.steps:
+        if step.name not in needed:
+            continue
+        cfg = STAGES.get(step.stage).config_class()()
+        if hasattr(cfg, "quant"):
+            cfg = dataclasses.replace(cfg, quant=args.quant)
+        log.info("%s: %s ...", runtime, step.name)
+        ctx[step.name] = run_stage(step.stage, cfg, {k: ctx[src] for k, src in step.inputs}, store)
+    return {v: ctx[name] for v, name in engines.items()}
+
+
+def load_pair(runtime: str, plan, sources, args, headroom: int):
+    from bench.stage.config import ENGINES, BenchConfig
+
+    cfg = BenchConfig(engine=runtime, decode_tokens=headroom, greedy_tokens=1, threads=args.threads,
+                      latency=False, accuracy=False)
+    loader = ENGINES.get(runtime)
+    if runtime == "llamacpp":
+        return loader(plan, sources, cfg, kv_type=args.kv_type)
+    return loader(plan, sources, cfg)
+
+
+def load_peer(args, resolved, store, max_pos: int, headroom: int):
+    """onnxruntime-genai's own int4 model of the plan's model (its builder), cached by model digest."""
+    from bench.genai_engine import build_genai_int4
+    from bench.stage.engine_genai import GenaiBenchEngine
+
+    folder = Path(store.root) / "long_context_peers" / f"genai-int4-{resolved.digest[:16]}"
+    if not (folder / "genai_config.json").is_file():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        build_genai_int4(resolved.folder, tmp)
+        tmp.rename(folder)
+    return GenaiBenchEngine(folder, "peer", args.threads, headroom, max_pos)
+
+
+def run(args) -> dict[str, Any]:
+    from harp_trt.store import ArtifactStore
+
+    from bench._long_context_runtime import measure_runtime
+    from bench._long_context_plot import write_plot
+
+    store = ArtifactStore(Path(args.workdir))
+    plan, resolved, calib_art = make_plan(args, store)
+    L, P = plan.num_layers, len(plan.layers)
+    out: dict[str, Any] = {
+        "issue": 21, "note": BUSY_NOTE, "model": resolved.ref, "model_digest": resolved.digest,
+        "plan": {"layers": list(plan.layers), "alphas": list(plan.alphas), "num_layers": L, "pruned": P,
+                 "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
+        "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
+                                                   "warmup", "kv_budget_bytes", "capacity_step", "quant", "kv_type",
+                                                   "threads", "peer", "seed")},
+        "machine": {"cpus": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
+        "runtimes": {}}
+    headroom = args.warmup + args.repeats * args.decode_steps + 2
+    for runtime in args.runtimes:
+        t = time.perf_counter()
+        sources = build_sources(runtime, plan, resolved, calib_art, store, args)
+        pair = load_pair(runtime, plan, sources, args, headroom)
+        peers = {}
+        try:
+            if args.peer:
+                peers["genai-int4"] = load_peer(args, resolved, store, pair.max_positions, headroom)
+            out["runtimes"][runtime] = measure_runtime(runtime, pair, peers, args)
+        finally:
+            pair.close()
+            for e in peers.values():
+                e.close()
+        out["runtimes"][runtime]["seconds"] = round(time.perf_counter() - t, 1)
+    out["machine"]["load_avg_end"] = list(os.getloadavg())
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out["plot"], out["plot_note"] = write_plot(out, out_dir / "long_context.png")
+    tmp = out_dir / "long_context.json.tmp"
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(out_dir / "long_context.json")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        out = run(parse_args(argv))
+    except HarpError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

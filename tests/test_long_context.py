@@ -1,0 +1,139 @@
+"""``bench/long_context.py`` (issue 21) on a tiny llama, one run over the three runtimes (our ORT
+engine, onnxruntime-genai, llama.cpp) at tiny contexts: every field of its JSON, KV bytes per token
+as each runtime allocates them ((L-P)/L of dense), the KV capacity of a fixed budget measured by
+allocating it (>= L/(L-P) x dense), and ideals equal to bench/stage/flops.py's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import save_tiny
+from test_calibrate_cli import write_corpus
+
+import llama_cpp  # noqa: F401  (the test extra installs both: a missing runtime fails, never skips)
+import onnxruntime_genai  # noqa: F401
+
+LAYERS, PRUNED = 4, (2, 3)
+KEPT = (LAYERS - len(PRUNED)) / LAYERS
+# KV bytes per token, HARP/dense vs (L-P)/L: ORT and genai measure whole buffers (exact); llama.cpp
+# logs its KV size in MiB with 2 decimals: 1024 cells x 512 B = 0.50 MiB dense, 0.25 MiB HARP, so
+# the bound is that resolution over the smaller size
+KV_RATIO_TOL = {"ort": 0.0, "genai": 0.0, "llamacpp": 0.005 / 0.25}
+# capacity: a fit is a multiple of --capacity-step (256) tokens; with a 1 MiB budget every runtime's
+# fits are whole steps (fp32 1024 B/token: 1024 / 2048 tokens; llama.cpp f16 512 B/token: 2048 / 4096),
+# so the ratio is L/(L-P) exactly; the tolerance allows one step of the HARP fit
+CAPACITY_TOL = 256 / 2048
+ARGS = ["--prune-layers", "2,3", "--calib-tokens", "256", "--runtime", "all", "--contexts", "24",
+        "--batches", "1,2", "--prefill-lens", "32", "--decode-steps", "2", "--repeats", "2", "--warmup", "1",
+        "--kv-budget", "1MiB", "--capacity-step", "256", "--threads", "1"]
+DECODE_FIELDS = {"context", "batch", "steps_per_round", "rounds", "per_engine", "speedup", "peer_ratio", "ideal",
+                 "fraction_of_ideal"}
+RUNTIME_FIELDS = {"engines", "weight_bytes_per_param", "kv_bytes_per_element", "kv_type", "decode", "prefill",
+                  "kv_bytes_per_token", "kv_capacity", "peak_rss_bytes", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    import contextlib
+    import io
+
+    from bench.long_context import main
+
+    d = tmp_path_factory.mktemp("longctx")
+    model = save_tiny("llama", d / "tiny", seed=7, max_position_embeddings=1024)
+    corpus = write_corpus(d / "corpus.txt")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["--model", str(model), "--corpus", str(corpus), "--workdir", str(d / "cache"),
+                     "--out", str(d / "out"), *ARGS])
+    assert code == 0
+    res = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert res == json.loads((d / "out" / "long_context.json").read_text())
+    return res, model
+
+
+def test_every_field(result):
+    res, _ = result
+    assert {"issue", "note", "model", "plan", "settings", "machine", "runtimes", "plot", "plot_note"} <= set(res)
+    assert "busy" in res["note"]
+    assert res["plan"]["layers"] == list(PRUNED) and res["plan"]["alphas"] == [0.5, 0.5]
+    assert list(res["runtimes"]) == ["ort", "genai", "llamacpp"]
+    for name, r in res["runtimes"].items():
+        assert RUNTIME_FIELDS <= set(r), name
+        assert [(m["context"], m["batch"]) for m in r["decode"]] == [(24, 1), (24, 2)]
+        for m in r["decode"]:
+            assert DECODE_FIELDS <= set(m)
+            for v in ("dense", "harp"):
+                e = m["per_engine"][v]
+                assert e["tokens_per_s"] > 0 and e["itl"]["n"] == 2 * 2
+                assert e["itl"]["p50"] <= e["itl"]["p90"] <= e["itl"]["p99"]
+            s = m["speedup"]
+            assert s["pairs"] == 2 and s["speedup_ci95_low"] <= s["speedup"] <= s["speedup_ci95_high"]
+        (p,) = r["prefill"]
+        assert p["seq_len"] == 32 and p["per_engine"]["harp"]["seconds"] > 0 and p["speedup"]["pairs"] == 2
+        assert r["peak_rss_bytes"] > 0
+
+
+def test_kv_bytes_per_token_as_allocated(result):
+    res, _ = result
+    for name, r in res["runtimes"].items():
+        kv = r["kv_bytes_per_token"]
+        assert kv["harp"] < kv["dense"], name
+        assert abs(kv["ratio"] - KEPT) <= KV_RATIO_TOL[name], name
+        for v in ("dense", "harp"):   # the runtime's figure equals the counted one within the same bound
+            assert abs(kv[v] / kv["counted"][v] - 1) <= KV_RATIO_TOL[name] / KEPT, (name, v)
+    assert res["runtimes"]["llamacpp"]["kv_bytes_per_element"] == 2   # llama.cpp's f16 cache
+
+
+def test_kv_capacity_measured(result):
+    """Every runtime here allocates per layer: HARP holds >= L/(L-P) x dense's tokens in the budget."""
+    res, _ = result
+    ideal = LAYERS / (LAYERS - len(PRUNED))
+    for name, r in res["runtimes"].items():
+        cap = r["kv_capacity"]
+        assert cap["per_layer"] and cap["ideal"] == ideal and cap["budget_bytes"] == 2**20, name
+        assert 0 < cap["dense"]["bytes"] <= 2**20 and 0 < cap["harp"]["bytes"] <= 2**20
+        assert cap["ratio"] >= ideal * (1 - CAPACITY_TOL), (name, cap)
+
+
+def test_ideals_match_flops(result):
+    from transformers import AutoConfig
+
+    from bench.stage import flops
+    from harp_trt.dims import ModelDims
+
+    res, model = result
+    d = ModelDims.from_config(AutoConfig.from_pretrained(model))
+    pruned = dict(zip(PRUNED, (0.5, 0.5)))
+    for name, r in res["runtimes"].items():
+        wb, kvb = r["weight_bytes_per_param"], r["kv_bytes_per_element"]
+        assert (wb, kvb) == ((2, 2) if name == "llamacpp" else (4, 4))
+        for m in r["decode"]:
+            c, b = m["context"], m["batch"]
+            for v, p in (("dense", None), ("harp", pruned)):
+                one = flops.decode_bytes_per_token(d, c, p, wb, kvb)
+                weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb)
+                assert m["ideal"][f"{v}_bytes"] == weights + b * (one - weights)
+                if b == 1:
+                    assert m["ideal"][f"{v}_bytes"] == one
+            assert m["ideal"]["ideal"] == pytest.approx(m["ideal"]["dense_bytes"] / m["ideal"]["harp_bytes"], rel=1e-12)
+        logits = "last" if name == "llamacpp" else "all"
+        (p,) = r["prefill"]
+        assert p["ideal"]["dense_flops"] == flops.prefill_flops(d, 32, None, logits)
+        assert p["ideal"]["harp_flops"] == flops.prefill_flops(d, 32, pruned, logits)
+        kv = r["kv_bytes_per_token"]["counted"]
+        assert kv == {"dense": flops.kv_bytes_per_token(d, None, kvb), "harp": flops.kv_bytes_per_token(d, pruned, kvb)}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "m"], "--prune-layers"),
+    (["--model", "m", "--prune-layers", "1", "--kv-budget", "2 lots"], "--kv-budget"),
+    (["--model", "m", "--prune-layers", "1", "--contexts", "0"], "positive"),
+])
+def test_bad_input_exits_2(argv, words, capsys):
+    from bench.long_context import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
