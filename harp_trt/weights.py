@@ -22,7 +22,7 @@ import torch
 
 from .errors import CorruptWeightsError
 
-__all__ = ["WeightReader", "SafetensorsWriter", "TensorSpec", "ST_DTYPES", "dtype_code", "read_header"]
+__all__ = ["WeightReader", "SafetensorsWriter", "TensorSpec", "ST_DTYPES", "dtype_code", "read_header", "hf_config"]
 
 # safetensors dtype codes <-> torch dtypes
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -31,6 +31,13 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _CODES = {v: k for k, v in ST_DTYPES.items()}
+
+
+def hf_config(folder: str | Path):
+    """The Hugging Face config of a checkpoint folder (never runs remote code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 
 def dtype_code(dtype: torch.dtype) -> str:

@@ -39,7 +39,7 @@ from harp_trt.dims import ModelDims
 from harp_trt.errors import UnsupportedArchitectureError
 from harp_trt.families import FamilySpec, family_of
 from harp_trt.fold import RoleReader, fold_vo
-from harp_trt.weights import WeightReader
+from harp_trt.weights import WeightReader, hf_config
 
 __all__ = ["DeciLayer", "deci_layers", "check_supported", "rope_factors", "ROPE_FREQ_TYPES", "permute_qk", "write_deci_gguf", "kv_bytes_per_token",
            "hf_config", "TORCH_DTYPES"]
@@ -63,12 +63,6 @@ class DeciLayer:
     def row(self) -> dict[str, Any]:
         return {"layer": self.layer, "kind": self.kind, "heads": self.heads, "kv_heads": self.kv_heads,
                 "alpha": self.alpha}
-
-
-def hf_config(folder: str | Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 
 def deci_layers(alphas: Mapping[int, float], dims: ModelDims) -> list[DeciLayer]:

@@ -39,7 +39,7 @@ from harp_trt.mapping import ParallelMapping
 from harp_trt.fold import RoleReader as _Source
 from harp_trt.fold import fold_vo
 from harp_trt.plan import Plan
-from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader
+from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader, hf_config
 
 from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
@@ -134,13 +134,6 @@ def check_pipeline(kinds: "LayerKinds", target: TrtllmTarget, pp_size: int) -> N
 
 
 # ---- reading the HF checkpoint ------------------------------------------------------------------
-def hf_config(folder: str | Path):
-    """The Hugging Face config of a model folder (never runs remote code)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
-
-
 def _rope_fields(config) -> tuple[float, dict | None]:
     params = dict(getattr(config, "rope_parameters", None) or {})
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))

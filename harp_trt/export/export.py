@@ -53,6 +53,7 @@ from ..errors import ConfigError, GraphError, PreconditionError
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, copy_tokenizer,
                       input_names, output_names, read_export_meta)
 from ..stage import Stage
+from ..weights import hf_config
 from .config import ExportConfig
 from .initializers import bind_lazily, drop_dead_initializers, fold_weight_transposes, optimize
 
@@ -321,7 +322,7 @@ class ExportStage(Stage[ExportConfig]):
 
         resolved = inputs["model"]
         path = export_folder(Path(resolved.folder), Path(out_dir), opset=config.opset, dtype=config.dtype)
-        family = family_of(_hf_config(resolved.folder))
+        family = family_of(hf_config(resolved.folder))
         check = None
         if config.dtype == "float32":  # half-precision graphs are for GPU engines; checked there
             res = verify_rewrite(path, resolved.folder, {}, VerifyConfig(rtol=config.verify_atol, decode_steps=4,
@@ -334,9 +335,3 @@ class ExportStage(Stage[ExportConfig]):
                 "external_data": (Path(out_dir) / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "kv_layers": meta["kv_layers"],
                 "num_layers": meta["num_layers"], "kv_heads": meta["kv_heads"], "head_dim": meta["head_dim"],
                 "verify": check, "files": copied, "versions": meta["versions"]}
-
-
-def _hf_config(folder):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
