@@ -38,8 +38,9 @@ def publishing(final: Path, tmp_parent: Path, prefix: str) -> Iterator[Path]:
     ``with`` body ends without an error it is renamed to ``final``, an existing ``final`` being moved
     aside first and removed after. The temp folder is gone afterwards either way, so ``final`` is
     never half-written: the one temp-dir -> checks -> rename of every artifact and ``--out`` folder."""
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=tmp_parent))
+    tmp: Path | None = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=tmp_parent))
         yield tmp
         old = None
         if final.exists():
@@ -54,8 +55,22 @@ def publishing(final: Path, tmp_parent: Path, prefix: str) -> Iterator[Path]:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            _remove_uninterrupted(tmp)
+
+
+def _remove_uninterrupted(path: Path) -> None:
+    """``rmtree`` that a SIGTERM/Ctrl-C arriving mid-removal (the CLI turns both into
+    ``KeyboardInterrupt``) cannot cut short: the removal is finished, then the interrupt re-raised."""
+    pending: KeyboardInterrupt | None = None
+    while True:
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            break
+        except KeyboardInterrupt as e:
+            pending = e
+    if pending is not None:
+        raise pending
 
 
 @dataclass(frozen=True)
@@ -77,8 +92,8 @@ class ArtifactStore:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / ".tmp").mkdir(exist_ok=True)
             (self.root / ".locks").mkdir(exist_ok=True)
-            probe = tempfile.NamedTemporaryFile(dir=self.root / ".tmp", delete=True)
-            probe.close()
+            with tempfile.NamedTemporaryFile(dir=self.root / ".tmp", delete=True):
+                pass
         except OSError as e:
             raise CacheError(
                 f"cache folder {self.root} is not writable ({e.strerror or e})",
