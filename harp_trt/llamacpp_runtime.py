@@ -196,7 +196,7 @@ class LlamaContext(_Freed):
         if kv is None:
             self.close()
             raise PreconditionError(model.stage, f"llama.cpp logged no KV cache size for {model.path.name}",
-                                    "this llama.cpp's log format differs from the one harp_trt/llamacpp_runtime.py reads")
+                                    "this llama.cpp's log format differs from the one KV_LINE reads")
         self.kv: KvAllocation = kv
         self.n_ctx = int(lib.llama_n_ctx(self.ptr))
 
