@@ -380,3 +380,25 @@ def test_the_name_scan_sees_comparisons(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f(a, b):\n    if a.backend == 'gguf' or b in ('x', 'llama'):\n        return a != \"ort\"\n")
     assert _names_compared(probe, _family_and_backend_names()) == [(2, "gguf"), (2, "llama"), (3, "ort")]
+
+
+# ---- sizes --------------------------------------------------------------------------------------
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+
+
+def _oversized(path: Path) -> list[str]:
+    text = path.read_text()
+    out = [f"{path.name}: {len(text.splitlines())} lines"] if len(text.splitlines()) > MAX_FILE_LINES else []
+    return out + [f"{path.name}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(ast.parse(text))
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_file_over_450_lines_and_no_function_over_80():
+    bad = [x for folder in (*_FOLDERS, "tests") for f in sorted((ROOT / folder).rglob("*.py")) for x in _oversized(f)]
+    assert bad == []
+
+
+def test_the_size_scan_counts_lines(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    pass\n")
+    assert _oversized(probe) == ["probe.py:1 f: 81 lines"]
