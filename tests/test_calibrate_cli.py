@@ -51,7 +51,7 @@ def calibrated_plan(capsys, args) -> tuple[dict, dict]:
 
 def assert_refused(capsys, tiny, extra: list[str], needle: str) -> None:
     """calibrate with ``extra`` flags (replacing ``calib_args``'s own value of a flag it names) exits 2
-    with a one- or two-line error containing ``needle`` and writes no artifact."""
+    with a one- or two-line error containing ``needle`` and writes no artifact, nor leaves a temporary one."""
     folder, corpus, cache = tiny
     args = calib_args(folder, corpus, cache)
     for flag in [x for x in extra if x.startswith("--") and x in args]:
@@ -61,6 +61,7 @@ def assert_refused(capsys, tiny, extra: list[str], needle: str) -> None:
     assert code == 2 and res is None and needle in err, err
     assert len(err.strip().splitlines()) <= 2
     assert not list(cache.glob("calibrate-*")) if cache.exists() else True
+    assert not list((cache / ".tmp").iterdir()) if (cache / ".tmp").exists() else True
 
 
 def test_calibrate_writes_plan_and_is_cached(tiny, capsys):
@@ -123,7 +124,6 @@ def test_score_and_eval_commands(tiny, capsys, tmp_path):
 ])
 def test_bad_calibrate_input(tiny, capsys, extra, needle):
     assert_refused(capsys, tiny, extra, needle)
-    assert not list((cache / ".tmp").iterdir()) if (cache / ".tmp").exists() else True
 
 
 def test_bad_models(tmp_path, capsys):

@@ -2,9 +2,7 @@
 given and published alphas, and their bad input."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
