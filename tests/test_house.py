@@ -331,7 +331,6 @@ NAME_BRANCHES = {
     "harp_trt/models.py": "'gguf' here is a model source kind (a .gguf reference), not the backend",
     "builders/triton/releases.py": "'trtllm' is the Triton image kind the release table names",
     "builders/triton/stage.py": "'trtllm' is the kind of artifact the repository wraps (ONNX or TensorRT-LLM)",
-    "bench/stage/accuracy_rows.py": "fp32 reference rows for quantized ORT engines (to move onto the engine)",
     "bench/_long_context_runtime.py": "element sizes and the KV allocator per runtime (to move onto the engines)",
     "bench/long_context.py": "the llama.cpp loader's kv_type argument (to move onto the engine registry)",
 }
