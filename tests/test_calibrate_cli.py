@@ -121,6 +121,15 @@ def test_score_and_eval_commands(tiny, capsys, tmp_path):
     (["--alpha-grid", ""], "is empty"),
     (["--strategy", "sinks"], "did you mean 'sink'"),
     (["--tokens", "100000", "--seq-len", "100000"], "fewer than one window"),
+    (["--seq-len", "long"], "--seq-len must be a number of tokens or 'max'"),
+    # given alphas and layers (the HARP paper's options, tests/test_paper_options.py)
+    (["--alphas", "0.5,0.1,0.2"], "--alphas gives 3 layers but --layers is 2"),
+    (["--alphas", "0.5,1.5"], "must lie in [0, 1]"),
+    (["--alphas", "0.5,x"], "--alphas must be comma-separated numbers"),
+    (["--prune-layers", "1,1"], "repeats a layer"),
+    (["--prune-layers", "2,7"], "out of range for a 4-layer model"),
+    (["--prune-layers", "1,2", "--alphas", "0.1,0.2,0.3", "--layers", "3"], "--prune-layers gives 2 layers"),
+    (["--paper-alphas"], "publishes no alphas for"),
 ])
 def test_bad_calibrate_input(tiny, capsys, extra, needle):
     assert_refused(capsys, tiny, extra, needle)
