@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.stage.latency import _ids, latency_stats, paired_speedup
+from bench.stage.latency import latency_stats, paired_speedup, random_ids
 
 __all__ = ["rotation", "measure_decode", "measure_prefill", "largest_fit", "peak_rss_bytes"]
 
@@ -45,7 +45,7 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
     """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
     ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
     "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
-    ids = _ids(vocab, context, seed + context, batch=batch)
+    ids = random_ids(vocab, context, seed + context, batch=batch)
     names = list(engines)
     live: dict[str, tuple[torch.Tensor, Any]] = {}
     for n in names:
@@ -89,7 +89,7 @@ def measure_prefill(engines: dict[str, Any], vocab: int, seq: int, repeats: int,
                     seed: int = 0) -> dict[str, Any]:
     """Seconds of one batch-1 prefill of ``seq`` tokens per engine, interleaved with a rotating
     order; the speed-up pairs each round's dense and HARP times."""
-    ids = _ids(vocab, seq, seed + seq)
+    ids = random_ids(vocab, seq, seed + seq)
     names = list(engines)
     for w in range(warmup):
         for n in rotation(names, w):

@@ -55,13 +55,10 @@ def capacity_allocator(runtime: str, engine, step: int):
         return lambda n: engine.kv_allocation(n)[0]
     if runtime == "genai":
         def alloc(n):
-            gen = engine._generator(n // step, step)
-            gen.append_tokens(np.ones((n // step, 1), dtype=np.int32))
-            from bench.stage.engine_genai import _State
-            state = _State(gen, n // step, step, None)
-            if engine.cache_tokens(state) != step:
+            nbytes, positions = engine.kv_allocation(n // step, step)
+            if positions != step:
                 raise LookupError("genai does not allocate max_length ahead (no past_present_share_buffer)")
-            return engine.cache_bytes(state)
+            return nbytes
         return alloc
     from harp_trt.ort_session import StaticCache
 
@@ -95,10 +92,10 @@ def _capacity(runtime: str, pair, args, L: int, P: int) -> dict[str, Any]:
 
 def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, Any]:
     """Batch 1: prefill ``context`` tokens, decode one, bytes the runtime holds / positions they cover."""
-    from bench.stage.latency import _ids
+    from bench.stage.latency import random_ids
 
     out: dict[str, Any] = {}
-    ids = _ids(vocab, context, 11)
+    ids = random_ids(vocab, context, 11)
     for v, e in pair.engines().items():
         logits, state = e.prefill(ids)
         _, state = e.decode(logits.argmax(-1, keepdim=True), state)

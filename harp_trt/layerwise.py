@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -82,23 +82,21 @@ def _hf_param_name(module: nn.Module, local: str) -> str:
     return ".".join(out)
 
 
+@dataclass(eq=False, repr=False)
 class LayerStack:
     """See the module docstring. Build with :meth:`open` (from a model folder) or :meth:`wrap`
     (around an already loaded model)."""
 
-    def __init__(self, model: nn.Module, family: FamilySpec, device: torch.device, dtype: torch.dtype,
-                 sequential: bool = False, reader=None, placement: Placement | None = None,
-                 stream_embeddings: bool = False, round_to: torch.dtype | None = None):
-        self.model = model
-        self.family = family
-        self.device = device
-        self.dtype = dtype
-        self.sequential = sequential
-        self.reader = reader
-        self.placement = placement
-        self.stream_embeddings = stream_embeddings
-        self.round_to = round_to
-        self.loads = 0  # layers read from disk (sequential mode)
+    model: nn.Module
+    family: FamilySpec
+    device: torch.device
+    dtype: torch.dtype
+    sequential: bool = False
+    reader: Any = None
+    placement: Placement | None = None
+    stream_embeddings: bool = False
+    round_to: torch.dtype | None = None
+    loads: int = field(default=0, init=False)  # layers read from disk (sequential mode)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterable, Iterator, TypeVar
 
 from .errors import UnknownNameError
 
@@ -45,6 +45,12 @@ class Registry(Generic[T]):
             return obj
 
         return deco
+
+    def register_modules(self, package: str, names: Iterable[str]) -> None:
+        """Register each of ``names``, in order, as the module ``package.<name>``: a registry whose
+        entries are modules named after them (the CLI's commands) states that convention once."""
+        for name in names:
+            self._add(name, f"{package}.{name}")
 
     def _add(self, name: str, target: Any) -> None:
         if name in self._entries:

@@ -42,6 +42,28 @@ def calib_args(folder, corpus, cache, *extra):
             "--corpus", str(corpus), "--workdir", str(cache), "--json", *extra]
 
 
+def calibrated_plan(capsys, args) -> tuple[dict, dict]:
+    """Run ``args`` (a calibrate command line); the JSON result and the plan.json it wrote."""
+    code, res, err = run_json(capsys, *args)
+    assert code == 0, err
+    return res, json.loads((Path(res["artifact"]) / "plan.json").read_text())
+
+
+def assert_refused(capsys, tiny, extra: list[str], needle: str) -> None:
+    """calibrate with ``extra`` flags (replacing ``calib_args``'s own value of a flag it names) exits 2
+    with a one- or two-line error containing ``needle`` and writes no artifact, nor leaves a temporary one."""
+    folder, corpus, cache = tiny
+    args = calib_args(folder, corpus, cache)
+    for flag in [x for x in extra if x.startswith("--") and x in args]:
+        i = args.index(flag)
+        del args[i:i + 2]
+    code, res, err = run_json(capsys, *args, *extra)
+    assert code == 2 and res is None and needle in err, err
+    assert len(err.strip().splitlines()) <= 2
+    assert not list(cache.glob("calibrate-*")) if cache.exists() else True
+    assert not list((cache / ".tmp").iterdir()) if (cache / ".tmp").exists() else True
+
+
 def test_calibrate_writes_plan_and_is_cached(tiny, capsys):
     folder, corpus, cache = tiny
     code, res, _ = run_json(capsys, *calib_args(folder, corpus, cache))
@@ -99,21 +121,18 @@ def test_score_and_eval_commands(tiny, capsys, tmp_path):
     (["--alpha-grid", ""], "is empty"),
     (["--strategy", "sinks"], "did you mean 'sink'"),
     (["--tokens", "100000", "--seq-len", "100000"], "fewer than one window"),
+    (["--seq-len", "long"], "--seq-len must be a number of tokens or 'max'"),
+    # given alphas and layers (the HARP paper's options, tests/test_paper_options.py)
+    (["--alphas", "0.5,0.1,0.2"], "--alphas gives 3 layers but --layers is 2"),
+    (["--alphas", "0.5,1.5"], "must lie in [0, 1]"),
+    (["--alphas", "0.5,x"], "--alphas must be comma-separated numbers"),
+    (["--prune-layers", "1,1"], "repeats a layer"),
+    (["--prune-layers", "2,7"], "out of range for a 4-layer model"),
+    (["--prune-layers", "1,2", "--alphas", "0.1,0.2,0.3", "--layers", "3"], "--prune-layers gives 2 layers"),
+    (["--paper-alphas"], "publishes no alphas for"),
 ])
 def test_bad_calibrate_input(tiny, capsys, extra, needle):
-    folder, corpus, cache = tiny
-    args = calib_args(folder, corpus, cache)
-    for i in range(0, len(extra), 2):  # override flags
-        j = args.index(extra[i]) if extra[i] in args else None
-        if j is not None:
-            args[j + 1] = extra[i + 1]
-        else:
-            args += extra[i:i + 2]
-    code, res, err = run_json(capsys, *args)
-    assert code == 2 and res is None and needle in err
-    assert len(err.strip().splitlines()) <= 2
-    assert not list(cache.glob("calibrate-*")) if cache.exists() else True
-    assert not list((cache / ".tmp").iterdir()) if (cache / ".tmp").exists() else True
+    assert_refused(capsys, tiny, extra, needle)
 
 
 def test_bad_models(tmp_path, capsys):

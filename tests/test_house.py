@@ -319,3 +319,84 @@ def test_bench_engine_choices_are_the_registry():
     (bench,) = [p for name, p in _commands() if name == "bench"]
     (engine,) = [a for a in bench._actions if "--engine" in a.option_strings]
     assert list(engine.choices) == ENGINES.names() and engine.config_field == "BenchConfig.engine"
+
+
+# ---- family and backend names are table keys, not branches --------------------------------------
+# The tables and registries that own the names (a family's facts, a backend's steps, a bench engine's
+# loader): comparing against the names there is what they are for.
+NAME_TABLES = ("harp_trt/families/", "harp_trt/registry.py", "bench/stage/config.py")
+# What still branches on a backend or engine name, with why; the list may only shrink (a new branch
+# belongs in a table: a ``BackendSpec`` / ``Step`` field, an engine attribute, a registry entry).
+NAME_BRANCHES = {
+    "harp_trt/models.py": "'gguf' here is a model source kind (a .gguf reference), not the backend",
+    "builders/triton/releases.py": "'trtllm' is the Triton image kind the release table names",
+    "builders/triton/stage.py": "'trtllm' is the kind of artifact the repository wraps (ONNX or TensorRT-LLM)",
+    "bench/_long_context_runtime.py": "element sizes and the KV allocator per runtime (to move onto the engines)",
+    "bench/long_context.py": "the llama.cpp loader's kv_type argument (to move onto the engine registry)",
+}
+
+
+def _names_compared(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for every ``==`` / ``!=`` / ``in`` comparison of ``path`` with one of ``names``
+    as a literal operand (alone or inside a literal tuple, list or set)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                consts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                out += [(node.lineno, c.value) for c in consts if isinstance(c, ast.Constant) and c.value in names]
+    return out
+
+
+def _family_and_backend_names() -> set[str]:
+    from bench.stage.config import ENGINES
+    from harp_trt.families import FAMILIES
+    from harp_trt.registry import BACKENDS
+
+    families = FAMILIES.names()
+    return (set(families) | {FAMILIES.get(f).trtllm.architecture for f in families} | set(BACKENDS.names())
+            | set(ENGINES.names()) | {"LlamaForCausalLM", "MistralForCausalLM"})
+
+
+def test_no_family_or_backend_name_is_compared_outside_the_tables():
+    names = _family_and_backend_names()
+    bad, seen = [], set()
+    for f, _, _ in _sources():
+        rel = f.relative_to(ROOT).as_posix()
+        if rel.startswith(NAME_TABLES):
+            continue
+        hits = _names_compared(f, names)
+        if hits and rel in NAME_BRANCHES:
+            seen.add(rel)
+        elif hits:
+            bad += [f"{rel}:{line} compares with {name!r}" for line, name in hits]
+    assert bad == []
+    assert seen == set(NAME_BRANCHES), f"no longer branches on a name, drop it from NAME_BRANCHES: {set(NAME_BRANCHES) - seen}"
+
+
+def test_the_name_scan_sees_comparisons(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(a, b):\n    if a.backend == 'gguf' or b in ('x', 'llama'):\n        return a != \"ort\"\n")
+    assert _names_compared(probe, _family_and_backend_names()) == [(2, "gguf"), (2, "llama"), (3, "ort")]
+
+
+# ---- sizes --------------------------------------------------------------------------------------
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+
+
+def _oversized(path: Path) -> list[str]:
+    text = path.read_text()
+    out = [f"{path.name}: {len(text.splitlines())} lines"] if len(text.splitlines()) > MAX_FILE_LINES else []
+    return out + [f"{path.name}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(ast.parse(text))
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_file_over_450_lines_and_no_function_over_80():
+    bad = [x for folder in (*_FOLDERS, "tests") for f in sorted((ROOT / folder).rglob("*.py")) for x in _oversized(f)]
+    assert bad == []
+
+
+def test_the_size_scan_counts_lines(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    pass\n")
+    assert _oversized(probe) == ["probe.py:1 f: 81 lines"]

@@ -1,10 +1,8 @@
 """Faithful to the papers: the HARP paper's objective (lm-eval wikitext-style rolling windows),
-given and published alphas, and their bad input."""
+given and published alphas (their bad input: tests/test_calibrate_cli.py::test_bad_calibrate_input)."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from conftest import make_tiny, save_tiny
 from harp_trt.data import Corpus, prefix_token_id, rolling_windows
 from harp_trt.ppl import PAD, context, model_ids, window_nll
-from test_calibrate_cli import calib_args, run_json, write_corpus
+from test_calibrate_cli import calib_args, calibrated_plan, run_json, write_corpus
 
 
 class _SpaceTokenizer:
@@ -96,9 +94,7 @@ def test_paper_objective_is_rolling_document_perplexity(tiny, capsys):
     args = calib_args(folder, corpus, cache, "--objective", "paper", "--tokens", "200", "--dtype", "float32",
                       "--alpha-grid", "0,1")
     args.remove("--seq-len"), args.remove("64")
-    code, res, err = run_json(capsys, *args)
-    assert code == 0, err
-    plan = json.loads((Path(res["artifact"]) / "plan.json").read_text())
+    _, plan = calibrated_plan(capsys, args)
     assert plan["extra"]["objective"] == "paper" and plan["extra"]["seq_len"] == 48
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -118,10 +114,8 @@ def test_paper_objective_is_rolling_document_perplexity(tiny, capsys):
 
 def test_given_alphas_top_down_make_a_plan_without_search(tiny, capsys):
     folder, corpus, cache = tiny
-    code, res, err = run_json(capsys, *calib_args(folder, corpus, cache, "--alphas", "0.8,0.2",
-                                                  "--alpha-order", "top-down"))
-    assert code == 0, err
-    plan = json.loads((Path(res["artifact"]) / "plan.json").read_text())
+    res, plan = calibrated_plan(capsys, calib_args(folder, corpus, cache, "--alphas", "0.8,0.2",
+                                                   "--alpha-order", "top-down"))
     assert plan["layers"] == [2, 3] and plan["alphas"] == [0.2, 0.8]  # plans: ascending layer order
     assert plan["extra"]["alphas_given"] is True and plan["grid"] == []
     assert set(plan["ppl"]) >= {"alpha1", "searched", "heldout_alpha1", "heldout_alpha0", "heldout_searched"}
@@ -132,35 +126,8 @@ def test_given_alphas_top_down_make_a_plan_without_search(tiny, capsys):
 
 def test_explicit_layers_are_searched(tiny, capsys):
     folder, corpus, cache = tiny
-    code, res, err = run_json(capsys, *calib_args(folder, corpus, cache, "--prune-layers", "3,1",
-                                                  "--alpha-grid", "0,1"))
-    assert code == 0, err
-    plan = json.loads((Path(res["artifact"]) / "plan.json").read_text())
+    _, plan = calibrated_plan(capsys, calib_args(folder, corpus, cache, "--prune-layers", "3,1", "--alpha-grid", "0,1"))
     assert plan["layers"] == [1, 3] and plan["strategy"] == "explicit" and set(plan["alphas"]) <= {0.0, 1.0}
-
-
-@pytest.mark.parametrize("extra,needle", [
-    (["--alphas", "0.5,0.1,0.2"], "--alphas gives 3 layers but --layers is 2"),
-    (["--alphas", "0.5,1.5"], "must lie in [0, 1]"),
-    (["--alphas", "0.5,x"], "--alphas must be comma-separated numbers"),
-    (["--prune-layers", "1,1"], "repeats a layer"),
-    (["--prune-layers", "2,7"], "out of range for a 4-layer model"),
-    (["--prune-layers", "1,2", "--alphas", "0.1,0.2,0.3", "--layers", "3"], "--prune-layers gives 2 layers"),
-    (["--paper-alphas"], "publishes no alphas for"),
-    (["--seq-len", "long"], "--seq-len must be a number of tokens or 'max'"),
-])
-def test_bad_given_alphas(tiny, capsys, extra, needle):
-    folder, corpus, cache = tiny
-    args = calib_args(folder, corpus, cache)
-    if "--layers" in extra:
-        i = args.index("--layers")
-        del args[i:i + 2]
-    if "--seq-len" in extra:
-        i = args.index("--seq-len")
-        del args[i:i + 2]
-    code, res, err = run_json(capsys, *args, *extra)
-    assert code == 2 and res is None and needle in err, err
-    assert not list(cache.glob("calibrate-*")) if cache.exists() else True
 
 
 def test_paper_alphas_of_the_presets():
@@ -183,10 +150,8 @@ def test_paper_alphas_of_the_presets():
 def test_score_command_and_calibrate_agree_on_the_bos_sink(tiny, capsys):
     """`harp-trt score --strategy sink` puts the BOS first exactly as calibrate does."""
     folder, corpus, cache = tiny
-    code, res, err = run_json(capsys, *calib_args(folder, corpus, cache, "--strategy", "sink", "--alphas", "1,1",
-                                                  "--layers", "2"))
-    assert code == 0, err
-    plan = json.loads((Path(res["artifact"]) / "plan.json").read_text())
+    _, plan = calibrated_plan(capsys, calib_args(folder, corpus, cache, "--strategy", "sink", "--alphas", "1,1",
+                                                 "--layers", "2"))
     code, sc, err = run_json(capsys, "score", "--model", str(folder), "--strategy", "sink", "--tokens", "256",
                              "--seq-len", "64", "--corpus", str(corpus), "--workdir", str(cache), "--json")
     assert code == 0, err

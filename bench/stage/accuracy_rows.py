@@ -71,14 +71,16 @@ def reference_ppl(pair, inp: BenchInputs, config: BenchConfig, phase) -> list[di
     given next to quantized ``dense`` / ``harp`` engines) on the same windows: one row, metric
     ``perplexity_fp32``, so a report shows what quantization costs beside what HARP costs."""
     names = ("dense_fp32", "harp_fp32")
-    if pair.backend != "ort" or not isinstance(inp.source, Mapping) or not all(k in inp.source for k in names):
+    if not isinstance(inp.source, Mapping) or not all(k in inp.source for k in names):
+        return []
+    from .engine_ort import OrtEngine
+
+    if not isinstance(pair.dense, OrtEngine):  # the fp32 engines are ORT engines beside ORT engines
         return []
     refs = {k: inp.source[k] for k in names}
     from harp_trt.data import token_windows
     from harp_trt.ort_session import OrtCausalLM
     from harp_trt.ppl import perplexity_from_logits_fn
-
-    from .engine_ort import OrtEngine
 
     windows = token_windows(pair.tokenizer, inp.corpus, "heldout", config.ppl_seq_len, config.ppl_tokens)
     count = int((windows[:, 1:] >= 0).sum())  # tokens predicted (ppl.window_nll)

@@ -156,6 +156,16 @@ class GenaiBenchEngine(Engine):
         gen.append_tokens(np.asarray([[1]], dtype=np.int32))
         return sorted({int(n.split(".")[1]) for n in self.kv_names(gen)})
 
+    def kv_allocation(self, batch: int, max_length: int) -> tuple[int, int | None]:
+        """(KV bytes, positions per sequence they cover) genai holds for a generator of ``batch``
+        sequences of ``max_length`` after its first forward (one token each; ``cache_bytes`` /
+        ``cache_tokens``); the generator is dropped again. With ``past_present_share_buffer`` the
+        positions are ``max_length``: genai allocates them ahead."""
+        gen = self._generator(batch, max_length)
+        gen.append_tokens(np.ones((batch, 1), dtype=np.int32))
+        state = _State(gen, batch, max_length, None)   # its logits are not read
+        return self.cache_bytes(state), self.cache_tokens(state)
+
     def cache_bytes(self, state: _State) -> int:
         return int(sum(np.asarray(state.gen.get_output(n)).nbytes for n in self.kv_names(state.gen)))
 

@@ -1,7 +1,8 @@
 """The llama.cpp engine: a dense and a HARP GGUF (``builders/gguf``: llama.cpp's ``deci``
 architecture, whose layers may have no KV heads) run through llama.cpp's C API
 (``llama_cpp``, the llama-cpp-python bindings: ``llama_decode`` on a ``llama_batch``), with flash
-attention on, in one process.
+attention on, in one process. Loading, contexts, batch decode and the log capture are
+``harp_trt.llamacpp_runtime``'s (shared with the GGUF deploy stage's checks).
 
 * Each engine keeps one ``llama_context`` per batch size (``n_seq_max`` = B, one KV stream per
   sequence); a prefill clears its memory (``llama_memory_clear``) and decodes the prompts as one
@@ -14,7 +15,7 @@ attention on, in one process.
   ``llama_kv_cache: size = X MiB (N cells, L layers, S/M seqs), K (t): .., V (t): ..`` that
   ``llama_kv_cache::llama_kv_cache`` logs (vendor/llama.cpp/src/llama-kv-cache.cpp, from
   ``size_k_bytes() + size_v_bytes()``, the ``ggml_nbytes`` of every layer's K and V tensors), read
-  through a ``llama_log_set`` callback while the context is created. It has 0.01 MiB resolution.
+  through a ``llama_log_set`` callback while the context is created (``KvAllocation``). It has 0.01 MiB resolution.
   ``cache_tokens`` is the cells it covers (N per stream x streams), so the bench's KV bytes per
   token are bytes per allocated cell. With flash attention a layer without KV heads adds nothing;
   without it llama.cpp pads such a layer's V to full width ([TAG_V_CACHE_VARIABLE] there), which is
@@ -23,20 +24,18 @@ attention on, in one process.
   ``kv_type="q8_0"`` sets both to q8_0, 34 bytes per 32 elements)."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from harp_trt.errors import PreconditionError
+from harp_trt.llamacpp_runtime import KV_TYPE_BYTES, LlamaContext, LlamaModel, llama_cpp_version
 from harp_trt.store import Artifact
 
 from .engines import Engine, EnginePair
@@ -49,75 +48,12 @@ STAGE = "bench"
 GGUF_FILE = "model.gguf"
 REPORT = "harp_gguf.json"   # builders/gguf's report (not imported: stages meet through artifacts)
 CONTEXT_CAP = 8192   # tokens the batch-1 context holds at most (its KV is allocated up front)
-_KV_LINE = re.compile(r"llama_kv_cache: size = *([\d.]+) MiB \( *(\d+) cells, *(\d+) layers, *(\d+)/(\d+) seqs\), "
-                      r"K \((\w+)\): *[\d.]+ MiB, V \((\w+)\)")
-# bytes per cached element of llama.cpp's KV types (q8_0: blocks of 32 int8 values + one f16 scale,
-# 34 bytes per 32 elements: vendor/llama.cpp/ggml/src/ggml-common.h, block_q8_0)
-_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
 KV_TYPES = ("f16", "q8_0")
-_CAPTURE: list[str] | None = None
-
-
-def _lc():
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise PreconditionError(STAGE, f"llama_cpp does not import: {exc}", "pip install -e '.[test]' "
-                                "(llama-cpp-python, built from its sdist where no wheel serves)") from exc
-    return llama_cpp
-
-
-_CALLBACK = None
-
-
-def _callback(lc):
-    """One ctypes callback for llama.cpp's log (it must outlive every call into llama.cpp): lines
-    are kept while ``_CAPTURE`` is a list, errors go to this module's logger as warnings."""
-    global _CALLBACK
-    if _CALLBACK is None:
-        @lc.llama_log_callback
-        def callback(level, text, user_data):
-            line = text.decode("utf-8", "replace")
-            if _CAPTURE is not None:
-                _CAPTURE.append(line)
-            if level == 4:  # GGML_LOG_LEVEL_ERROR (vendor/llama.cpp/ggml/include/ggml.h: enum ggml_log_level)
-                log.warning("llama.cpp: %s", line.rstrip())
-
-        _CALLBACK = callback
-    return _CALLBACK
-
-
-@contextlib.contextmanager
-def _captured_log(lc) -> Iterator[list[str]]:
-    """The lines llama.cpp logs inside the block, through this module's callback; the callback that
-    was set before (``llama_log_get``: llama-cpp-python's, or another module's capture) is restored
-    after, so neither takes the other's log away."""
-    global _CAPTURE
-    prev, data = lc.llama_log_callback(), ctypes.c_void_p()
-    lc.llama_log_get(ctypes.byref(prev), ctypes.byref(data))
-    lines: list[str] = []
-    _CAPTURE = lines
-    lc.llama_log_set(_callback(lc), ctypes.c_void_p(0))
-    try:
-        yield lines
-    finally:
-        _CAPTURE = None
-        lc.llama_log_set(prev, data)
-
-
-@dataclass
-class _Context:
-    ctx: Any
-    n_seq: int
-    cells: int           # KV cells per stream (per sequence)
-    kv_bytes: int        # llama.cpp's KV size (all streams)
-    kv_cells: int        # cells those bytes cover (all streams)
-    kv_type: str
 
 
 @dataclass
 class _State:
-    context: _Context
+    context: LlamaContext
     tokens: np.ndarray   # [B, T] every token decoded so far (a rebuilt context replays them)
 
 
@@ -127,35 +63,31 @@ class LlamaCppEngine(Engine):
 
     def __init__(self, path: Path, variant: str, threads: int, headroom: int, max_positions: int,
                  kv_type: str = "f16"):
-        self.lc = lc = _lc()
         if kv_type not in KV_TYPES:
             raise PreconditionError(STAGE, f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
         self.kv_type = kv_type
-        lc.llama_backend_init()
         self.path, self.variant, self.headroom = Path(path), variant, int(headroom)
         self.threads = int(threads or os.cpu_count() or 1)  # 0: every core, as ONNX Runtime's default
-        with _captured_log(lc):  # the loader's metadata dump, not printed
-            self.model = lc.llama_model_load_from_file(str(self.path).encode(), lc.llama_model_default_params())
-        if not self.model:
-            raise PreconditionError(STAGE, f"llama.cpp cannot load {self.path}", "pass a GGUF written by "
-                                    "`harp-trt deploy gguf` or build --backend gguf")
-        self.vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model)))
+        self.model = LlamaModel(self.path, stage=STAGE, hint="pass a GGUF written by `harp-trt deploy gguf` or "
+                                "build --backend gguf")
+        self.vocab = self.model.n_vocab
         self._max = int(max_positions)
-        self._contexts: dict[int, _Context] = {}
-        self.kv_dtype_bytes = _TYPE_BYTES.get(self._context(1, 1).kv_type)
+        self._contexts: dict[int, LlamaContext] = {}
+        self.kv_logged_type = self._context(1, 1).kv.k_type   # the type llama.cpp reports it allocated
+        self.kv_dtype_bytes = KV_TYPE_BYTES.get(self.kv_logged_type)
 
     @property
     def max_positions(self) -> int:
         return self._max
 
     # ---- contexts ------------------------------------------------------------------------------
-    def _context(self, n_seq: int, need: int) -> _Context:
+    def _context(self, n_seq: int, need: int) -> LlamaContext:
         """The context for ``n_seq`` sequences with room for ``need`` tokens each (built or rebuilt)."""
         c = self._contexts.get(n_seq)
         if c is not None and c.cells >= need:
             return c
         if c is not None:
-            self.lc.llama_free(c.ctx)
+            c.close()
         room = max(need, min(self._max, CONTEXT_CAP) if n_seq == 1 else need + self.headroom)
         if c is not None:
             room = max(room, 2 * c.cells)
@@ -163,67 +95,23 @@ class LlamaCppEngine(Engine):
         self._contexts[n_seq] = c
         return c
 
-    def _create(self, n_seq: int, room: int) -> _Context:
-        """A new context of ``n_seq`` streams of ``room`` cells, with llama.cpp's logged KV size."""
-        p = self.lc.llama_context_default_params()
-        p.n_ctx = p.n_batch = n_seq * room
-        p.n_ubatch = min(512, p.n_ctx)
-        p.n_seq_max = n_seq
-        p.n_threads = p.n_threads_batch = self.threads
-        p.flash_attn_type = self.lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        if self.kv_type != "f16":  # llama.cpp's default is f16 (llama_context_default_params)
-            p.type_k = p.type_v = getattr(self.lc, f"GGML_TYPE_{self.kv_type.upper()}")
-        with _captured_log(self.lc) as lines:
-            ctx = self.lc.llama_init_from_model(self.model, p)
-        if not ctx:
-            raise PreconditionError(STAGE, f"llama.cpp could not create a context of {n_seq} x {room} tokens for "
-                                    f"{self.path.name}")
-        m = next((_KV_LINE.search(line) for line in lines if _KV_LINE.search(line)), None)
-        if m is None:
-            self.lc.llama_free(ctx)
-            raise PreconditionError(STAGE, f"llama.cpp logged no KV cache size for {self.path.name}",
-                                    "this llama.cpp's log format differs from the one bench/stage/engine_llamacpp.py reads")
-        cells, streams = int(m.group(2)), int(m.group(5))
-        return _Context(ctx, n_seq, int(self.lc.llama_n_ctx(ctx)) // n_seq, round(float(m.group(1)) * 2**20),
-                        cells * streams, m.group(6))
+    def _create(self, n_seq: int, room: int) -> LlamaContext:
+        """A new context of ``n_seq`` streams of ``room`` cells (a prompt batch is one ``n_batch``)."""
+        n = n_seq * room
+        return self.model.context(n_ctx=n, n_batch=n, n_ubatch=min(512, n), n_seq=n_seq, threads=self.threads,
+                                  flash_attn=True, kv_type=self.kv_type)
 
     def kv_allocation(self, tokens: int) -> tuple[int, int]:
         """(KV bytes, cells) llama.cpp allocates for a one-sequence context of ``tokens`` positions,
         read from its log as the context is created; the context is freed again."""
-        c = self._create(1, tokens)
-        self.lc.llama_free(c.ctx)
-        return c.kv_bytes, c.kv_cells
-
-    def _decode(self, c: _Context, tokens: np.ndarray, start: int, all_logits: bool) -> np.ndarray:
-        """Decode ``tokens [B, n]`` at positions ``start..`` (row b is sequence b) as one batch;
-        logits ``[B, n or 1, V]``."""
-        lc = self.lc
-        b, n = tokens.shape
-        tok = np.ascontiguousarray(tokens.reshape(-1), dtype=np.int32)
-        pos = np.tile(np.arange(start, start + n, dtype=np.int32), b)
-        n_seq = np.ones(b * n, dtype=np.int32)
-        seq = np.arange(b, dtype=np.int32)
-        seq_ptr = (seq.ctypes.data + seq.itemsize * np.repeat(np.arange(b), n)).astype(np.uintp)
-        want = np.ones(b * n, dtype=np.int8) if all_logits else np.tile((np.arange(n) == n - 1).astype(np.int8), b)
-        batch = lc.llama_batch()
-        batch.n_tokens = b * n
-        batch.token = tok.ctypes.data_as(ctypes.POINTER(lc.llama_token))
-        batch.pos = pos.ctypes.data_as(ctypes.POINTER(lc.llama_pos))
-        batch.n_seq_id = n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        batch.seq_id = seq_ptr.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id)))
-        batch.logits = want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        rc = lc.llama_decode(c.ctx, batch)
-        if rc != 0:
-            raise PreconditionError(STAGE, f"llama_decode returned {rc} on {self.path.name} ({b} x {n} tokens at {start})")
-        out = int(want.sum())
-        logits = np.ctypeslib.as_array(lc.llama_get_logits(c.ctx), shape=(out, self.vocab))
-        return np.array(logits, dtype=np.float32).reshape(b, out // b, self.vocab)
+        with self._create(1, tokens) as c:
+            return c.kv.bytes, c.kv.total_cells
 
     def _fresh(self, tokens: np.ndarray, all_logits: bool) -> tuple[np.ndarray, _State]:
         b, s = tokens.shape
         c = self._context(b, s + (0 if all_logits else 1))
-        self.lc.llama_memory_clear(self.lc.llama_get_memory(c.ctx), True)
-        return self._decode(c, tokens, 0, all_logits), _State(c, tokens)
+        c.clear()
+        return c.decode(tokens, 0, all_logits), _State(c, tokens)
 
     # ---- the Engine protocol -------------------------------------------------------------------
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -237,7 +125,7 @@ class LlamaCppEngine(Engine):
             self._context(c.n_seq, done + 1)
             _, state = self._fresh(state.tokens, False)
             c = state.context
-        logits = self._decode(c, tok, done, False)
+        logits = c.decode(tok, done, False)
         return torch.from_numpy(logits[:, -1]), _State(c, np.concatenate([state.tokens, tok], axis=1))
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -245,18 +133,16 @@ class LlamaCppEngine(Engine):
         return torch.from_numpy(np.concatenate([self._fresh(x[i: i + 1], True)[0] for i in range(x.shape[0])]))
 
     def cache_bytes(self, state: _State) -> int:
-        return state.context.kv_bytes
+        return state.context.kv.bytes
 
     def cache_tokens(self, state: _State) -> int | None:
-        return state.context.kv_cells
+        return state.context.kv.total_cells
 
     def close(self) -> None:
         for c in self._contexts.values():
-            self.lc.llama_free(c.ctx)
+            c.close()
         self._contexts.clear()
-        if self.model:
-            self.lc.llama_model_free(self.model)
-            self.model = None
+        self.model.close()
 
 
 def gguf_path(source: Any) -> Path:
@@ -296,10 +182,8 @@ def load_llamacpp_pair(plan, source, config, kv_type: str = "f16") -> EnginePair
                                 f"plan prunes {list(plan.layers)}", "write the HARP GGUF from this plan")
     headroom = max(config.decode_tokens, config.greedy_tokens) + 1
     engines = {v: LlamaCppEngine(p, v, config.threads, headroom, ctx_len, kv_type) for v, p in paths.items()}
-    import llama_cpp
-
     info = {v: {"gguf": str(p), "threads": engines[v].threads, "flash_attention": True,
-                "llama_cpp_python": llama_cpp.__version__, "kv_type": engines[v]._contexts[1].kv_type}
+                "llama_cpp_python": llama_cpp_version(), "kv_type": engines[v].kv_logged_type}
             for v, p in paths.items()}
     log.info("llama.cpp engines: dense %s, harp %s", paths["dense"], paths["harp"])
     model = (_report(paths["dense"].parent).get("model") or {}).get("folder")

@@ -30,7 +30,7 @@ import torch
 
 from .engines import EnginePair
 
-__all__ = ["LatencySettings", "measure_prefill", "measure_generation", "quantiles", "summarise",
+__all__ = ["LatencySettings", "random_ids", "measure_prefill", "measure_generation", "quantiles", "summarise",
            "latency_stats", "paired_speedup", "paired_speedups", "serving_figures", "BOOTSTRAP_RESAMPLES"]
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,11 @@ def _order(r: int) -> tuple[str, str]:
     return ("dense", "harp") if r % 2 == 0 else ("harp", "dense")
 
 
-def _ids(vocab: int, n: int, seed: int, batch: int = 1) -> torch.Tensor:
+def random_ids(vocab: int, n: int, seed: int, batch: int = 1) -> torch.Tensor:
+    """``[batch, n]`` token ids drawn with ``seed`` from 3 up to half the vocabulary (no special
+    tokens, which sit at either end of most vocabularies): the prompts every timing here and in
+    ``bench/long_context.py`` runs."""
     g = torch.Generator().manual_seed(seed)
-    # ids from the lower half of the vocabulary: no special tokens at the top end of most vocabularies
     return torch.randint(3, max(4, vocab // 2), (batch, n), generator=g)
 
 
@@ -71,7 +73,7 @@ def measure_prefill(pair: EnginePair, s: LatencySettings,
     rows: list[dict] = []
     engines = pair.engines()
     for seq in s.seq_lens:
-        ids = _ids(pair.dims.vocab, seq, s.seed + seq)
+        ids = random_ids(pair.dims.vocab, seq, s.seed + seq)
         for w in range(s.warmup):
             for v in _order(w):
                 engines[v].prefill(ids)
@@ -116,7 +118,7 @@ def measure_generation(pair: EnginePair, s: LatencySettings,
     cache: dict[str, dict] = {}
     engines = pair.engines()
     for b in s.generation_batches():
-        ids = _ids(pair.dims.vocab, s.decode_context, s.seed + 7, batch=b)
+        ids = random_ids(pair.dims.vocab, s.decode_context, s.seed + 7, batch=b)
         t_batch = time.perf_counter()
         for w in range(s.warmup):
             for v in _order(w):

@@ -152,6 +152,7 @@ ensemble/        text_input, max_tokens -> text_output (preprocessing -> tensorr
 preprocessing/   Python backend: tokenizer (1/tokenizer), max_tokens clamped to the engine's max_seq_len
 tensorrt_llm/    tensorrtllm backend, gpt_model_path = {s['engine_dir']}
 postprocessing/  Python backend: detokenizer (1/tokenizer)
+                 (both: 1/model.py imports 1/harp_tokenizer_models.py, their shared parameters and tokenizer)
 client.py        sends a prompt to the ensemble and prints the reply
 harp_triton.json the values of the template keys and where everything came from
 ```

@@ -35,6 +35,7 @@ __all__ = ["trtllm_model_configs", "write_trtllm_models", "TRTLLM_MODELS", "TEMP
            "EXECUTOR_WORKER_PATH", "LOGITS_DTYPES"]
 
 log = logging.getLogger(__name__)
+TOKENIZER_MODELS = "harp_tokenizer_models.py"  # assets/: what preprocessing and postprocessing share
 
 TRTLLM_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
 EXECUTOR_WORKER_PATH = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
@@ -265,6 +266,7 @@ def write_trtllm_models(repo: Path, configs: dict[str, dict[str, Any]], tokenize
                 f"({'the ensemble has no files' if name == 'ensemble' else 'the engine is read from gpt_model_path'}).\n")
     for name, src in (("preprocessing", "preprocessing.py"), ("postprocessing", "postprocessing.py")):
         (repo / name / "1" / "model.py").write_text(_asset(src))
+        (repo / name / "1" / TOKENIZER_MODELS).write_text(_asset(TOKENIZER_MODELS))  # model.py imports it
         tok = repo / name / "1" / "tokenizer"
         tok.mkdir()
         copy_tokenizer(tokenizer_src, tok)  # the files of tokenizer_files, made loadable by transformers 4.x

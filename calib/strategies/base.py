@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -29,13 +29,17 @@ class ScoreContext:
 
 
 class Strategy:
+    """A name, how the scores are read (the flags) and ``scorer``, the function that computes them
+    (a ``staticmethod`` of the subclass); two strategies that score alike share a parent."""
+
     name: ClassVar[str]
     needs_data: ClassVar[bool] = True
     prune_high: ClassVar[bool] = True     # prune the P highest scores (else the P lowest)
     protect_ends: ClassVar[bool] = False  # never select the first or the last layer
+    scorer: ClassVar[Callable[[ScoreContext], list[float]]]
 
     def score(self, ctx: ScoreContext) -> list[float]:
-        raise NotImplementedError
+        return self.scorer(ctx)
 
     def select(self, scores: list[float], p: int) -> list[int]:
         """Indices of the P layers to prune, ascending. Ties break towards higher layers."""

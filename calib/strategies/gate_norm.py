@@ -88,18 +88,10 @@ def gate_norm_folded_scores(ctx: ScoreContext) -> list[float]:
 
 
 class GateNormStrategy(Strategy):
-    name = "gate-norm"
-    needs_data = False
-    prune_high = False
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return gate_norm_scores(ctx)
+    name, needs_data, prune_high = "gate-norm", False, False
+    scorer = staticmethod(gate_norm_scores)
 
 
-class GateNormFoldedStrategy(Strategy):
+class GateNormFoldedStrategy(GateNormStrategy):
     name = "gate-norm-folded"
-    needs_data = False
-    prune_high = False
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return gate_norm_folded_scores(ctx)
+    scorer = staticmethod(gate_norm_folded_scores)

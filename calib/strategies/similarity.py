@@ -6,6 +6,8 @@
 Both average over tokens and windows and prune the P *lowest*.""" 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -39,16 +41,10 @@ def similarity_scores(ctx: ScoreContext, attn_only: bool, max_windows: int = 8) 
 
 
 class BlockInfluenceStrategy(Strategy):
-    name = "bi"
-    prune_high = False
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return similarity_scores(ctx, attn_only=False)
+    name, prune_high = "bi", False
+    scorer = staticmethod(functools.partial(similarity_scores, attn_only=False))
 
 
-class AttnSimStrategy(Strategy):
+class AttnSimStrategy(BlockInfluenceStrategy):
     name = "attn-sim"
-    prune_high = False
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return similarity_scores(ctx, attn_only=True)
+    scorer = staticmethod(functools.partial(similarity_scores, attn_only=True))

@@ -50,9 +50,5 @@ def sink_scores(ctx: ScoreContext, max_windows: int = 8) -> list[float]:
 
 
 class SinkStrategy(Strategy):
-    name = "sink"
-    prune_high = True
-    protect_ends = True
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return sink_scores(ctx)
+    name, prune_high, protect_ends = "sink", True, True
+    scorer = staticmethod(sink_scores)

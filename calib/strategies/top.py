@@ -3,22 +3,18 @@ from __future__ import annotations
 from .base import ScoreContext, Strategy
 
 
+def layer_index_scores(ctx: ScoreContext) -> list[float]:
+    return [float(i) for i in range(ctx.config.num_hidden_layers)]
+
+
 class TopStrategy(Strategy):
     """HARP's choice (arXiv 2507.01900): prune the top P layers. Score = layer index."""
 
-    name = "top"
-    needs_data = False
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return [float(i) for i in range(ctx.config.num_hidden_layers)]
+    name, needs_data = "top", False
+    scorer = staticmethod(layer_index_scores)
 
 
-class BottomStrategy(Strategy):
-    """The HARP paper's Bottom-P ablation: prune the P lowest layers. Score = layer index."""
+class BottomStrategy(TopStrategy):
+    """The HARP paper's Bottom-P ablation: prune the P lowest layers."""
 
-    name = "bottom"
-    needs_data = False
-    prune_high = False
-
-    def score(self, ctx: ScoreContext) -> list[float]:
-        return [float(i) for i in range(ctx.config.num_hidden_layers)]
+    name, prune_high = "bottom", False

@@ -19,18 +19,11 @@ from ..lazy import Registry
 
 __all__ = ["main", "COMMANDS"]
 
-# command name -> its module, imported when the parser is built (a command's module imports no
-# framework at module level, so `harp-trt --help` does not import torch); listed in this order
+# command name -> its module harp_trt.cli.<name>, imported when the parser is built (a command's module
+# imports no framework at module level, so `harp-trt --help` does not import torch); listed in this order
 COMMANDS: Registry = Registry("command")
-COMMANDS.register("build", "harp_trt.cli.build")
-COMMANDS.register("score", "harp_trt.cli.score")
-COMMANDS.register("calibrate", "harp_trt.cli.calibrate")
-COMMANDS.register("eval", "harp_trt.cli.eval")
-COMMANDS.register("rewrite", "harp_trt.cli.rewrite")
-COMMANDS.register("cache", "harp_trt.cli.cache")
-COMMANDS.register("bench", "harp_trt.cli.bench")
-COMMANDS.register("deploy", "harp_trt.cli.deploy")
-COMMANDS.register("generate", "harp_trt.cli.generate")
+COMMANDS.register_modules(__name__, ("build", "score", "calibrate", "eval", "rewrite", "cache", "bench", "deploy",
+                                     "generate"))
 
 
 def common_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,11 @@ BENCH_FIELDS = ("engine", "seq_lens", "tasks", "limit", "repeats", "batch_sizes"
 BENCH_DEFAULTS = {"engine": None, "seq_lens": "128,512,1024,2048", "tasks": "none", "repeats": 3}
 QUANT_FIELDS = ("quant", "quant_block_size", "quant_symmetric", "quant_accuracy_level")
 TRTLLM_FIELDS = ("tp_size", "pp_size")
+# stage -> its flag groups as build takes them ((fields, flag prefix), ...): offered under "--backend
+# <stage>" and made into that stage's config where the chosen backend runs the stage
+STAGE_FLAGS = {"gguf": ((("gguf_type",), ""), (("dtype",), "gguf-")), "trtllm": ((TRTLLM_FIELDS, ""),)}
+# stage -> how its output is quantized where --quant (the ORT engine's) does not apply
+OWN_QUANT = {"gguf": "for llama.cpp quantization use --gguf-type"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,10 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          group="with --bench (the bench command's flags, prefixed)")
     add_config_arguments(p, STAGES.get("build-ort").config_class(), QUANT_FIELDS,
                          group="ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
-    G = STAGES.get("gguf").config_class()
-    add_config_arguments(p, G, ("gguf_type",), group="--backend gguf")
-    add_config_arguments(p, G, ("dtype",), prefix="gguf-", group="--backend gguf")
-    add_config_arguments(p, STAGES.get("trtllm").config_class(), TRTLLM_FIELDS, group="--backend trtllm")
+    for stage, groups in STAGE_FLAGS.items():
+        for fields, prefix in groups:
+            add_config_arguments(p, STAGES.get(stage).config_class(), fields, prefix=prefix, group=f"--backend {stage}")
+
+
+def _stages(backend: str) -> set[str]:
+    """The stages backend ``backend`` runs after calibrate (``UnknownNameError`` with "did you mean")."""
+    from ..registry import BACKENDS
+
+    return {step.stage for step in BACKENDS.get(backend).steps}
 
 
 def run(args) -> dict:
@@ -53,18 +64,10 @@ def run(args) -> dict:
     store = ArtifactStore(args.workdir)
     calib_config, placement = calibrate_config_from_args(args)
     bench_config = _bench_config(args, placement) if args.bench else None
-    configs = {"build-ort": _ort_config(args)}
-    if args.backend == "trtllm":
-        from ..registry import STAGES
-
-        configs["trtllm"] = config_from_args(STAGES.get("trtllm").config_class(), args, TRTLLM_FIELDS)
-    if args.backend == "gguf":
-        from ..registry import STAGES
-        from ._options import values_from_args
-
-        G = STAGES.get("gguf").config_class()
-        configs["gguf"] = G.from_dict({**values_from_args(G, args, ("gguf_type",)),
-                                       **values_from_args(G, args, ("dtype",), prefix="gguf-")})
+    stages = _stages(args.backend)
+    configs = {"build-ort": _ort_config(args, stages)}
+    for stage in sorted(stages & set(STAGE_FLAGS)):
+        configs[stage] = _stage_config(stage, args)
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
                         bench_config=bench_config, configs=configs, on_phase=on_phase,
@@ -94,16 +97,29 @@ def run(args) -> dict:
     return out
 
 
-def _ort_config(args):
+def _stage_config(stage: str, args):
+    """``stage``'s config from its ``STAGE_FLAGS``."""
     from ..registry import STAGES
+    from ._options import values_from_args
 
-    OrtBuildConfig = STAGES.get("build-ort").config_class()
-    if args.quant != "none" and args.backend in ("trtllm", "gguf"):
+    cls = STAGES.get(stage).config_class()
+    return cls.from_dict({k: v for fields, prefix in STAGE_FLAGS[stage]
+                          for k, v in values_from_args(cls, args, fields, prefix=prefix).items()})
+
+
+def _ort_config(args, stages: set[str] | None = None):
+    """The ORT engine's config; ``ConfigError`` for --quant on a backend that builds no ORT engine
+    (``stages``: the backend's, ``_stages(args.backend)`` by default)."""
+    from ..registry import BACKENDS, STAGES
+
+    stages = _stages(args.backend) if stages is None else stages
+    if args.quant != "none" and "build-ort" not in stages:
         from ..errors import ConfigError
 
-        raise ConfigError(f"--quant applies to the ORT engine (backends ort, triton and genai), not {args.backend}",
-                          "for llama.cpp quantization use --gguf-type" if args.backend == "gguf" else None)
-    return config_from_args(OrtBuildConfig, args, QUANT_FIELDS)
+        ort = [name for name in BACKENDS.names() if "build-ort" in _stages(name)]
+        raise ConfigError(f"--quant applies to the ORT engine (backends {', '.join(ort)}), not {args.backend}",
+                          next((OWN_QUANT[s] for s in sorted(stages) if s in OWN_QUANT), None))
+    return config_from_args(STAGES.get("build-ort").config_class(), args, QUANT_FIELDS)
 
 
 def _bench_config(args, placement):

@@ -146,13 +146,8 @@ def run_genai(args) -> dict:
 
 
 def run(args) -> dict:
-    if args.target == "genai":
-        return run_genai(args)
-    if args.target == "gguf":
-        return run_gguf(args)
-    if args.target == "triton":
-        return run_triton(args)
-    return run_trtllm(args)
+    """The target's ``run_<target>`` (each target of ``_TARGETS`` has one, as it has ``add_<target>_arguments``)."""
+    return globals()[f"run_{args.target}"](args)
 
 
 def run_triton(args) -> dict:

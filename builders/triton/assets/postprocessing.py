@@ -3,19 +3,18 @@
 
 Parameters (config.pbtxt): ``tokenizer_dir`` (relative paths resolve against this file's folder) and
 ``skip_special_tokens``."""
-import json
 import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harp_tokenizer_models.py sits beside this file
+from harp_tokenizer_models import TokenizerModel, flag, resolve_dir  # noqa: E402,F401
 
 try:  # present inside Triton's Python backend only
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton (tests, tooling): the helpers below still work
     pb_utils = None
-
-
-def resolve_dir(path, base):
-    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
 
 
 def decode(tokenizer, tokens, lengths, skip_special_tokens=True):
@@ -30,15 +29,12 @@ def decode(tokenizer, tokens, lengths, skip_special_tokens=True):
     return out
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        from transformers import AutoTokenizer
+class TritonPythonModel(TokenizerModel):
+    here = os.path.dirname(os.path.abspath(__file__))
 
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        here = os.path.dirname(os.path.abspath(__file__))
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_dir(params.get("tokenizer_dir", "tokenizer"), here))
-        self.skip_special = params.get("skip_special_tokens", "true").lower() in ("true", "1", "yes")
+    def initialize(self, args):
+        super().initialize(args)
+        self.skip_special = flag(self.params, "skip_special_tokens")
 
     def execute(self, requests):
         responses = []
@@ -48,6 +44,3 @@ class TritonPythonModel:
             text = decode(self.tokenizer, tokens, lengths, self.skip_special)
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", text)]))
         return responses
-
-    def finalize(self):
-        self.tokenizer = None

@@ -4,29 +4,18 @@
 
 Parameters (config.pbtxt): ``tokenizer_dir`` (relative paths resolve against this file's folder),
 ``add_special_tokens``, ``max_input_len`` and ``max_seq_len`` (the engine's build limits; 0 = no check)."""
-import json
 import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harp_tokenizer_models.py sits beside this file
+from harp_tokenizer_models import TokenizerModel, flag, load_tokenizer, resolve_dir  # noqa: E402,F401
 
 try:  # present inside Triton's Python backend only
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton (tests, tooling): the helpers below still work
     pb_utils = None
-
-
-def resolve_dir(path, base):
-    """``path`` itself if absolute, else ``base/path``."""
-    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
-
-
-def load_tokenizer(folder):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    if tok.pad_token_id is None and tok.eos_token_id is not None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def encode(tokenizer, queries, add_special_tokens):
@@ -78,15 +67,14 @@ def _texts(array):
     return out
 
 
-class TritonPythonModel:
+class TritonPythonModel(TokenizerModel):
+    here = os.path.dirname(os.path.abspath(__file__))
+
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        here = os.path.dirname(os.path.abspath(__file__))
-        self.tokenizer = load_tokenizer(resolve_dir(params.get("tokenizer_dir", "tokenizer"), here))
-        self.add_special = params.get("add_special_tokens", "true").lower() in ("true", "1", "yes")
-        self.max_input_len = int(params.get("max_input_len", "0") or 0)
-        self.max_seq_len = int(params.get("max_seq_len", "0") or 0)
+        super().initialize(args)
+        self.add_special = flag(self.params, "add_special_tokens")
+        self.max_input_len = int(self.params.get("max_input_len", "0") or 0)
+        self.max_seq_len = int(self.params.get("max_seq_len", "0") or 0)
         eos = self.tokenizer.eos_token_id
         self.end_id = int(eos if eos is not None else 0)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.end_id)
@@ -125,6 +113,3 @@ class TritonPythonModel:
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
-
-    def finalize(self):
-        self.tokenizer = None

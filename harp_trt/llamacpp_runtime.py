@@ -1,0 +1,239 @@
+"""Running llama.cpp: the one place that imports ``llama_cpp`` (llama-cpp-python's low-level ctypes
+bindings) and owns the log capture, the KV-size log line, context creation and batch decode. The
+GGUF deploy stage's checks (``builders/gguf/probe.py``) and the bench's llama.cpp engine
+(``bench/stage/engine_llamacpp.py``) both run GGUFs through it; it lives in the core because no
+stage may import another. Everything here runs the real library, on the CPU (``n_gpu_layers`` 0).
+
+* **Log.** One ctypes callback, set once per process with ``llama_log_set``
+  (vendor/llama.cpp/src/llama-impl.cpp), replaces llama-cpp-python's, which prints every line to
+  stderr: lines go to this module's logger (ERROR as a warning, the rest at debug level: llama.cpp
+  warns about what this package does on purpose, such as V padding without flash attention or
+  dummy tokens of a vocab-only file) and, inside ``captured_log``, to the caller.
+* **KV bytes** are llama.cpp's own accounting: the ``llama_kv_cache`` constructor
+  (vendor/llama.cpp/src/llama-kv-cache.cpp, ``llama_kv_cache::llama_kv_cache``) logs
+  ``size = X MiB (N cells, L layers, S/M seqs), K (t): a MiB, V (t): b MiB`` from
+  ``size_k_bytes() + size_v_bytes()``, the ``ggml_nbytes`` of every layer's K and V tensors, where
+  N is the cells per stream and M the streams. A context is refused where that line is missing
+  (``KvAllocation``). MiB to two decimals: up to 5243 bytes off the total.
+* **Decode** is one ``llama_batch`` of B sequences x n tokens (row b is sequence b), read back with
+  ``llama_get_logits`` (vendor/llama.cpp/src/llama-context.cpp: ``llama_context::get_logits``
+  reorders the outputs to batch order first)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .errors import PreconditionError
+from .extras import require
+
+__all__ = ["import_llama_cpp", "llama_cpp_version", "captured_log", "KV_LINE", "KV_TYPE_BYTES", "KvAllocation",
+           "LlamaModel", "LlamaContext"]
+
+log = logging.getLogger(__name__)
+
+KV_LINE = re.compile(r"llama_kv_cache: size = *(?P<total_mib>[\d.]+) MiB \( *(?P<cells>\d+) cells, *(?P<layers>\d+) "
+                     r"layers, *(?P<seqs>\d+)/(?P<streams>\d+) seqs\), K \((?P<k_type>\w+)\): *(?P<k_mib>[\d.]+) MiB, "
+                     r"V \((?P<v_type>\w+)\): *(?P<v_mib>[\d.]+) MiB")
+# bytes per cached element of llama.cpp's KV types (q8_0: blocks of 32 int8 values + one f16 scale,
+# 34 bytes per 32 elements: vendor/llama.cpp/ggml/src/ggml-common.h, block_q8_0)
+KV_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
+_TAIL = 600  # characters of llama.cpp's log quoted in an error
+
+
+def import_llama_cpp() -> Any:
+    """``llama_cpp``; ``MissingDependencyError`` naming the ``gguf`` extra where it does not import."""
+    return require("llama_cpp", "llama.cpp writes, checks and quantizes the GGUF")
+
+
+def llama_cpp_version() -> str:
+    return import_llama_cpp().__version__
+
+
+_sink: list[str] | None = None  # where llama.cpp's log lines go while a capture is open
+_callback = None                # the ctypes callback: it must outlive every call into llama.cpp
+
+
+def _route_log(level: int, text: bytes, user_data) -> None:  # noqa: ARG001
+    line = text.decode("utf-8", "replace")
+    if _sink is not None:
+        _sink.append(line)
+    if level >= 3 and level != 5 and line.strip():  # WARN, ERROR (vendor/llama.cpp/ggml/include/ggml.h: ggml_log_level)
+        (log.warning if level == 4 else log.debug)("llama.cpp: %s", line.rstrip())
+
+
+@contextlib.contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Every line llama.cpp logs inside the block (the callback is set on first use)."""
+    global _sink, _callback
+    if _callback is None:
+        lib = import_llama_cpp()
+        _callback = lib.llama_log_callback(_route_log)
+        lib.llama_log_set(_callback, ctypes.c_void_p(0))
+    lines: list[str] = []
+    _sink = lines
+    try:
+        yield lines
+    finally:
+        _sink = None
+
+
+@dataclass(frozen=True)
+class KvAllocation:
+    """The KV cache one context allocated, as llama.cpp logged it (see the module docstring)."""
+
+    total_mib: float
+    cells: int        # per stream
+    layers: int
+    streams: int
+    k_type: str
+    k_mib: float
+    v_type: str
+    v_mib: float
+    line: str
+
+    @classmethod
+    def from_log(cls, text: str) -> "KvAllocation | None":
+        m = KV_LINE.search(text)
+        if m is None:
+            return None
+        g = m.groupdict()
+        return cls(float(g["total_mib"]), int(g["cells"]), int(g["layers"]), int(g["streams"]), g["k_type"],
+                   float(g["k_mib"]), g["v_type"], float(g["v_mib"]), m.group(0))
+
+    @property
+    def bytes(self) -> int:
+        return round(self.total_mib * 2 ** 20)
+
+    @property
+    def total_cells(self) -> int:
+        """Cells the bytes cover: per stream x streams."""
+        return self.cells * self.streams
+
+
+class _Freed:
+    """Holds a llama.cpp pointer ``ptr``: ``close`` (or the end of a ``with`` block) frees it once."""
+
+    ptr: Any = None
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.ptr:
+            self._free()
+        self.ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LlamaModel(_Freed):
+    """A GGUF loaded by llama.cpp (``vocab_only``: its vocabulary alone); errors name ``stage``."""
+
+    def __init__(self, path: str | Path, *, stage: str, vocab_only: bool = False, hint: str | None = None):
+        self.lib = lib = import_llama_cpp()
+        self.path, self.stage = Path(path), stage
+        lib.llama_backend_init()
+        with captured_log() as lines:
+            params = lib.llama_model_default_params()
+            params.vocab_only, params.n_gpu_layers = vocab_only, 0
+            self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.ptr:
+            raise PreconditionError(stage, f"llama.cpp cannot load {self.path}: {''.join(lines)[-_TAIL:]}", hint)
+        self.log = "".join(lines)
+        self.vocab = lib.llama_model_get_vocab(self.ptr)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+
+    def context(self, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq: int = 1, threads: int = 1,
+                flash_attn: bool = True, kv_type: str = "f16") -> "LlamaContext":
+        return LlamaContext(self, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_seq, threads=threads,
+                            flash_attn=flash_attn, kv_type=kv_type)
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """``llama_tokenize`` with the GGUF's vocabulary; ``parse_special``: special-token text
+        (``<|im_end|>``) becomes its token, as Hugging Face tokenizers do by default."""
+        raw = text.encode("utf-8")
+        cap = len(raw) + 16
+        buf = (self.lib.llama_token * cap)()
+        n = self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise PreconditionError(self.stage, f"llama_tokenize needs {-n} tokens for {len(raw)} bytes")
+        return [int(buf[i]) for i in range(n)]
+
+    def _free(self) -> None:
+        self.lib.llama_model_free(self.ptr)
+
+
+class LlamaContext(_Freed):
+    """One ``llama_context`` of ``n_seq`` sequences (``n_seq_max``, one KV stream each) on ``model``,
+    with the KV cache it allocated (``kv``, from llama.cpp's log as it was created)."""
+
+    def __init__(self, model: LlamaModel, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq: int, threads: int,
+                 flash_attn: bool, kv_type: str):
+        self.model, self.n_seq = model, n_seq
+        self.lib = lib = model.lib
+        p = lib.llama_context_default_params()
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq
+        p.n_threads = p.n_threads_batch = threads
+        p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = getattr(lib, f"GGML_TYPE_{kv_type.upper()}")
+        with captured_log() as lines:
+            self.ptr = lib.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            raise PreconditionError(model.stage, f"llama.cpp could not create a context of {n_seq} x {n_ctx // n_seq} "
+                                    f"tokens for {model.path.name}: {''.join(lines)[-_TAIL:]}")
+        kv = KvAllocation.from_log("".join(lines))
+        if kv is None:
+            self.close()
+            raise PreconditionError(model.stage, f"llama.cpp logged no KV cache size for {model.path.name}",
+                                    "this llama.cpp's log format differs from the one KV_LINE reads")
+        self.kv: KvAllocation = kv
+        self.n_ctx = int(lib.llama_n_ctx(self.ptr))
+
+    @property
+    def cells(self) -> int:
+        """Positions each sequence has room for."""
+        return self.n_ctx // self.n_seq
+
+    def clear(self) -> None:
+        """Forget every sequence (``llama_memory_clear`` with its data)."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ptr), True)
+
+    def decode(self, tokens: np.ndarray, start: int = 0, all_logits: bool = True) -> np.ndarray:
+        """Decode ``tokens [B, n]`` at positions ``start..`` as one batch (row b is sequence b);
+        logits ``[B, n, V]`` (``all_logits``) or of the last position ``[B, 1, V]``, float32."""
+        lib = self.lib
+        b, n = tokens.shape
+        tok = np.ascontiguousarray(tokens.reshape(-1), dtype=np.int32)
+        pos = np.tile(np.arange(start, start + n, dtype=np.int32), b)
+        n_seq = np.ones(b * n, dtype=np.int32)
+        seq = np.arange(b, dtype=np.int32)
+        seq_ptr = (seq.ctypes.data + seq.itemsize * np.repeat(np.arange(b), n)).astype(np.uintp)
+        want = np.ones(b * n, dtype=np.int8) if all_logits else np.tile((np.arange(n) == n - 1).astype(np.int8), b)
+        batch = lib.llama_batch()
+        batch.n_tokens = b * n
+        batch.token = tok.ctypes.data_as(ctypes.POINTER(lib.llama_token))
+        batch.pos = pos.ctypes.data_as(ctypes.POINTER(lib.llama_pos))
+        batch.n_seq_id = n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = seq_ptr.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lib.llama_seq_id)))
+        batch.logits = want.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        rc = lib.llama_decode(self.ptr, batch)
+        if rc != 0:
+            raise PreconditionError(self.model.stage, f"llama_decode returned {rc} on {self.model.path.name} "
+                                    f"({b} x {n} tokens at {start})")
+        out, vocab = int(want.sum()), self.model.n_vocab
+        logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ptr), shape=(out, vocab))
+        return np.array(logits, dtype=np.float32).reshape(b, out // b, vocab)
+
+    def _free(self) -> None:
+        self.lib.llama_free(self.ptr)
