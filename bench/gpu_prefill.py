@@ -178,17 +178,18 @@ def time_prefill(models: dict, seq_lens, repeats: int, warmup: int, device, voca
 
 def _random_cache(model, batch: int, context: int, device, dtype):
     import torch
-    from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     from harp_trt.dims import attention_dims
     from harp_trt.harp import HarpAttention
+    from harp_trt.hf_compat import no_kv_layer
 
     _, kv, hd = attention_dims(model.config)
     cache = DynamicCache()
     layers = []
     for layer in model.model.layers:
         if isinstance(layer.self_attn, HarpAttention):
-            layers.append(DummyLayer())
+            layers.append(no_kv_layer())
             continue
         k = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
         v = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
@@ -229,18 +230,21 @@ def max_batch(models: dict, context: int, steps: int, fraction: float, cap: int,
 def time_decode(models: dict, batches: dict, context: int, steps: int, device, dtype, vocab: int) -> list[dict]:
     import torch
 
+    from harp_trt.hf_compat import cache_kwarg
+
     rows = []
     plan = [(v, batches[v], "max_batch") for v in models] + [(v, batches["dense"], "dense_batch") for v in models]
     for v, b, kind in plan:
         m = models[v]
         cache = _random_cache(m, b, context, device, dtype)
         tok = torch.randint(0, vocab, (b, 1), device=device)
+        kw = {cache_kwarg(m): cache, "use_cache": True}  # past_key_values= before transformers 5.24
         with torch.inference_mode(), _sdpa_context(device):
-            m(input_ids=tok, cache=cache, use_cache=True)  # warm-up step
+            m(input_ids=tok, **kw)  # warm-up step
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                tok = m(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                tok = m(input_ids=tok, **kw).logits[:, -1].argmax(-1, keepdim=True)
             _sync(device)
         dt = time.perf_counter() - t0
         rows.append({"variant": v, "batch": b, "kind": kind, "context": context, "steps": steps,

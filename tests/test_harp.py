@@ -7,6 +7,7 @@ import torch
 from conftest import make_tiny
 from harp_trt.families import family_of
 from harp_trt.harp import HarpAttention, apply_harp, harp_alphas
+from harp_trt.hf_compat import holds_no_kv
 
 TOL = 1e-5  # fp32, same math in a different order
 
@@ -94,7 +95,7 @@ def test_generate_with_cache_matches_recompute(family, layers):
         assert all(getattr(l, "keys", None) is None or l.keys.numel() == 0 for l in cache.layers)
         return
     for i, layer in enumerate(cache.layers):
-        assert (type(layer).__name__ == "DummyLayer") == (i in layers), i
+        assert holds_no_kv(layer) == (i in layers), i  # a DummyLayer (an empty layer before transformers 5.24)
         if i not in layers:
             assert layer.get_seq_length() == 5 + 8 - 1 and layer.keys.numel() > 0
     assert cache.get_seq_length() == 5 + 8 - 1
