@@ -72,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of free memory the KV cache may use")
     ap.add_argument("--out", required=True, help="folder for the CSV and PNG files")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CPU included)")
+    ap.add_argument("--engine", default="torch", choices=["torch", "genai", "llamacpp"],
+                    help="runtime timed: PyTorch (default), onnxruntime-genai on CUDA or llama.cpp with every layer "
+                         "on the GPU (bench/_gpu_engines.py; they refuse where missing)")
+    ap.add_argument("--workdir", default="", help="keep the --engine artifacts here (default: a temporary folder)")
     args = ap.parse_args(argv)
     try:
         lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip()) if args.seq_lens else None
@@ -286,13 +290,10 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
-def run(args) -> dict:
+def _torch_figures(args, device, dtype) -> tuple[list[dict], list[dict], dict, str]:
+    """(prefill rows, decode rows, decode batches, attention) of the PyTorch models."""
     import torch
 
-    device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
-    t_start = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     dense, harp, attn = build_models(args.shape, args.layers, device, dtype)
     models = {"dense": dense, "harp": harp}
     vocab = dense.config.vocab_size
@@ -300,10 +301,44 @@ def run(args) -> dict:
     batches = max_batch(models, args.decode_context, args.decode_steps, args.memory_fraction, args.max_batch,
                         device, torch.finfo(dtype).bits // 8)
     dec = time_decode(models, batches, args.decode_context, args.decode_steps, device, dtype, vocab)
+    return pre, dec, batches, attn
+
+
+def engine_figures(args, info: dict) -> tuple[list[dict], list[dict], dict, str]:
+    """The same figures on ``args.engine`` (``bench/_gpu_engines.py``; decode at batch 1)."""
+    import tempfile
+
+    from bench import _gpu_engines as ge
+
+    vocab = SHAPES[args.shape]["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix="gpu_engines_") as tmp:
+        engines = ge.build_engines(args.engine, args.shape, args.layers, Path(args.workdir or tmp), args.dry_run,
+                                   headroom=args.warmup + args.decode_steps + 2)
+        try:
+            pre = ge.time_engine_prefill(engines, args.seq_lens, args.repeats, args.warmup, vocab)
+            dec = ge.time_engine_decode(engines, args.decode_context, args.decode_steps, vocab)
+        finally:
+            ge.close(engines)
+    return pre, dec, {"dense": 1, "harp": 1}, f"{info['runtime']} {info['version']}"
+
+
+def run(args) -> dict:
+    import torch
+
+    device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
+    info = None
+    if args.engine != "torch":
+        from bench._gpu_engines import probe
+
+        info = probe(args.engine, "gpu_prefill.py", args.dry_run)  # refuses before anything is written
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pre, dec, batches, attn = engine_figures(args, info) if info else _torch_figures(args, device, dtype)
     _write_csv(pre, out / "gpu_prefill.csv")
     _write_csv(dec, out / "gpu_decode.csv")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    n = dense.config.num_hidden_layers
+    n = SHAPES[args.shape]["num_hidden_layers"]
     plot(pre, out / "gpu_prefill.png", f"{args.shape} ({gpu}, {attn}), HARP top {args.layers}/{n} layers")
     speed = {}
     for seq in args.seq_lens:
@@ -311,8 +346,9 @@ def run(args) -> dict:
         h = next(r for r in pre if r["variant"] == "harp" and r["seq_len"] == seq)
         speed[str(seq)] = d["mean_s"] / h["mean_s"]
     longest = str(max(args.seq_lens))
-    dmax = {r["variant"]: r for r in dec if r["kind"] == "max_batch"}
-    return {"model": args.shape, "device": gpu, "attention": attn, "dtype": str(dtype).replace("torch.", ""),
+    dmax = {r["variant"]: r for r in dec if r["kind"] != "dense_batch"}  # max_batch (torch) or engine
+    return {"model": args.shape, "device": gpu, "engine": args.engine, "runtime": info, "attention": attn,
+            "dtype": info["weights"] if info else str(dtype).replace("torch.", ""),
             "pruned_layers": list(range(n - args.layers, n)), "repeats": args.repeats,
             "prefill_s": {str(r["seq_len"]): {r2["variant"]: [round(r2["mean_s"], 5), round(r2["ci95_s"], 5)]
                                               for r2 in pre if r2["seq_len"] == r["seq_len"]} for r in pre},

@@ -63,3 +63,36 @@ def test_dry_run_same_code_path(tmp_path):
     lines = [l.split(",") for l in dec.splitlines()[1:]]
     kv = {l[0]: int(l[-1]) for l in lines}
     assert kv["dense"] == 2 * kv["harp"] == 4 * 2 * 2 * 16 * 4
+
+
+def test_dry_run_on_genai(tmp_path):
+    """--engine genai: the same CSV/PNG/JSON from onnxruntime-genai (the CUDA provider on a GPU
+    host; the CPU build in a dry run) on the folders the pipeline builds, KV bytes as genai holds them."""
+    from bench.gpu_prefill import main
+
+    rc = main(["--dry-run", "--engine", "genai", "--out", str(tmp_path), "--seq-lens", "8,16", "--repeats", "2",
+               "--warmup", "0", "--decode-steps", "2"])
+    assert rc == 0
+    rows = (tmp_path / "gpu_prefill.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 and (tmp_path / "gpu_prefill.png").stat().st_size > 0
+    kv = {l.split(",")[0]: int(l.split(",")[-1]) for l in (tmp_path / "gpu_decode.csv").read_text().splitlines()[1:]}
+    assert kv == {"dense": 4 * 2 * 2 * 16 * 4, "harp": 2 * 2 * 2 * 16 * 4}  # fp32 KV, HARP keeps 2 of 4 layers
+
+
+@pytest.mark.parametrize("engine,module", [("genai", "onnxruntime_genai"), ("llamacpp", "llama_cpp")])
+def test_engine_refusals(engine, module, tmp_path):
+    """Where the runtime does not import (the GPU host has neither), --engine refuses: exit 2, one
+    line naming the package to install, a JSON last line, nothing written. Without --dry-run the
+    CPU builds here are refused too (no CUDA support)."""
+    from bench._gpu_common import Refused
+    from bench._gpu_engines import probe
+
+    code = ("import sys; sys.modules[%r] = None; sys.argv = %r; import runpy; "
+            "runpy.run_path(%r, run_name='__main__')" % (module, ["gpu_prefill.py", "--dry-run", "--engine", engine,
+                                                                  "--out", str(tmp_path / "o")], str(SCRIPT)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 2 and last["status"] == "refused" and "does not import here" in last["reason"]
+    assert len(r.stderr.strip().splitlines()) == 1 and "pip install" in r.stderr and not (tmp_path / "o").exists()
+    with pytest.raises(Refused, match="no CUDA support"):
+        probe(engine, "gpu_prefill.py", dry_run=False)

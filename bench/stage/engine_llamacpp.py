@@ -126,7 +126,7 @@ class LlamaCppEngine(Engine):
     prefill_logits = "last"
 
     def __init__(self, path: Path, variant: str, threads: int, headroom: int, max_positions: int,
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", n_gpu_layers: int | None = None):
         self.lc = lc = _lc()
         if kv_type not in KV_TYPES:
             raise PreconditionError(STAGE, f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
@@ -134,8 +134,11 @@ class LlamaCppEngine(Engine):
         lc.llama_backend_init()
         self.path, self.variant, self.headroom = Path(path), variant, int(headroom)
         self.threads = int(threads or os.cpu_count() or 1)  # 0: every core, as ONNX Runtime's default
+        params = lc.llama_model_default_params()
+        if n_gpu_layers is not None:  # layers offloaded to a GPU backend, -1: all (bench/gpu_*.py); None
+            params.n_gpu_layers = int(n_gpu_layers)  # keeps llama_model_default_params' (llama-model.cpp)
         with _captured_log(lc):  # the loader's metadata dump, not printed
-            self.model = lc.llama_model_load_from_file(str(self.path).encode(), lc.llama_model_default_params())
+            self.model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.model:
             raise PreconditionError(STAGE, f"llama.cpp cannot load {self.path}", "pass a GGUF written by "
                                     "`harp-trt deploy gguf` or build --backend gguf")
