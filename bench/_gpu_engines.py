@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench._gpu_common import Refused
+from bench._gpu_common import SHAPES, Refused, ci95
 
 __all__ = ["ENGINES", "WEIGHTS", "probe", "build_engines", "time_engine_prefill", "time_engine_decode", "close"]
 
@@ -68,8 +68,6 @@ def _save_random_model(shape: str, folder: Path) -> Path:
     """The shape's random-weight model (fp32, seed 0) as a Hugging Face folder (written once)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bench.gpu_prefill import SHAPES
 
     if (folder / "config.json").is_file():
         return folder
@@ -118,8 +116,6 @@ def time_engine_prefill(engines: dict, seq_lens, repeats: int, warmup: int, voca
     """Prefill rows as ``bench.gpu_prefill.time_prefill`` writes them, dense and HARP interleaved
     (the order flips every repeat); each runtime returns when its logits are on the host."""
     import torch
-
-    from bench.gpu_prefill import ci95
 
     rows = []
     g = torch.Generator().manual_seed(0)

@@ -22,43 +22,18 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+from bench._gpu_common import SHAPES, ci95, device_or_refuse, run_main  # noqa: E402  (after the path above)
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                        tie_word_embeddings=False,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
-                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-    # --dry-run: same code path at toy size (CPU-friendly)
-    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
-}
 DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DRY_SEQ_LENS = (16, 32, 64)
-# two-sided 95 % Student t quantiles by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 25: 2.060, 30: 2.042}
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3.1-8b", choices=[k for k in SHAPES if k != "tiny"])
@@ -98,17 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if too_long:
         ap.error(f"--seq-lens {too_long} outside 1..{SHAPES[args.shape]['max_position_embeddings']}")
     return args
-
-
-def ci95(xs: list[float]) -> tuple[float, float, float]:
-    """(mean, half-width of the 95 % confidence interval, median)."""
-    n = len(xs)
-    mean = statistics.fmean(xs)
-    if n < 2:
-        return mean, float("nan"), mean
-    df = n - 1
-    t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
-    return mean, t * statistics.stdev(xs) / math.sqrt(n), statistics.median(xs)
 
 
 def build_models(shape: str, layers: int, device, dtype):
