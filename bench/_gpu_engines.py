@@ -13,10 +13,13 @@ the CPU.
 folder, makes the plan (the top ``layers`` at alpha 1: latency does not depend on alpha) and
 builds the dense and HARP artifacts with the pipeline's own stages, as ``bench/long_context.py``
 does (``build_sources``: genai = export, rewrite, build-ort, genai; llamacpp = the deci GGUF).
-At the 8B shapes that is a 32 GB fp32 folder plus the engines (genai: fp32 ONNX graphs), so
-disk, not the GPU, is the limit there."""
+The folder is stored in bf16 (the export reads it back in fp32). At the 8B shapes disk, not the
+GPU, is the limit: :func:`disk_needed` estimates it (bf16 folder, then fp16 GGUFs for llama.cpp or
+fp32 ONNX graphs for genai) and :func:`build_engines` refuses up front where ``workdir`` has less
+free space; building them takes minutes to tens of minutes and is not bounded by ``--budget-s``."""
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,7 +28,7 @@ from typing import Any
 
 from bench._gpu_common import SHAPES, Refused, ci95
 
-__all__ = ["ENGINES", "WEIGHTS", "probe", "build_engines", "time_engine_prefill", "time_engine_decode", "close"]
+__all__ = ["ENGINES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill", "time_engine_decode", "close"]
 
 ENGINES = ("torch", "genai", "llamacpp")
 WEIGHTS = {"genai": "float32 (the exported graph's)", "llamacpp": "float16 (builders/gguf's default)"}
@@ -64,8 +67,24 @@ def probe(engine: str, script: str, dry_run: bool) -> dict[str, Any]:
     return info
 
 
+def shape_params(shape: str) -> int:
+    """Parameters of a ``SHAPES`` entry (untied embeddings; attention biases, where a family has
+    them, left out: 0.002 % of Qwen2-7B, nothing for a disk estimate)."""
+    c = SHAPES[shape]
+    h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    attn = 2 * h * c["num_attention_heads"] * hd + 2 * h * c["num_key_value_heads"] * hd
+    return 2 * c["vocab_size"] * h + c["num_hidden_layers"] * (attn + 3 * h * inter + 2 * h) + h
+
+
+def disk_needed(engine: str, shape: str) -> int:
+    """Bytes the artifacts take: the bf16 folder, then two f16 GGUFs (llamacpp), or the fp32 export,
+    its rewrite and the ORT engine built from each (genai; its folders hard-link the graphs)."""
+    n = shape_params(shape)
+    return 2 * n + (2 * 2 * n if engine == "llamacpp" else 4 * 4 * n)
+
+
 def _save_random_model(shape: str, folder: Path) -> Path:
-    """The shape's random-weight model (fp32, seed 0) as a Hugging Face folder (written once)."""
+    """The shape's random-weight model (bf16, seed 0) as a Hugging Face folder (written once)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -74,7 +93,7 @@ def _save_random_model(shape: str, folder: Path) -> Path:
     kw = dict(SHAPES[shape])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)
     tmp.rename(folder)
@@ -89,6 +108,11 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore
 
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    need, free = disk_needed(engine, shape), shutil.disk_usage(workdir).free
+    if need > free and not (Path(workdir) / f"random-{shape}").is_dir():
+        raise Refused(f"--engine {engine} at {shape} writes about {need / 2**30:.0f} GiB of artifacts; {workdir} has "
+                      f"{free / 2**30:.0f} GiB free: pass --workdir on a larger disk")
     store = ArtifactStore(Path(workdir))
     folder = _save_random_model(shape, Path(workdir) / f"random-{shape}")
     resolved = resolve_model(str(folder), store.root)

@@ -296,9 +296,9 @@ def run(args) -> dict:
 
         info = probe(args.engine, "gpu_prefill.py", args.dry_run)  # refuses before anything is written
     t_start = time.perf_counter()
+    pre, dec, batches, attn = engine_figures(args, info) if info else _torch_figures(args, device, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pre, dec, batches, attn = engine_figures(args, info) if info else _torch_figures(args, device, dtype)
     _write_csv(pre, out / "gpu_prefill.csv")
     _write_csv(dec, out / "gpu_decode.csv")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -33,6 +33,10 @@ def test_argument_parsing():
     a = parse_args(["--out", "x", "--model", "qwen2-7b", "--seq-lens", "1024,4096", "--layers", "4"])
     assert a.seq_lens == (1024, 4096) and a.shape == "qwen2-7b"
     assert SHAPES["llama3.1-8b"]["num_hidden_layers"] == 32 and SHAPES["qwen2-7b"]["hidden_size"] == 3584
+    from bench._gpu_engines import disk_needed, shape_params
+
+    # --engine's disk estimate: Llama-3.1-8B's 8,030,261,248 parameters (bf16 folder + two f16 GGUFs)
+    assert shape_params("llama3.1-8b") == 8_030_261_248 and disk_needed("llamacpp", "llama3.1-8b") == 6 * 8_030_261_248
     for bad in (["--layers", "32"], ["--seq-lens", "1024,abc"], ["--seq-lens", "262144"], ["--repeats", "1"],
                 ["--model", "gpt2"]):
         with pytest.raises(SystemExit) as e:
