@@ -9,18 +9,19 @@ does not import, or, without ``--dry-run``, has no GPU support: onnxruntime-gena
 vendor/llama.cpp/src/llama.cpp). A ``--dry-run`` takes the CPU builds and runs the same code on
 the CPU.
 
-:func:`build_engines` saves the random-weight model of the shape (fp32, seed 0) as a Hugging Face
-folder, makes the plan (the top ``layers`` at alpha 1: latency does not depend on alpha) and
-builds the dense and HARP artifacts with the pipeline's own stages, as ``bench/long_context.py``
-does (``build_sources``: genai = export, rewrite, build-ort, genai; llamacpp = the deci GGUF).
-The folder is stored in bf16 (the export reads it back in fp32). At the 8B shapes disk, not the
-GPU, is the limit: :func:`disk_needed` estimates it (bf16 folder, then fp16 GGUFs for llama.cpp or
-fp32 ONNX graphs for genai) and :func:`build_engines` refuses up front where ``workdir`` has less
-free space; building them takes minutes to tens of minutes and is not bounded by ``--budget-s``."""
+:func:`build_engines` saves the random-weight model of the shape (seed 0, stored in bf16: the
+export reads it back in fp32) as a Hugging Face folder, makes the plan (the top ``layers`` at
+alpha 1: latency does not depend on alpha) and builds the dense and HARP artifacts with the
+pipeline's own stages, as ``bench/long_context.py`` does (``build_sources``: genai = export,
+rewrite, build-ort, genai; llamacpp = the deci GGUF). At the 8B shapes disk, not the GPU, is the
+limit: :func:`disk_needed` estimates it (bf16 folder, then f16 GGUFs for llama.cpp or fp32 ONNX
+graphs for genai) and :func:`probe` refuses up front where the work folder has less free space.
+Building takes minutes to tens of minutes at 8B and is not bounded by ``--budget-s``."""
 from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,8 @@ from typing import Any
 
 from bench._gpu_common import SHAPES, Refused, ci95
 
-__all__ = ["ENGINES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill", "time_engine_decode", "close"]
+__all__ = ["ENGINES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill",
+           "time_engine_decode", "close"]
 
 ENGINES = ("torch", "genai", "llamacpp")
 WEIGHTS = {"genai": "float32 (the exported graph's)", "llamacpp": "float16 (builders/gguf's default)"}
@@ -36,9 +38,10 @@ _CUDA_HINT = {"genai": "pip install onnxruntime-genai-cuda (it brings onnxruntim
               "llamacpp": "CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python==0.3.36 (built with nvcc)"}
 
 
-def probe(engine: str, script: str, dry_run: bool) -> dict[str, Any]:
-    """The runtime's version and GPU support; :class:`Refused` where it does not import, or where it
-    has no GPU support and this is not a ``--dry-run``."""
+def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir: str = "") -> dict[str, Any]:
+    """The runtime's version and GPU support; :class:`Refused` where it does not import, where it
+    has no GPU support and this is not a ``--dry-run``, or where ``workdir`` (default: the temporary
+    folder) has less free disk than ``shape``'s artifacts need."""
     where = f"bench/{script} --engine {engine}"
     if engine == "genai":
         from harp_trt.errors import PreconditionError
@@ -64,6 +67,13 @@ def probe(engine: str, script: str, dry_run: bool) -> dict[str, Any]:
     if not info["gpu"] and not dry_run:
         raise Refused(f"{where} needs a GPU build of {info['runtime']}: {info['version']} here has no CUDA support; "
                       f"{_CUDA_HINT[engine]}, or pass --dry-run to run it on the CPU at tiny shapes")
+    folder = Path(workdir or tempfile.gettempdir())
+    while not folder.exists():
+        folder = folder.parent
+    need, free = disk_needed(engine, shape), shutil.disk_usage(folder).free
+    if need > free and not (workdir and (Path(workdir) / f"random-{shape}").is_dir()):
+        raise Refused(f"{where} at {shape} writes about {need / 2**30:.0f} GiB of artifacts; {folder} has "
+                      f"{free / 2**30:.0f} GiB free: pass --workdir on a larger disk")
     return info
 
 
@@ -108,16 +118,11 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore
 
-    Path(workdir).mkdir(parents=True, exist_ok=True)
-    need, free = disk_needed(engine, shape), shutil.disk_usage(workdir).free
-    if need > free and not (Path(workdir) / f"random-{shape}").is_dir():
-        raise Refused(f"--engine {engine} at {shape} writes about {need / 2**30:.0f} GiB of artifacts; {workdir} has "
-                      f"{free / 2**30:.0f} GiB free: pass --workdir on a larger disk")
+    from transformers import AutoConfig
+
     store = ArtifactStore(Path(workdir))
     folder = _save_random_model(shape, Path(workdir) / f"random-{shape}")
     resolved = resolve_model(str(folder), store.root)
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(folder)
     n = cfg.num_hidden_layers
     plan = Plan(model_ref=resolved.ref, model_digest=resolved.digest, family=family_of(cfg).name, num_layers=n,

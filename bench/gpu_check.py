@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py [--model llama3.1-8b|qwen2-7b] [--budget-s 280]
     python bench/gpu_check.py --dry-run            # tiny shapes, CPU: the same code path
+    python bench/gpu_check.py --engine llamacpp    # prefill/decode on llama.cpp (or genai), see below
 
 Builds a model with Llama-3.1-8B's shapes directly on the GPU (random bf16 weights: time and memory
 depend on shapes only) and reports, as one JSON object on the last stdout line:
@@ -15,8 +16,13 @@ depend on shapes only) and reports, as one JSON object on the last stdout line:
   repeats), with the paper's H100 figure for reference;
 * ``decode``: tokens/s at the largest batch each model fits, and KV bytes per token.
 
+``--engine genai|llamacpp`` times prefill and decode on onnxruntime-genai (CUDA) or llama.cpp (all
+layers on the GPU) instead, from artifacts the pipeline builds (``bench/_gpu_engines.py``; refused,
+exit 2, where the runtime or its GPU support is missing, as on the device host). A ``--dry-run``
+also builds ``--model``'s real shape on the meta device (``shape_check``).
+
 Only torch, transformers, safetensors and numpy are needed (the harp_trt core imports nothing
-else). Stages are skipped, not cut short, once ``--budget-s`` is spent. Without CUDA and without
+else) for the default ``--engine torch``. Stages are skipped, not cut short, once ``--budget-s`` is spent. Without CUDA and without
 ``--dry-run`` it refuses with exit 2."""
 from __future__ import annotations
 
@@ -180,7 +186,8 @@ def run(args) -> dict:
     if args.engine != "torch":
         from bench._gpu_engines import probe
 
-        info = probe(args.engine, "gpu_check.py", args.dry_run)  # refuses before the search runs
+        # refuses before the search runs
+        info = probe(args.engine, "gpu_check.py", args.dry_run, args.shape, args.workdir)
     t_start = time.perf_counter()
     out: dict = {"model": args.shape, "engine": args.engine, "runtime": info,
                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -2,6 +2,7 @@
 
     python bench/gpu_prefill.py --out results/ [--model llama3.1-8b|qwen2-7b] [--layers 8]
     python bench/gpu_prefill.py --dry-run --out /tmp/x        # tiny shapes, runs on CPU too
+    python bench/gpu_prefill.py --engine genai --out results/ # onnxruntime-genai (CUDA) or llamacpp
 
 Builds a model with Llama-3.1-8B's (or Qwen2-7B's) shapes directly on the GPU with random bf16
 weights (latency does not depend on the values), deep-copies it and prunes the top ``--layers``
@@ -16,7 +17,9 @@ dense model's batch for a like-for-like figure.
 
 Writes ``gpu_prefill.csv``, ``gpu_decode.csv`` and ``gpu_prefill.png`` to ``--out``; the last stdout
 line is one JSON object. Paper (H100, Llama-3.1-8B, P=8, 65536 tokens): 5.4466 s dense vs 4.5394 s
-pruned. Without a GPU (and without ``--dry-run``) it refuses with exit 2."""
+pruned. Without a GPU (and without ``--dry-run``) it refuses with exit 2. ``--engine genai|llamacpp``
+writes the same files from onnxruntime-genai's CUDA provider or llama.cpp with every layer on the
+GPU (decode at batch 1; ``bench/_gpu_engines.py``), and refuses where that runtime is missing."""
 from __future__ import annotations
 
 import argparse
@@ -294,7 +297,8 @@ def run(args) -> dict:
     if args.engine != "torch":
         from bench._gpu_engines import probe
 
-        info = probe(args.engine, "gpu_prefill.py", args.dry_run)  # refuses before anything is written
+        # refuses before anything is written
+        info = probe(args.engine, "gpu_prefill.py", args.dry_run, args.shape, args.workdir)
     t_start = time.perf_counter()
     pre, dec, batches, attn = engine_figures(args, info) if info else _torch_figures(args, device, dtype)
     out = Path(args.out)

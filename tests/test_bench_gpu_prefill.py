@@ -100,3 +100,12 @@ def test_engine_refusals(engine, module, tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "pip install" in r.stderr and not (tmp_path / "o").exists()
     with pytest.raises(Refused, match="no CUDA support"):
         probe(engine, "gpu_prefill.py", dry_run=False)
+    # the 8B artifacts against the disk (genai's 135 GiB do not fit this machine's; a larger one runs)
+    import shutil
+
+    from bench._gpu_engines import disk_needed
+
+    if disk_needed(engine, "llama3.1-8b") > shutil.disk_usage(tmp_path).free:
+        with pytest.raises(Refused, match="GiB free: pass --workdir on a larger disk"):
+            probe(engine, "gpu_prefill.py", True, "llama3.1-8b", str(tmp_path / "work"))
+    assert probe(engine, "gpu_prefill.py", True, "tiny", str(tmp_path / "work"))["gpu"] is False
