@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py [--model llama3.1-8b|qwen2-7b] [--budget-s 280]
     python bench/gpu_check.py --dry-run            # tiny shapes, CPU: the same code path
+    python bench/gpu_check.py --engine llamacpp    # prefill/decode on llama.cpp (or genai), see below
 
 Builds a model with Llama-3.1-8B's shapes directly on the GPU (random bf16 weights: time and memory
 depend on shapes only) and reports, as one JSON object on the last stdout line:
@@ -15,8 +16,13 @@ depend on shapes only) and reports, as one JSON object on the last stdout line:
   repeats), with the paper's H100 figure for reference;
 * ``decode``: tokens/s at the largest batch each model fits, and KV bytes per token.
 
+``--engine genai|llamacpp`` times prefill and decode on onnxruntime-genai (CUDA) or llama.cpp (all
+layers on the GPU) instead, from artifacts the pipeline builds (``bench/_gpu_engines.py``; refused,
+exit 2, where the runtime or its GPU support is missing, as on the device host). A ``--dry-run``
+also builds ``--model``'s real shape on the meta device (``shape_check``).
+
 Only torch, transformers, safetensors and numpy are needed (the harp_trt core imports nothing
-else). Stages are skipped, not cut short, once ``--budget-s`` is spent. Without CUDA and without
+else) for the default ``--engine torch``. Stages are skipped, not cut short, once ``--budget-s`` is spent. Without CUDA and without
 ``--dry-run`` it refuses with exit 2."""
 from __future__ import annotations
 
@@ -45,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=280.0, help="skip stages once this much time is spent")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on any device (CPU included)")
+    ap.add_argument("--engine", default="torch", choices=["torch", "genai", "llamacpp"],
+                    help="runtime of the prefill and decode stage: PyTorch (default), onnxruntime-genai on CUDA or "
+                         "llama.cpp with every layer on the GPU (bench/_gpu_engines.py; refused where missing)")
+    ap.add_argument("--workdir", default="", help="keep the --engine artifacts here (default: a temporary folder)")
     args = ap.parse_args(argv)
     try:
         args.seq_lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip())
@@ -100,6 +110,45 @@ def naive_vs_cached(dense, family, small) -> dict:
             "ppl_rel_diff": abs(naive["ppl_searched"] / cached["ppl_searched"] - 1)}
 
 
+def shape_check(model: str, layers: int = 8) -> dict:
+    """``--dry-run``: ``model``'s real shape built on the meta device (no memory) and pruned, so the
+    installed transformers' config and model classes are checked at the GPU run's size."""
+    import torch
+
+    from bench.gpu_prefill import build_models
+
+    dense, harp, _ = build_models(model, layers, torch.device("meta"), torch.bfloat16)
+    return {"model": model, "params": sum(p.numel() for p in dense.parameters()),
+            "harp_params": sum(p.numel() for p in harp.parameters()), "layers_pruned": layers}
+
+
+def _prefill_summary(out: dict, rows: list[dict]) -> None:
+    out["prefill"] = {}
+    for r in rows:
+        out["prefill"].setdefault(str(r["seq_len"]), {})[r["variant"]] = [round(r["mean_s"], 5),
+                                                                       round(r["ci95_s"], 5)]
+    out["prefill_speedup"] = {k: round(v["dense"][0] / v["harp"][0], 4) for k, v in out["prefill"].items()
+                              if "dense" in v and "harp" in v}
+    out["paper_prefill"] = {"seq_len": 65536, "dense_s": 5.4466, "harp_s": 4.5394, "gpu": "H100"}
+
+
+def engine_latency(out: dict, args, info: dict) -> None:
+    """Prefill at ``--seq-lens`` and batch-1 decode on ``--engine`` (``bench.gpu_prefill.engine_figures``)."""
+    from types import SimpleNamespace
+
+    from bench.gpu_prefill import engine_figures
+
+    ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
+    ns = SimpleNamespace(engine=args.engine, shape=args.shape, layers=args.layers, workdir=args.workdir,
+                         dry_run=args.dry_run, seq_lens=args.seq_lens, repeats=args.repeats, warmup=1,
+                         decode_context=ctx, decode_steps=steps)
+    pre, dec, batches, label = engine_figures(ns, info)
+    _prefill_summary(out, pre)
+    out["decode"] = {"context": ctx, "batch": batches, "runtime": label,
+                     "tokens_per_s": {r["variant"]: round(r["tokens_per_s"], 1) for r in dec},
+                     "kv_bytes_per_token": {r["variant"]: r["kv_bytes_per_token"] for r in dec}}
+
+
 def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, spent) -> None:
     """Prefill per ``--seq-lens`` and decode at the largest batch that fits, dense vs HARP, into
     ``out``; what the time budget leaves out is listed in ``out["skipped"]``."""
@@ -113,13 +162,7 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
             out["skipped"].append(f"prefill {s}")
             continue
         rows += time_prefill(models, [s], args.repeats, 1, device, vocab)
-    out["prefill"] = {}
-    for r in rows:
-        out["prefill"].setdefault(str(r["seq_len"]), {})[r["variant"]] = [round(r["mean_s"], 5),
-                                                                       round(r["ci95_s"], 5)]
-    out["prefill_speedup"] = {k: round(v["dense"][0] / v["harp"][0], 4) for k, v in out["prefill"].items()
-                              if "dense" in v and "harp" in v}
-    out["paper_prefill"] = {"seq_len": 65536, "dense_s": 5.4466, "harp_s": 4.5394, "gpu": "H100"}
+    _prefill_summary(out, rows)
     if spent() < args.budget_s:
         ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
         batches = max_batch(models, ctx, steps, 0.8, 256, device, torch.finfo(dtype).bits // 8)
@@ -139,9 +182,18 @@ def run(args) -> dict:
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)
+    info = None
+    if args.engine != "torch":
+        from bench._gpu_engines import probe
+
+        # refuses before the search runs
+        info = probe(args.engine, "gpu_check.py", args.dry_run, args.shape, args.workdir)
     t_start = time.perf_counter()
-    out: dict = {"model": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    out: dict = {"model": args.shape, "engine": args.engine, "runtime": info,
+                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__, "skipped": []}
+    if args.dry_run:
+        out["shape_check"] = shape_check(args.model)
 
     def spent() -> float:
         return time.perf_counter() - t_start
@@ -177,8 +229,11 @@ def run(args) -> dict:
         del dense  # patched by the search; a fresh pair: dense, and HARP on the top P layers at alpha = 1
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        dense_model, harp_model, attn = build_models(args.shape, args.layers, device, dtype)
-        latency_figures(out, {"dense": dense_model, "harp": harp_model}, args, device, dtype, vocab, spent)
+        if info:
+            engine_latency(out, args, info)
+        else:
+            dense_model, harp_model, attn = build_models(args.shape, args.layers, device, dtype)
+            latency_figures(out, {"dense": dense_model, "harp": harp_model}, args, device, dtype, vocab, spent)
     else:
         out["skipped"] += ["prefill", "decode"]
     out["attention"] = attn

@@ -2,6 +2,7 @@
 
     python bench/gpu_prefill.py --out results/ [--model llama3.1-8b|qwen2-7b] [--layers 8]
     python bench/gpu_prefill.py --dry-run --out /tmp/x        # tiny shapes, runs on CPU too
+    python bench/gpu_prefill.py --engine genai --out results/ # onnxruntime-genai (CUDA) or llamacpp
 
 Builds a model with Llama-3.1-8B's (or Qwen2-7B's) shapes directly on the GPU with random bf16
 weights (latency does not depend on the values), deep-copies it and prunes the top ``--layers``
@@ -16,49 +17,26 @@ dense model's batch for a like-for-like figure.
 
 Writes ``gpu_prefill.csv``, ``gpu_decode.csv`` and ``gpu_prefill.png`` to ``--out``; the last stdout
 line is one JSON object. Paper (H100, Llama-3.1-8B, P=8, 65536 tokens): 5.4466 s dense vs 4.5394 s
-pruned. Without a GPU (and without ``--dry-run``) it refuses with exit 2."""
+pruned. Without a GPU (and without ``--dry-run``) it refuses with exit 2. ``--engine genai|llamacpp``
+writes the same files from onnxruntime-genai's CUDA provider or llama.cpp with every layer on the
+GPU (decode at batch 1; ``bench/_gpu_engines.py``), and refuses where that runtime is missing."""
 from __future__ import annotations
 
 import argparse
 import copy
 import csv
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+from bench._gpu_common import SHAPES, ci95, device_or_refuse, run_main  # noqa: E402  (after the path above)
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                        tie_word_embeddings=False,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
-                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-    # --dry-run: same code path at toy size (CPU-friendly)
-    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
-}
 DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DRY_SEQ_LENS = (16, 32, 64)
-# two-sided 95 % Student t quantiles by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 25: 2.060, 30: 2.042}
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3.1-8b", choices=[k for k in SHAPES if k != "tiny"])
@@ -72,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of free memory the KV cache may use")
     ap.add_argument("--out", required=True, help="folder for the CSV and PNG files")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CPU included)")
+    ap.add_argument("--engine", default="torch", choices=["torch", "genai", "llamacpp"],
+                    help="runtime timed: PyTorch (default), onnxruntime-genai on CUDA or llama.cpp with every layer "
+                         "on the GPU (bench/_gpu_engines.py; they refuse where missing)")
+    ap.add_argument("--workdir", default="", help="keep the --engine artifacts here (default: a temporary folder)")
     args = ap.parse_args(argv)
     try:
         lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip()) if args.seq_lens else None
@@ -94,17 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if too_long:
         ap.error(f"--seq-lens {too_long} outside 1..{SHAPES[args.shape]['max_position_embeddings']}")
     return args
-
-
-def ci95(xs: list[float]) -> tuple[float, float, float]:
-    """(mean, half-width of the 95 % confidence interval, median)."""
-    n = len(xs)
-    mean = statistics.fmean(xs)
-    if n < 2:
-        return mean, float("nan"), mean
-    df = n - 1
-    t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
-    return mean, t * statistics.stdev(xs) / math.sqrt(n), statistics.median(xs)
 
 
 def build_models(shape: str, layers: int, device, dtype):
@@ -178,17 +149,18 @@ def time_prefill(models: dict, seq_lens, repeats: int, warmup: int, device, voca
 
 def _random_cache(model, batch: int, context: int, device, dtype):
     import torch
-    from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     from harp_trt.dims import attention_dims
     from harp_trt.harp import HarpAttention
+    from harp_trt.hf_compat import no_kv_layer
 
     _, kv, hd = attention_dims(model.config)
     cache = DynamicCache()
     layers = []
     for layer in model.model.layers:
         if isinstance(layer.self_attn, HarpAttention):
-            layers.append(DummyLayer())
+            layers.append(no_kv_layer())
             continue
         k = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
         v = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
@@ -229,18 +201,21 @@ def max_batch(models: dict, context: int, steps: int, fraction: float, cap: int,
 def time_decode(models: dict, batches: dict, context: int, steps: int, device, dtype, vocab: int) -> list[dict]:
     import torch
 
+    from harp_trt.hf_compat import cache_kwarg
+
     rows = []
     plan = [(v, batches[v], "max_batch") for v in models] + [(v, batches["dense"], "dense_batch") for v in models]
     for v, b, kind in plan:
         m = models[v]
         cache = _random_cache(m, b, context, device, dtype)
         tok = torch.randint(0, vocab, (b, 1), device=device)
+        kw = {cache_kwarg(m): cache, "use_cache": True}  # past_key_values= before transformers 5.24
         with torch.inference_mode(), _sdpa_context(device):
-            m(input_ids=tok, cache=cache, use_cache=True)  # warm-up step
+            m(input_ids=tok, **kw)  # warm-up step
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                tok = m(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                tok = m(input_ids=tok, **kw).logits[:, -1].argmax(-1, keepdim=True)
             _sync(device)
         dt = time.perf_counter() - t0
         rows.append({"variant": v, "batch": b, "kind": kind, "context": context, "steps": steps,
@@ -282,13 +257,10 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         w.writerows(rows)
 
 
-def run(args) -> dict:
+def _torch_figures(args, device, dtype) -> tuple[list[dict], list[dict], dict, str]:
+    """(prefill rows, decode rows, decode batches, attention) of the PyTorch models."""
     import torch
 
-    device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
-    t_start = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     dense, harp, attn = build_models(args.shape, args.layers, device, dtype)
     models = {"dense": dense, "harp": harp}
     vocab = dense.config.vocab_size
@@ -296,10 +268,45 @@ def run(args) -> dict:
     batches = max_batch(models, args.decode_context, args.decode_steps, args.memory_fraction, args.max_batch,
                         device, torch.finfo(dtype).bits // 8)
     dec = time_decode(models, batches, args.decode_context, args.decode_steps, device, dtype, vocab)
+    return pre, dec, batches, attn
+
+
+def engine_figures(args, info: dict) -> tuple[list[dict], list[dict], dict, str]:
+    """The same figures on ``args.engine`` (``bench/_gpu_engines.py``; decode at batch 1)."""
+    import tempfile
+
+    from bench import _gpu_engines as ge
+
+    vocab = SHAPES[args.shape]["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix="gpu_engines_") as tmp:
+        engines = ge.build_engines(args.engine, args.shape, args.layers, Path(args.workdir or tmp), args.dry_run,
+                                   headroom=args.warmup + args.decode_steps + 2)
+        try:
+            pre = ge.time_engine_prefill(engines, args.seq_lens, args.repeats, args.warmup, vocab)
+            dec = ge.time_engine_decode(engines, args.decode_context, args.decode_steps, vocab)
+        finally:
+            ge.close(engines)
+    return pre, dec, {"dense": 1, "harp": 1}, f"{info['runtime']} {info['version']}"
+
+
+def run(args) -> dict:
+    import torch
+
+    device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
+    info = None
+    if args.engine != "torch":
+        from bench._gpu_engines import probe
+
+        # refuses before anything is written
+        info = probe(args.engine, "gpu_prefill.py", args.dry_run, args.shape, args.workdir)
+    t_start = time.perf_counter()
+    pre, dec, batches, attn = engine_figures(args, info) if info else _torch_figures(args, device, dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     _write_csv(pre, out / "gpu_prefill.csv")
     _write_csv(dec, out / "gpu_decode.csv")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    n = dense.config.num_hidden_layers
+    n = SHAPES[args.shape]["num_hidden_layers"]
     plot(pre, out / "gpu_prefill.png", f"{args.shape} ({gpu}, {attn}), HARP top {args.layers}/{n} layers")
     speed = {}
     for seq in args.seq_lens:
@@ -307,8 +314,9 @@ def run(args) -> dict:
         h = next(r for r in pre if r["variant"] == "harp" and r["seq_len"] == seq)
         speed[str(seq)] = d["mean_s"] / h["mean_s"]
     longest = str(max(args.seq_lens))
-    dmax = {r["variant"]: r for r in dec if r["kind"] == "max_batch"}
-    return {"model": args.shape, "device": gpu, "attention": attn, "dtype": str(dtype).replace("torch.", ""),
+    dmax = {r["variant"]: r for r in dec if r["kind"] != "dense_batch"}  # max_batch (torch) or engine
+    return {"model": args.shape, "device": gpu, "engine": args.engine, "runtime": info, "attention": attn,
+            "dtype": info["weights"] if info else str(dtype).replace("torch.", ""),
             "pruned_layers": list(range(n - args.layers, n)), "repeats": args.repeats,
             "prefill_s": {str(r["seq_len"]): {r2["variant"]: [round(r2["mean_s"], 5), round(r2["ci95_s"], 5)]
                                               for r2 in pre if r2["seq_len"] == r["seq_len"]} for r in pre},

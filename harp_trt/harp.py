@@ -22,6 +22,7 @@ from torch import nn
 
 from .dims import ModelDims
 from .families import FamilySpec, family_of
+from .hf_compat import cache_kwarg, holds_no_kv, no_kv_layer
 
 __all__ = ["HarpAttention", "ScaledNorm", "apply_harp", "set_alpha", "harp_alphas", "vo_output"]
 
@@ -156,16 +157,14 @@ def _pruned_indices(model: nn.Module, family: FamilySpec) -> list[int]:
 
 
 def _strip_cache(cache, pruned: list[int]) -> None:
-    from transformers.cache_utils import DummyLayer
-
     layers = getattr(cache, "layers", None)
     if layers is None:
         return
     for i in pruned:
-        if i < len(layers) and not isinstance(layers[i], DummyLayer):
-            if getattr(layers[i], "keys", None) is not None and layers[i].keys.numel() > 0:
+        if i < len(layers):
+            if not holds_no_kv(layers[i]):
                 raise RuntimeError(f"cache already holds keys for pruned layer {i}")
-            layers[i] = DummyLayer()
+            layers[i] = no_kv_layer()
 
 
 def _install_cache_hook(model: nn.Module, family: FamilySpec) -> None:
@@ -178,12 +177,13 @@ def _install_cache_hook(model: nn.Module, family: FamilySpec) -> None:
 
     def hook(module, args, kwargs):
         pruned = _pruned_indices(model, family)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        name = cache_kwarg(module)  # "cache" (transformers >= 5.24) or "past_key_values"
+        cache = kwargs.get(name)
         if cache is None and kwargs.get("use_cache", getattr(model.config, "use_cache", False)):
             from transformers.cache_utils import DynamicCache
 
             cache = DynamicCache(config=model.config)
-            kwargs["cache"] = cache
+            kwargs[name] = cache
         # with every layer pruned nothing reads the cache (no attention, no RoPE anywhere); keeping
         # its empty slots lets transformers' sequence-length queries still work
         if cache is not None and len(pruned) < len(family.layers(model)):

@@ -140,13 +140,15 @@ class _Freed:
 class LlamaModel(_Freed):
     """A GGUF loaded by llama.cpp (``vocab_only``: its vocabulary alone); errors name ``stage``."""
 
-    def __init__(self, path: str | Path, *, stage: str, vocab_only: bool = False, hint: str | None = None):
+    def __init__(self, path: str | Path, *, stage: str, vocab_only: bool = False, hint: str | None = None,
+                 n_gpu_layers: int = 0):
         self.lib = lib = import_llama_cpp()
         self.path, self.stage = Path(path), stage
         lib.llama_backend_init()
         with captured_log() as lines:
             params = lib.llama_model_default_params()
-            params.vocab_only, params.n_gpu_layers = vocab_only, 0
+            # n_gpu_layers: layers offloaded to a GPU backend, -1 all (bench/gpu_*.py); 0 on the CPU
+            params.vocab_only, params.n_gpu_layers = vocab_only, int(n_gpu_layers)
             self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise PreconditionError(stage, f"llama.cpp cannot load {self.path}: {''.join(lines)[-_TAIL:]}", hint)

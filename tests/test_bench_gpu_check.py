@@ -36,6 +36,21 @@ def test_gpu_check_dry_run_covers_every_stage():
     assert s["ppl_searched"] <= s["ppl_alpha1"] * (1 + 1e-6)  # candidates run batched: rounding differs
     assert set(out["prefill"]) == {"16", "32"} and set(out["prefill"]["16"]) == {"dense", "harp"}
     assert out["decode"]["kv_bytes_per_token"]["harp"] < out["decode"]["kv_bytes_per_token"]["dense"]
+    # the real shape, built on the meta device: Llama-3.1-8B's 8,030,261,248 parameters, less the
+    # q/k projections of 8 layers (2 x 4096 x (4096 + 1024) each)
+    shape = out["shape_check"]
+    assert shape["params"] == 8_030_261_248 and shape["params"] - shape["harp_params"] == 8 * 4096 * 5120
+
+
+def test_gpu_check_dry_run_on_llamacpp():
+    """--engine llamacpp: the search in PyTorch, then prefill and decode in llama.cpp (its CPU build
+    in a dry run; every layer offloaded on a GPU host) from the GGUFs the pipeline writes."""
+    code, out, _ = _run("gpu_check.py", "--dry-run", "--engine", "llamacpp")
+    assert code == 0 and out["status"] == "ok" and out["engine"] == "llamacpp"
+    assert out["runtime"]["runtime"] == "llama-cpp-python" and out["decode"]["batch"] == {"dense": 1, "harp": 1}
+    assert set(out["prefill"]) == {"16", "32"} and len(out["alpha_search"]["alphas"]) == 2
+    # f16 KV as llama.cpp allocates it: 4 layers x 2 (K, V) x 2 kv heads x 16 x 2 bytes; HARP keeps 2 of 4
+    assert out["decode"]["kv_bytes_per_token"] == {"dense": 512, "harp": 256}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="checks the refusal without TRT-LLM")

@@ -7,6 +7,7 @@ import torch
 from conftest import make_tiny
 from harp_trt.families import family_of
 from harp_trt.harp import HarpAttention, apply_harp, harp_alphas
+from harp_trt.hf_compat import holds_no_kv
 
 TOL = 1e-5  # fp32, same math in a different order
 
@@ -94,7 +95,7 @@ def test_generate_with_cache_matches_recompute(family, layers):
         assert all(getattr(l, "keys", None) is None or l.keys.numel() == 0 for l in cache.layers)
         return
     for i, layer in enumerate(cache.layers):
-        assert (type(layer).__name__ == "DummyLayer") == (i in layers), i
+        assert holds_no_kv(layer) == (i in layers), i  # a DummyLayer (an empty layer before transformers 5.24)
         if i not in layers:
             assert layer.get_seq_length() == 5 + 8 - 1 and layer.keys.numel() > 0
     assert cache.get_seq_length() == 5 + 8 - 1
@@ -123,3 +124,26 @@ def test_alpha_zero_removes_block(family):
 def test_layer_out_of_range():
     with pytest.raises(IndexError):
         apply_harp(make_tiny("llama"), {4: 1.0})
+
+
+@pytest.mark.parametrize("slot", ["no_kv_layer", "NoKVLayer"])
+def test_pruned_layer_0_slot_defers_to_first_kept_layer(slot):
+    """The cache slot of a pruned layer 0 (``DummyLayer``, or ``hf_compat.NoKVLayer`` where
+    transformers < 5.24 has none: the GPU host runs 5.17) holds nothing, and the cache's length
+    and mask sizes are those of the first kept layer (not 0, which would restart positions)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    from harp_trt import hf_compat
+
+    k = torch.zeros(1, 2, 5, 4)
+    kept = DynamicLayer()
+    kept.lazy_initialization(k, k)
+    kept.keys, kept.values = k, k
+    cache = DynamicCache()
+    pruned = getattr(hf_compat, slot)()
+    cache.layers = [pruned, kept]
+    assert hf_compat.holds_no_kv(pruned) and not hf_compat.holds_no_kv(kept)
+    assert cache.get_seq_length() == 5 and cache.get_mask_sizes(1, 0) == (6, 0)
+    cache.reset()  # every slot takes the whole-cache edits
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        pruned.update(k, k)

@@ -58,7 +58,8 @@ class GenaiBenchEngine(Engine):
     backend = "genai"
     prefill_logits = "all"   # the graph computes every position's logits (as OrtEngine)
 
-    def __init__(self, folder: Path, variant: str, threads: int, headroom: int, max_positions: int):
+    def __init__(self, folder: Path, variant: str, threads: int, headroom: int, max_positions: int,
+                 provider: str = "cpu"):
         self.og = import_genai(STAGE)
         self.folder = Path(folder)
         self.variant = variant
@@ -68,7 +69,7 @@ class GenaiBenchEngine(Engine):
         self.num_layers = int(cfg["decoder"]["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         self.eos = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-        self.model = open_genai_model(self.folder, threads, STAGE)
+        self.model = open_genai_model(self.folder, threads, STAGE, provider)  # "cuda": bench/gpu_*.py
         self._kv_names: list[str] | None = None
 
     @property

@@ -62,14 +62,14 @@ class LlamaCppEngine(Engine):
     prefill_logits = "last"
 
     def __init__(self, path: Path, variant: str, threads: int, headroom: int, max_positions: int,
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", n_gpu_layers: int = 0):
         if kv_type not in KV_TYPES:
             raise PreconditionError(STAGE, f"KV cache type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
         self.kv_type = kv_type
         self.path, self.variant, self.headroom = Path(path), variant, int(headroom)
         self.threads = int(threads or os.cpu_count() or 1)  # 0: every core, as ONNX Runtime's default
-        self.model = LlamaModel(self.path, stage=STAGE, hint="pass a GGUF written by `harp-trt deploy gguf` or "
-                                "build --backend gguf")
+        self.model = LlamaModel(self.path, stage=STAGE, n_gpu_layers=n_gpu_layers,
+                                hint="pass a GGUF written by `harp-trt deploy gguf` or build --backend gguf")
         self.vocab = self.model.n_vocab
         self._max = int(max_positions)
         self._contexts: dict[int, LlamaContext] = {}

@@ -94,23 +94,27 @@ class _FlatKV(nn.Module):
         self.num_layers = num_layers
 
     def forward(self, input_ids, attention_mask, position_ids, past: list[torch.Tensor]):
-        from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        from ..hf_compat import cache_kwarg, no_kv_layer
 
         cache = DynamicCache()
         # plain DynamicLayers everywhere: sliding-window layers keep the whole past too (the mask
         # applies the window), so every present has the same [B, kv, P+S, hd] layout
-        cache.layers = [DummyLayer() for _ in range(self.num_layers)]
+        cache.layers = [no_kv_layer() for _ in range(self.num_layers)]  # DummyLayer, or its 5.17 stand-in
         for j, i in enumerate(self.kv_layers):
             k, v = past[2 * j], past[2 * j + 1]
             layer = DynamicLayer()
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
             cache.layers[i] = layer
+        name = cache_kwarg(self.model)  # past_key_values= before transformers 5.24
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, use_cache=True)
+                         use_cache=True, **{name: cache})
+        cache = getattr(out, name)
         result = [out.logits]
         for i in self.kv_layers:
-            result += [out.cache.layers[i].keys, out.cache.layers[i].values]
+            result += [cache.layers[i].keys, cache.layers[i].values]
         return tuple(result)
 
 

@@ -1,0 +1,200 @@
+"""``--engine genai|llamacpp`` of ``bench/gpu_check.py`` and ``bench/gpu_prefill.py``: the same
+prefill and decode timing, dense vs HARP, on onnxruntime-genai (CUDA provider) or llama.cpp (every
+layer offloaded, ``n_gpu_layers=-1``) instead of PyTorch.
+
+:func:`probe` runs first and refuses (:class:`bench._gpu_common.Refused`, exit 2) where the runtime
+does not import, or, without ``--dry-run``, has no GPU support: onnxruntime-genai must be the
+``onnxruntime-genai-cuda`` build (``og.is_cuda_available()``), llama-cpp-python a CUDA build
+(``llama_supports_gpu_offload()``, llama.cpp's ``llama_supports_gpu_offload`` in
+vendor/llama.cpp/src/llama.cpp). A ``--dry-run`` takes the CPU builds and runs the same code on
+the CPU.
+
+:func:`build_engines` saves the random-weight model of the shape (seed 0, stored in bf16: the
+export reads it back in fp32) as a Hugging Face folder, makes the plan (the top ``layers`` at
+alpha 1: latency does not depend on alpha) and builds the dense and HARP artifacts with the
+pipeline's own stages, as ``bench/long_context.py`` does (``build_sources``: genai = export,
+rewrite, build-ort, genai; llamacpp = the deci GGUF). At the 8B shapes disk, not the GPU, is the
+limit: :func:`disk_needed` estimates it (bf16 folder, then f16 GGUFs for llama.cpp or fp32 ONNX
+graphs for genai) and :func:`probe` refuses up front where the work folder has less free space.
+Building takes minutes to tens of minutes at 8B and is not bounded by ``--budget-s``."""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench._gpu_common import SHAPES, Refused, ci95
+
+__all__ = ["ENGINES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill",
+           "time_engine_decode", "close"]
+
+ENGINES = ("torch", "genai", "llamacpp")
+WEIGHTS = {"genai": "float32 (the exported graph's)", "llamacpp": "float16 (builders/gguf's default)"}
+_CUDA_HINT = {"genai": "pip install onnxruntime-genai-cuda (it brings onnxruntime-gpu)",
+              "llamacpp": "CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python==0.3.36 (built with nvcc)"}
+
+
+def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir: str = "") -> dict[str, Any]:
+    """The runtime's version and GPU support; :class:`Refused` where it does not import, where it
+    has no GPU support and this is not a ``--dry-run``, or where ``workdir`` (default: the temporary
+    folder) has less free disk than ``shape``'s artifacts need."""
+    where = f"bench/{script} --engine {engine}"
+    if engine == "genai":
+        from harp_trt.errors import PreconditionError
+        from harp_trt.genai_runtime import genai_version, import_genai
+
+        try:
+            og = import_genai("bench")
+        except PreconditionError as e:
+            raise Refused(f"{where} needs onnxruntime-genai, which does not import here ({e.__cause__}); "
+                          f"{_CUDA_HINT[engine]}") from None
+        info = {"runtime": "onnxruntime-genai", "version": genai_version(), "gpu": bool(og.is_cuda_available()),
+                "weights": WEIGHTS[engine]}
+    elif engine == "llamacpp":
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise Refused(f"{where} needs llama-cpp-python, which does not import here ({e}); "
+                          f"{_CUDA_HINT[engine]}") from None
+        info = {"runtime": "llama-cpp-python", "version": llama_cpp.__version__,
+                "gpu": bool(llama_cpp.llama_supports_gpu_offload()), "weights": WEIGHTS[engine]}
+    else:
+        raise Refused(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if not info["gpu"] and not dry_run:
+        raise Refused(f"{where} needs a GPU build of {info['runtime']}: {info['version']} here has no CUDA support; "
+                      f"{_CUDA_HINT[engine]}, or pass --dry-run to run it on the CPU at tiny shapes")
+    folder = Path(workdir or tempfile.gettempdir())
+    while not folder.exists():
+        folder = folder.parent
+    need, free = disk_needed(engine, shape), shutil.disk_usage(folder).free
+    if need > free and not (workdir and (Path(workdir) / f"random-{shape}").is_dir()):
+        raise Refused(f"{where} at {shape} writes about {need / 2**30:.0f} GiB of artifacts; {folder} has "
+                      f"{free / 2**30:.0f} GiB free: pass --workdir on a larger disk")
+    return info
+
+
+def shape_params(shape: str) -> int:
+    """Parameters of a ``SHAPES`` entry (untied embeddings; attention biases, where a family has
+    them, left out: 0.002 % of Qwen2-7B, nothing for a disk estimate)."""
+    c = SHAPES[shape]
+    h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    attn = 2 * h * c["num_attention_heads"] * hd + 2 * h * c["num_key_value_heads"] * hd
+    return 2 * c["vocab_size"] * h + c["num_hidden_layers"] * (attn + 3 * h * inter + 2 * h) + h
+
+
+def disk_needed(engine: str, shape: str) -> int:
+    """Bytes the artifacts take: the bf16 folder, then two f16 GGUFs (llamacpp), or the fp32 export,
+    its rewrite and the ORT engine built from each (genai; its folders hard-link the graphs)."""
+    n = shape_params(shape)
+    return 2 * n + (2 * 2 * n if engine == "llamacpp" else 4 * 4 * n)
+
+
+def _save_random_model(shape: str, folder: Path) -> Path:
+    """The shape's random-weight model (bf16, seed 0) as a Hugging Face folder (written once)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    kw = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: bool, headroom: int) -> dict:
+    """``{"dense": Engine, "harp": Engine}`` of the shape on ``engine``, on the GPU unless ``dry_run``."""
+    from bench.long_context import build_sources
+    from harp_trt.families import family_of
+    from harp_trt.models import resolve_model
+    from harp_trt.plan import Plan
+    from harp_trt.store import ArtifactStore
+
+    from transformers import AutoConfig
+
+    store = ArtifactStore(Path(workdir))
+    folder = _save_random_model(shape, Path(workdir) / f"random-{shape}")
+    resolved = resolve_model(str(folder), store.root)
+    cfg = AutoConfig.from_pretrained(folder)
+    n = cfg.num_hidden_layers
+    plan = Plan(model_ref=resolved.ref, model_digest=resolved.digest, family=family_of(cfg).name, num_layers=n,
+                strategy="top", layers=tuple(range(n - layers, n)), alphas=(1.0,) * layers)
+    sources = build_sources(engine, plan, resolved, None, store, SimpleNamespace(quant="none"))
+    max_pos = int(cfg.max_position_embeddings)
+    if engine == "genai":
+        from bench.stage.engine_genai import GenaiBenchEngine
+
+        provider = "cpu" if dry_run else "cuda"
+        return {v: GenaiBenchEngine(sources[v].path, v, 0, headroom, max_pos, provider=provider)
+                for v in ("dense", "harp")}
+    from bench.stage.engine_llamacpp import LlamaCppEngine, gguf_path
+
+    return {v: LlamaCppEngine(gguf_path(sources[v]), v, 0, headroom, max_pos, n_gpu_layers=-1)
+            for v in ("dense", "harp")}
+
+
+def time_engine_prefill(engines: dict, seq_lens, repeats: int, warmup: int, vocab: int) -> list[dict]:
+    """Prefill rows as ``bench.gpu_prefill.time_prefill`` writes them, dense and HARP interleaved
+    (the order flips every repeat); each runtime returns when its logits are on the host."""
+    import torch
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for seq in seq_lens:
+        ids = torch.randint(0, vocab, (1, seq), generator=g)
+        samples: dict[str, list[float]] = {v: [] for v in engines}
+        for r in range(warmup + repeats):
+            for v in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                t0 = time.perf_counter()
+                engines[v].prefill(ids)
+                if r >= warmup:
+                    samples[v].append(time.perf_counter() - t0)
+        for v, xs in samples.items():
+            mean, half, med = ci95(xs)
+            rows.append({"variant": v, "seq_len": seq, "mean_s": mean, "ci95_s": half, "median_s": med,
+                         "min_s": min(xs), "n": len(xs)})
+        print(f"prefill {seq:>6}: " + "  ".join(f"{r['variant']} {r['mean_s']:.4f} s" for r in rows[-2:]),
+              file=sys.stderr)
+    return rows
+
+
+def time_engine_decode(engines: dict, context: int, steps: int, vocab: int) -> list[dict]:
+    """Greedy decode of ``steps`` tokens after a ``context``-token prompt, one sequence (the
+    runtimes' batch-1 path; the PyTorch path also fills batches): tokens/s and the KV bytes per
+    token the runtime holds (its own account: ``Engine.cache_bytes`` over ``cache_tokens``, the
+    positions it allocated, or the tokens held)."""
+    import torch
+
+    rows, batch = [], 1
+    ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(1))
+    for v, e in engines.items():
+        logits, state = e.prefill(ids)
+        tok = logits.argmax(-1, keepdim=True)
+        logits, state = e.decode(tok, state)  # warm-up step
+        tok = logits.argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, state = e.decode(tok, state)
+            tok = logits.argmax(-1, keepdim=True)
+        dt = time.perf_counter() - t0
+        tokens = e.cache_tokens(state) or (context + steps + 1)
+        rows.append({"variant": v, "batch": batch, "kind": "engine", "context": context, "steps": steps,
+                     "ms_per_step": dt / steps * 1e3, "tokens_per_s": batch * steps / dt,
+                     "kv_bytes_per_token": int(round(e.cache_bytes(state) / tokens))})
+        print(f"decode {v:>5} batch {batch:>4}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    return rows
+
+
+def close(engines: dict) -> None:
+    """Free both engines' runtime resources."""
+    for e in engines.values():
+        e.close()
+
