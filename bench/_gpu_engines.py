@@ -29,13 +29,57 @@ from typing import Any
 
 from bench._gpu_common import SHAPES, Refused, ci95
 
-__all__ = ["ENGINES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill",
+__all__ = ["ENGINES", "GPU_RUNTIMES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill",
            "time_engine_decode", "close"]
 
 ENGINES = ("torch", "genai", "llamacpp")
+# beside the bf16 folder: two f16 GGUFs (llamacpp); the fp32 export, its rewrite and an engine of each (genai)
+_ARTIFACT_BYTES_PER_PARAM = {"llamacpp": 2 * 2, "genai": 4 * 4}
 WEIGHTS = {"genai": "float32 (the exported graph's)", "llamacpp": "float16 (builders/gguf's default)"}
 _CUDA_HINT = {"genai": "pip install onnxruntime-genai-cuda (it brings onnxruntime-gpu)",
               "llamacpp": "CMAKE_ARGS=-DGGML_CUDA=on pip install llama-cpp-python==0.3.36 (built with nvcc)"}
+
+
+def _genai_info(where: str) -> dict[str, Any]:
+    from harp_trt.errors import PreconditionError
+    from harp_trt.genai_runtime import genai_version, import_genai
+
+    try:
+        og = import_genai("bench")
+    except PreconditionError as e:
+        raise Refused(f"{where} needs onnxruntime-genai, which does not import here ({e.__cause__}); "
+                      f"{_CUDA_HINT['genai']}") from None
+    return {"runtime": "onnxruntime-genai", "version": genai_version(), "gpu": bool(og.is_cuda_available())}
+
+
+def _llamacpp_info(where: str) -> dict[str, Any]:
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise Refused(f"{where} needs llama-cpp-python, which does not import here ({e}); "
+                      f"{_CUDA_HINT['llamacpp']}") from None
+    return {"runtime": "llama-cpp-python", "version": llama_cpp.__version__,
+            "gpu": bool(llama_cpp.llama_supports_gpu_offload())}
+
+
+def _genai_engines(sources: dict, max_pos: int, dry_run: bool, headroom: int) -> dict:
+    from bench.stage.engine_genai import GenaiBenchEngine
+
+    provider = "cpu" if dry_run else "cuda"
+    return {v: GenaiBenchEngine(sources[v].path, v, 0, headroom, max_pos, provider=provider) for v in ("dense", "harp")}
+
+
+def _llamacpp_engines(sources: dict, max_pos: int, dry_run: bool, headroom: int) -> dict:
+    from bench.stage.engine_llamacpp import LlamaCppEngine, gguf_path
+
+    # n_gpu_layers=-1: every layer offloaded (a CPU build, as in --dry-run, keeps them on the CPU)
+    return {v: LlamaCppEngine(gguf_path(sources[v]), v, 0, headroom, max_pos, n_gpu_layers=-1)
+            for v in ("dense", "harp")}
+
+
+# engine -> (its runtime's version and GPU support, its dense and HARP engines of built sources)
+_RUNTIMES = {"genai": (_genai_info, _genai_engines), "llamacpp": (_llamacpp_info, _llamacpp_engines)}
+GPU_RUNTIMES = tuple(_RUNTIMES)
 
 
 def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir: str = "") -> dict[str, Any]:
@@ -43,27 +87,9 @@ def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir:
     has no GPU support and this is not a ``--dry-run``, or where ``workdir`` (default: the temporary
     folder) has less free disk than ``shape``'s artifacts need."""
     where = f"bench/{script} --engine {engine}"
-    if engine == "genai":
-        from harp_trt.errors import PreconditionError
-        from harp_trt.genai_runtime import genai_version, import_genai
-
-        try:
-            og = import_genai("bench")
-        except PreconditionError as e:
-            raise Refused(f"{where} needs onnxruntime-genai, which does not import here ({e.__cause__}); "
-                          f"{_CUDA_HINT[engine]}") from None
-        info = {"runtime": "onnxruntime-genai", "version": genai_version(), "gpu": bool(og.is_cuda_available()),
-                "weights": WEIGHTS[engine]}
-    elif engine == "llamacpp":
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise Refused(f"{where} needs llama-cpp-python, which does not import here ({e}); "
-                          f"{_CUDA_HINT[engine]}") from None
-        info = {"runtime": "llama-cpp-python", "version": llama_cpp.__version__,
-                "gpu": bool(llama_cpp.llama_supports_gpu_offload()), "weights": WEIGHTS[engine]}
-    else:
+    if engine not in _RUNTIMES:
         raise Refused(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
+    info = {**_RUNTIMES[engine][0](where), "weights": WEIGHTS[engine]}
     if not info["gpu"] and not dry_run:
         raise Refused(f"{where} needs a GPU build of {info['runtime']}: {info['version']} here has no CUDA support; "
                       f"{_CUDA_HINT[engine]}, or pass --dry-run to run it on the CPU at tiny shapes")
@@ -90,7 +116,7 @@ def disk_needed(engine: str, shape: str) -> int:
     """Bytes the artifacts take: the bf16 folder, then two f16 GGUFs (llamacpp), or the fp32 export,
     its rewrite and the ORT engine built from each (genai; its folders hard-link the graphs)."""
     n = shape_params(shape)
-    return 2 * n + (2 * 2 * n if engine == "llamacpp" else 4 * 4 * n)
+    return 2 * n + _ARTIFACT_BYTES_PER_PARAM[engine] * n
 
 
 def _save_random_model(shape: str, folder: Path) -> Path:
@@ -128,17 +154,7 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
     plan = Plan(model_ref=resolved.ref, model_digest=resolved.digest, family=family_of(cfg).name, num_layers=n,
                 strategy="top", layers=tuple(range(n - layers, n)), alphas=(1.0,) * layers)
     sources = build_sources(engine, plan, resolved, None, store, SimpleNamespace(quant="none"))
-    max_pos = int(cfg.max_position_embeddings)
-    if engine == "genai":
-        from bench.stage.engine_genai import GenaiBenchEngine
-
-        provider = "cpu" if dry_run else "cuda"
-        return {v: GenaiBenchEngine(sources[v].path, v, 0, headroom, max_pos, provider=provider)
-                for v in ("dense", "harp")}
-    from bench.stage.engine_llamacpp import LlamaCppEngine, gguf_path
-
-    return {v: LlamaCppEngine(gguf_path(sources[v]), v, 0, headroom, max_pos, n_gpu_layers=-1)
-            for v in ("dense", "harp")}
+    return _RUNTIMES[engine][1](sources, int(cfg.max_position_embeddings), dry_run, headroom)
 
 
 def time_engine_prefill(engines: dict, seq_lens, repeats: int, warmup: int, vocab: int) -> list[dict]:

@@ -182,10 +182,10 @@ def run(args) -> dict:
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)
-    info = None
-    if args.engine != "torch":
-        from bench._gpu_engines import probe
+    from bench._gpu_engines import GPU_RUNTIMES, probe
 
+    info = None
+    if args.engine in GPU_RUNTIMES:
         # refuses before the search runs
         info = probe(args.engine, "gpu_check.py", args.dry_run, args.shape, args.workdir)
     t_start = time.perf_counter()

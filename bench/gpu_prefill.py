@@ -293,10 +293,10 @@ def run(args) -> dict:
     import torch
 
     device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
-    info = None
-    if args.engine != "torch":
-        from bench._gpu_engines import probe
+    from bench._gpu_engines import GPU_RUNTIMES, probe
 
+    info = None
+    if args.engine in GPU_RUNTIMES:
         # refuses before anything is written
         info = probe(args.engine, "gpu_prefill.py", args.dry_run, args.shape, args.workdir)
     t_start = time.perf_counter()
