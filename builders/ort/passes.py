@@ -3,6 +3,7 @@ with onnx-ir's ``Sequential`` (``passes/_pass_infra.py``) as onnxscript's ``opti
 composes its own:
 
     FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
+    FuseSiblingMatMulsPass -> RemoveUnusedNodesPass          (fuse_matmuls)
     QuantizeWeightsPass                                      (quant="int4" | "int8")
 
 ONNX Runtime's own graph optimizations run after these, on the saved graph (``builder.py``)."""
@@ -18,10 +19,12 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from harp_trt.errors import HarpError
 
 from .config import OrtBuildConfig, QuantSpec
+from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
 from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
 from .quant import quantize_weights
 
-__all__ = ["FuseGroupQueryAttentionPass", "QuantizeWeightsPass", "graph_passes", "run_passes"]
+__all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "QuantizeWeightsPass", "graph_passes",
+           "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,30 @@ class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
         return ir_passes.PassResult(model, modified=bool(report.matched))
 
 
+class FuseSiblingMatMulsPass(ir_passes.InPlacePass):
+    """Every group ``FuseSiblingMatMuls`` matches becomes one MatMul and a Split (``fuse_matmuls.py``);
+    ``report`` lists the groups and why other candidates were left alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.report = FuseReport()
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        report = self.report = FuseReport()
+        rule, graph = FuseSiblingMatMuls(), model.graph
+        for x in rule.pattern(graph):
+            found = rule.check(graph, x)
+            if not found:
+                report.skipped[x.name or "?"] = found.reason
+                continue
+            rule.rewrite(graph, found.match)
+            report.fused.append({"input": x.name, "matmuls": [n.name for n in found.match.nodes],
+                                 "widths": found.match.widths})
+        log.info("FuseSiblingMatMuls: %d groups of %d MatMuls fused; skipped %d", len(report.fused),
+                 sum(len(g["matmuls"]) for g in report.fused), len(report.skipped))
+        return ir_passes.PassResult(model, modified=bool(report.fused))
+
+
 class QuantizeWeightsPass(ir_passes.PassBase):
     """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``); ``report`` is what changed. The
     quantizer returns a new model, and the tied LM head's weight is folded in the input first."""
@@ -83,6 +110,8 @@ def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) ->
     passes: list[ir_passes.PassBase] = []
     if config.attention == "gqa":
         passes += [FuseGroupQueryAttentionPass(meta), RemoveUnusedNodesPass()]
+    if config.fuse_matmuls:
+        passes += [FuseSiblingMatMulsPass(), RemoveUnusedNodesPass()]
     if config.quant != "none":
         passes.append(QuantizeWeightsPass(config.quant_spec(), stage))
     return passes
