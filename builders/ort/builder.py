@@ -54,7 +54,8 @@ class OrtBuilder:
         from harp_trt.ort_session import default_providers
 
         from .gqa import GqaReport
-        from .passes import FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, QuantizeWeightsPass, graph_passes
+        from .passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, QuantizeEmbeddingPass,
+                             QuantizeWeightsPass, graph_passes)
 
         config = config or OrtBuildConfig()
         src = Path(onnx_path)
@@ -71,6 +72,9 @@ class OrtBuilder:
         staged, external = self._transform(src, out, passes)
         report = next((p.report for p in passes if isinstance(p, FuseGroupQueryAttentionPass)), GqaReport())
         quant = next((p.report for p in passes if isinstance(p, QuantizeWeightsPass)), None)
+        emb = next((p.report for p in passes if isinstance(p, QuantizeEmbeddingPass)), None)
+        if quant is not None and emb is not None:
+            quant = {**quant, "embedding": emb}
         fused = next((p.report.to_dict() for p in passes if isinstance(p, FuseSiblingMatMulsPass)), None)
         providers = list(config.providers) or default_providers()
         try:

@@ -48,7 +48,8 @@ class OrtBuildConfig(StageConfig):
     onnxruntime-genai's fused QKV). ``verify_rtol``: logits
     tolerance vs the source graph, relative to max(1, max|logits|). ``quant``: none (exact fp32) |
     int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``), with ``quant_block_size``,
-    ``quant_symmetric`` and ``quant_accuracy_level``; a quantized engine is verified against its
+    ``quant_symmetric``, ``quant_accuracy_level`` and ``quant_embedding`` (the embedding table too,
+    ``quant_embedding.py``); a quantized engine is verified against its
     quantized graph before ORT's optimizations, and its gap to the fp32 source is recorded."""
 
     VERSION = 3
@@ -64,6 +65,9 @@ class OrtBuildConfig(StageConfig):
                                    help="zero points per block (default: symmetric)")
     quant_accuracy_level: int = option(4, help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 "
                                                "(default %(default)s, fastest on CPU)")
+    quant_embedding: bool = option(False, flag="--quant-embedding",
+                                   help="with --quant: the embedding table too (GatherBlockQuantized, "
+                                        "onnxruntime-genai's int4 embedding; less memory, not faster)")
 
     def __post_init__(self) -> None:
         self.validate()

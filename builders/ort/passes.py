@@ -5,6 +5,7 @@ composes its own:
     FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
     FuseSiblingMatMulsPass -> RemoveUnusedNodesPass          (fuse_matmuls)
     QuantizeWeightsPass                                      (quant="int4" | "int8")
+    QuantizeEmbeddingPass -> RemoveUnusedNodesPass           (quant_embedding, with quant)
 
 ONNX Runtime's own graph optimizations run after these, on the saved graph (``builder.py``)."""
 from __future__ import annotations
@@ -21,10 +22,11 @@ from harp_trt.errors import HarpError
 from .config import OrtBuildConfig, QuantSpec
 from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
 from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
+from .quant_embedding import QuantizeEmbedding
 from .quant import quantize_weights
 
 __all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "QuantizeWeightsPass", "graph_passes",
-           "run_passes"]
+           "QuantizeEmbeddingPass", "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,35 @@ class QuantizeWeightsPass(ir_passes.PassBase):
         return ir_passes.PassResult(out, modified=True)
 
 
+class QuantizeEmbeddingPass(ir_passes.InPlacePass):
+    """The embedding Gather as GatherBlockQuantized at the weights' bits (``quant_embedding.py``);
+    ``report``: the tables quantized, their bytes before and after, and why others were not."""
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        self.spec = spec
+        self.report: dict[str, Any] = {}
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        rule = QuantizeEmbedding(self.spec.bits, self.spec.block_size)
+        done, skipped, before, after = [], {}, 0, 0
+        for node in rule.pattern(model.graph):
+            found = rule.check(model.graph, node)
+            if not found:
+                skipped[node.name or "Gather"] = found.reason
+                continue
+            new = rule.rewrite(model.graph, found.match)
+            done.append(node.inputs[0].name if node.inputs[0] is not None else new.name)
+            before += found.match.table.nbytes
+            after += sum(v.const_value.nbytes for v in new.inputs if v is not None and v.const_value is not None)
+        if done:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        self.report = {"rule": rule.name, "tables": done, "bits": self.spec.bits, "block_size": self.spec.block_size,
+                       "bytes_fp32": before, "bytes_quantized": after, "skipped": skipped}
+        log.info("QuantizeEmbedding: %d tables, %.1f MB -> %.1f MB", len(done), before / 1e6, after / 1e6)
+        return ir_passes.PassResult(model, modified=bool(done))
+
+
 def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) -> list[ir_passes.PassBase]:
     """The passes ``config`` asks for, in the order they run."""
     passes: list[ir_passes.PassBase] = []
@@ -114,6 +145,8 @@ def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) ->
         passes += [FuseSiblingMatMulsPass(), RemoveUnusedNodesPass()]
     if config.quant != "none":
         passes.append(QuantizeWeightsPass(config.quant_spec(), stage))
+        if config.quant_embedding:
+            passes += [QuantizeEmbeddingPass(config.quant_spec()), RemoveUnusedNodesPass()]
     return passes
 
 
