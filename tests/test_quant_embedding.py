@@ -52,4 +52,4 @@ def test_int4_engine_with_quantized_embedding(tmp_path):
     assert emb["bytes_fp32"] == 128 * 64 * 4 and emb["bytes_quantized"] == 128 * (32 + 2 * 4 + 1)
     assert spec["verify"]["logits_max_abs_diff"] <= spec["verify"]["tolerance"]
     init = {i.name for i in onnx.load(str(tmp_path / "model.onnx")).graph.initializer}
-    assert emb["tables"][0] not in init   # the fp32 table is gone (the untied LM head has its own)
+    assert emb["tables"] == ["model.model.embed_tokens.weight"] and emb["tables"][0] not in init   # the fp32 table is gone

@@ -124,8 +124,8 @@ class QuantizeEmbeddingPass(ir_passes.InPlacePass):
             if not found:
                 skipped[node.name or "Gather"] = found.reason
                 continue
+            done.append(node.inputs[0].name)
             new = rule.rewrite(model.graph, found.match)
-            done.append(node.inputs[0].name if node.inputs[0] is not None else new.name)
             before += found.match.table.nbytes
             after += sum(v.const_value.nbytes for v in new.inputs if v is not None and v.const_value is not None)
         if done:
