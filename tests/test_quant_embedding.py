@@ -36,7 +36,8 @@ def test_gather_block_quantized_returns_the_dequantized_rows(bits):
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None, None])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(a, n) for a, n in ((data, "d"), (scale, "s"), (zp, "z"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     ids = np.array([[3, 7, 0, 9]])
     np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0], deq[ids])
@@ -52,4 +53,5 @@ def test_int4_engine_with_quantized_embedding(tmp_path):
     assert emb["bytes_fp32"] == 128 * 64 * 4 and emb["bytes_quantized"] == 128 * (32 + 2 * 4 + 1)
     assert spec["verify"]["logits_max_abs_diff"] <= spec["verify"]["tolerance"]
     init = {i.name for i in onnx.load(str(tmp_path / "model.onnx")).graph.initializer}
-    assert emb["tables"] == ["model.model.embed_tokens.weight"] and emb["tables"][0] not in init   # the fp32 table is gone
+    # the fp32 table is gone (the untied LM head has its own weight)
+    assert emb["tables"] == ["model.model.embed_tokens.weight"] and emb["tables"][0] not in init
