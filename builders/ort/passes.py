@@ -22,8 +22,8 @@ from harp_trt.errors import HarpError
 from .config import OrtBuildConfig, QuantSpec
 from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
 from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
-from .quant_embedding import QuantizeEmbedding
 from .quant import quantize_weights
+from .quant_embedding import QuantizeEmbedding
 
 __all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "QuantizeWeightsPass", "graph_passes",
            "QuantizeEmbeddingPass", "run_passes"]

@@ -3,10 +3,10 @@
 int4 embedding onnxruntime-genai's model builder writes). Rows are quantized in blocks of
 ``block_size`` along the hidden size, symmetric round-to-nearest: scale = max|block| / (2^(bits-1) - 1),
 q = clip(round(x / scale), -2^(bits-1), 2^(bits-1) - 1) stored unsigned with zero point 2^(bits-1)
-(given explicitly); 4-bit values are packed two per byte, low nibble first (the operator's layout:
-onnxruntime ``contrib_ops/cpu/quantization/gather_block_quantized.cc``). A decode step gathers one
-row per token, so this saves memory (the table is the largest fp32 tensor a quantized engine keeps:
-113 MB of SmolLM2-135M's 197 MB), not time.
+(given explicitly); 4-bit values are packed two per byte, low nibble first (the com.microsoft
+contrib operator's layout; tests/test_quant_embedding.py checks ORT's kernel returns exactly these
+dequantized rows). A decode step gathers one row per token, so this saves memory (the table is the
+largest fp32 tensor a quantized engine keeps: 113 MB of the SmolLM2-135M int4 engine's 189 MB), not time.
 
 It runs after ``QuantizeWeightsPass`` (``passes.py``), which has already given a tied LM head its own
 weight, so only the Gather reads the table. One rule of the house protocol (``harp_trt/graph_rules.py``),
