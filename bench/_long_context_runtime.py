@@ -71,12 +71,18 @@ def capacity_allocator(runtime: str, engine, step: int):
     return alloc
 
 
-def _capacity(runtime: str, pair, args, L: int, P: int) -> dict[str, Any]:
+GENAI_MAX_SEQUENCES = 32   # onnxruntime-genai 0.18's Generator: "batch_size (64) must be in [1, 32]"
+
+
+def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: float) -> dict[str, Any]:
     budget, step = args.kv_budget_bytes, args.capacity_step
     out: dict[str, Any] = {"budget_bytes": budget, "step_tokens": step, "ideal": L / (L - P),
                            "per_layer": True}
     if runtime == "genai":
-        step = min(step, pair.dense.max_positions)
+        # sequences of ``step`` tokens: long enough that the budget needs at most GENAI_MAX_SEQUENCES
+        # of the engine with the fewest bytes per token (coarser steps, a coarser ratio)
+        need = -(-budget // int(GENAI_MAX_SEQUENCES * least_bytes_per_token))
+        step = min(max(step, -(-need // step) * step), pair.dense.max_positions)
         out["step_tokens"] = step
     try:
         for v, e in pair.engines().items():
@@ -143,6 +149,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
         m["ideal"] = prefill_ideal(d, pair.pruned, s, pair.dense.prefill_logits)
         out["prefill"].append(m)
         log.info("%s prefill %d: speed-up %.3f, ideal %.3f", runtime, s, m["speedup"]["speedup"], m["ideal"]["ideal"])
-    out["kv_capacity"] = _capacity(runtime, pair, args, L, P)
+    kv = out["kv_bytes_per_token"]
+    out["kv_capacity"] = _capacity(runtime, pair, args, L, P, min(kv["dense"], kv["harp"]))
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out

@@ -6,7 +6,10 @@
         --runtime llamacpp --contexts 2048,4096 --batches 1,4 --prefill-lens 4096 --kv-budget 2GiB
 
 The plan is ``--plan`` (a plan.json, a calibrate artifact or its key) or made from ``--model`` and
-``--prune-layers`` at ``--alpha`` (speed does not depend on the alphas); the engines are built by
+``--prune-layers`` at ``--alpha`` (speed does not depend on the alphas). ``--shape qwen2.5-0.5b`` (or
+``llama3.2-1b``, any of ``bench/scale_probe.py``'s shapes) stands in a random-weight model of a real
+model's shapes for ``--model`` (written once into ``--workdir``; positions up to its config's, past
+8192), so long contexts can be timed on a larger model than SmolLM2. The engines are built by
 the pipeline's own stages (``harp_trt.registry.BACKENDS``: the steps the runtime's bench compares),
 cached in ``--workdir``. Per runtime, interleaved with the order rotating
 (``bench/_long_context_measure.py``): decode tokens/s with ITL p50/p90/p99 at every context x batch,
@@ -69,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", help="plan.json, calibrate artifact folder or its key in --workdir")
     src.add_argument("--model", help="model reference (preset, HF folder); with --prune-layers")
+    src.add_argument("--shape", choices=sorted(_shapes()),
+                     help="a random-weight model of these real shapes (bench/scale_probe.py); with --prune-layers")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="model whose tokenizer --shape borrows")
     p.add_argument("--prune-layers", default="", help="layers to prune with --model, e.g. 22,23,...,29")
     p.add_argument("--alpha", type=float, default=0.5, help="alpha of every pruned layer (default 0.5)")
     p.add_argument("--corpus", default="wiki", help="text the plan's perplexities are read on (with --model)")
@@ -93,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.contexts, a.batches = _ints(a.contexts, "--contexts"), _ints(a.batches, "--batches")
     a.prefill_lens = _ints(a.prefill_lens, "--prefill-lens") if a.prefill_lens.strip() not in ("", "none") else ()
     a.layers = _ints(a.prune_layers, "--prune-layers") if a.prune_layers else ()
-    if a.model and not a.layers:
-        raise ConfigError("--model needs --prune-layers (the layers to prune), e.g. --prune-layers 28,29")
+    if (a.model or a.shape) and not a.layers:
+        raise ConfigError("--model/--shape need --prune-layers (the layers to prune), e.g. --prune-layers 28,29")
     if a.plan and a.layers:
         raise ConfigError("--prune-layers makes a plan from --model; with --plan the plan names its layers")
     if not 0.0 <= a.alpha <= 1.0:
@@ -109,6 +115,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _shapes() -> dict[str, dict]:
+    from bench.scale_probe import SHAPES
+
+    return SHAPES
+
+
+def shape_model(shape: str, tokenizer: str, seed: int, root: Path) -> Path:
+    """The random-weight model of ``shape`` (``bench/scale_probe.write_random_model``: the real
+    config, bf16 weights drawn with ``seed``, ``tokenizer``'s files), written once under ``root``
+    (a temporary folder, then renamed)."""
+    from harp_trt.models import resolve_model
+
+    from bench.scale_probe import write_random_model
+
+    folder = root / "long_context_models" / f"{shape}-seed{seed}"
+    if not (folder / "config.json").is_file():
+        tok = resolve_model(tokenizer, root)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        log.info("writing a random-weight %s model to %s ...", shape, folder)
+        write_random_model(shape, tmp, tok.folder, seed)
+        tmp.rename(folder)
+    return folder
+
+
 # ---- plan and engines: the pipeline's stages, cached ------------------------------------------
 def make_plan(args, store):
     """(plan, resolved model, calibrate artifact or None)."""
@@ -120,7 +150,8 @@ def make_plan(args, store):
     if args.plan:
         plan = open_plan(args.plan, store)
         return plan, resolve_model(plan.model_ref, store.root), None
-    resolved = resolve_model(args.model, store.root)
+    model = str(shape_model(args.shape, args.tokenizer, args.seed, Path(store.root))) if args.shape else args.model
+    resolved = resolve_model(model, store.root)
     cfg = STAGES.get("calibrate").config_class()(
         layers=len(args.layers), prune_layers=tuple(args.layers), alphas=(float(args.alpha),) * len(args.layers),
         corpus=args.corpus, tokens=args.calib_tokens, seq_len=min(128, args.calib_tokens))
@@ -196,7 +227,7 @@ def run(args) -> dict[str, Any]:
                  "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "warmup", "kv_budget_bytes", "capacity_step", "quant", "kv_type",
-                                                   "threads", "peer", "seed")},
+                                                   "threads", "peer", "seed", "shape")},
         "machine": {"cpus": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
         "runtimes": {}}
     headroom = args.warmup + args.repeats * args.decode_steps + 2

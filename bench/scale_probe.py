@@ -31,6 +31,17 @@ SHAPES: dict[str, dict] = {
     "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # the long-context shapes of bench/long_context.py --shape (issue 21): small enough for a 24 GB
+    # CPU machine, positions past 8192
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                        tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
+                        rms_norm_eps=1e-5,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),

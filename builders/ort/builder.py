@@ -54,7 +54,8 @@ class OrtBuilder:
         from harp_trt.ort_session import default_providers
 
         from .gqa import GqaReport
-        from .passes import FuseGroupQueryAttentionPass, QuantizeWeightsPass, graph_passes
+        from .passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, QuantizeEmbeddingPass,
+                             QuantizeWeightsPass, graph_passes)
 
         config = config or OrtBuildConfig()
         src = Path(onnx_path)
@@ -71,6 +72,10 @@ class OrtBuilder:
         staged, external = self._transform(src, out, passes)
         report = next((p.report for p in passes if isinstance(p, FuseGroupQueryAttentionPass)), GqaReport())
         quant = next((p.report for p in passes if isinstance(p, QuantizeWeightsPass)), None)
+        emb = next((p.report for p in passes if isinstance(p, QuantizeEmbeddingPass)), None)
+        if quant is not None and emb is not None:
+            quant = {**quant, "embedding": emb}
+        fused = next((p.report.to_dict() for p in passes if isinstance(p, FuseSiblingMatMulsPass)), None)
         providers = list(config.providers) or default_providers()
         try:
             self._optimize(src, staged, out / MODEL_FILE, config, providers, external)
@@ -94,7 +99,8 @@ class OrtBuilder:
             "external_data": (out / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "providers": providers,
             "intra_op_threads": config.intra_op_threads, "graph_optimization_level": config.optimization_level,
             "attention": report.to_dict(), "kv": self._kv_layout(out / MODEL_FILE, meta),
-            "verify": check, "quant": quant, "source": {"onnx": str(src), "export_meta": meta.get("format")},
+            "verify": check, "quant": quant, "fused_matmuls": fused,
+            "source": {"onnx": str(src), "export_meta": meta.get("format")},
             "tokenizer_files": copied, "versions": {"onnxruntime": ort.__version__},
         }
         (out / ENGINE_JSON).write_text(json.dumps(spec, indent=2))

@@ -43,24 +43,31 @@ class OrtBuildConfig(StageConfig):
     """``attention``: ``gqa`` converts opset-23 Attention to com.microsoft GroupQueryAttention
     (fastest on CPU), ``onnx`` keeps it. ``optimization_level``: ORT graph optimizations baked into
     the saved model. ``intra_op_threads``: recorded for ``generate`` (0 = ORT's default).
-    ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``verify_rtol``: logits
+    ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``fuse_matmuls``: MatMuls
+    of one activation (q/k/v, gate/up) become one MatMul and a Split (``fuse_matmuls.py``, exact:
+    onnxruntime-genai's fused QKV). ``verify_rtol``: logits
     tolerance vs the source graph, relative to max(1, max|logits|). ``quant``: none (exact fp32) |
     int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``), with ``quant_block_size``,
-    ``quant_symmetric`` and ``quant_accuracy_level``; a quantized engine is verified against its
+    ``quant_symmetric``, ``quant_accuracy_level`` and ``quant_embedding`` (the embedding table too,
+    ``quant_embedding.py``); a quantized engine is verified against its
     quantized graph before ORT's optimizations, and its gap to the fp32 source is recorded."""
 
-    VERSION = 2
+    VERSION = 3
     attention: str = "gqa"
     optimization_level: str = "all"
     intra_op_threads: int = 0
     providers: tuple[str, ...] = ()
     verify_rtol: float = 1e-4
+    fuse_matmuls: bool = True
     quant: str = option("none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
     quant_block_size: int = option(32, help="weights per scale along K (default %(default)s)")
     quant_symmetric: bool = option(True, flag="--quant-asymmetric", negate=True,
                                    help="zero points per block (default: symmetric)")
     quant_accuracy_level: int = option(4, help="MatMulNBits compute: 0 = fp32 activations, 4 = int8 "
                                                "(default %(default)s, fastest on CPU)")
+    quant_embedding: bool = option(False, flag="--quant-embedding",
+                                   help="with --quant: the embedding table too (GatherBlockQuantized, "
+                                        "onnxruntime-genai's int4 embedding; less memory, not faster)")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -3,7 +3,9 @@ with onnx-ir's ``Sequential`` (``passes/_pass_infra.py``) as onnxscript's ``opti
 composes its own:
 
     FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
+    FuseSiblingMatMulsPass -> RemoveUnusedNodesPass          (fuse_matmuls)
     QuantizeWeightsPass                                      (quant="int4" | "int8")
+    QuantizeEmbeddingPass -> RemoveUnusedNodesPass           (quant_embedding, with quant)
 
 ONNX Runtime's own graph optimizations run after these, on the saved graph (``builder.py``)."""
 from __future__ import annotations
@@ -18,10 +20,13 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from harp_trt.errors import HarpError
 
 from .config import OrtBuildConfig, QuantSpec
+from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
 from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
 from .quant import quantize_weights
+from .quant_embedding import QuantizeEmbedding
 
-__all__ = ["FuseGroupQueryAttentionPass", "QuantizeWeightsPass", "graph_passes", "run_passes"]
+__all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "QuantizeWeightsPass", "graph_passes",
+           "QuantizeEmbeddingPass", "run_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,30 @@ class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
         return ir_passes.PassResult(model, modified=bool(report.matched))
 
 
+class FuseSiblingMatMulsPass(ir_passes.InPlacePass):
+    """Every group ``FuseSiblingMatMuls`` matches becomes one MatMul and a Split (``fuse_matmuls.py``);
+    ``report`` lists the groups and why other candidates were left alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.report = FuseReport()
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        report = self.report = FuseReport()
+        rule, graph = FuseSiblingMatMuls(), model.graph
+        for x in rule.pattern(graph):
+            found = rule.check(graph, x)
+            if not found:
+                report.skipped[x.name or "?"] = found.reason
+                continue
+            rule.rewrite(graph, found.match)
+            report.fused.append({"input": x.name, "matmuls": [n.name for n in found.match.nodes],
+                                 "widths": found.match.widths})
+        log.info("FuseSiblingMatMuls: %d groups of %d MatMuls fused; skipped %d", len(report.fused),
+                 sum(len(g["matmuls"]) for g in report.fused), len(report.skipped))
+        return ir_passes.PassResult(model, modified=bool(report.fused))
+
+
 class QuantizeWeightsPass(ir_passes.PassBase):
     """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``); ``report`` is what changed. The
     quantizer returns a new model, and the tied LM head's weight is folded in the input first."""
@@ -78,13 +107,46 @@ class QuantizeWeightsPass(ir_passes.PassBase):
         return ir_passes.PassResult(out, modified=True)
 
 
+class QuantizeEmbeddingPass(ir_passes.InPlacePass):
+    """The embedding Gather as GatherBlockQuantized at the weights' bits (``quant_embedding.py``);
+    ``report``: the tables quantized, their bytes before and after, and why others were not."""
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        self.spec = spec
+        self.report: dict[str, Any] = {}
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        rule = QuantizeEmbedding(self.spec.bits, self.spec.block_size)
+        done, skipped, before, after = [], {}, 0, 0
+        for node in rule.pattern(model.graph):
+            found = rule.check(model.graph, node)
+            if not found:
+                skipped[node.name or "Gather"] = found.reason
+                continue
+            done.append(node.inputs[0].name)
+            new = rule.rewrite(model.graph, found.match)
+            before += found.match.table.nbytes
+            after += sum(v.const_value.nbytes for v in new.inputs if v is not None and v.const_value is not None)
+        if done:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        self.report = {"rule": rule.name, "tables": done, "bits": self.spec.bits, "block_size": self.spec.block_size,
+                       "bytes_fp32": before, "bytes_quantized": after, "skipped": skipped}
+        log.info("QuantizeEmbedding: %d tables, %.1f MB -> %.1f MB", len(done), before / 1e6, after / 1e6)
+        return ir_passes.PassResult(model, modified=bool(done))
+
+
 def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) -> list[ir_passes.PassBase]:
     """The passes ``config`` asks for, in the order they run."""
     passes: list[ir_passes.PassBase] = []
     if config.attention == "gqa":
         passes += [FuseGroupQueryAttentionPass(meta), RemoveUnusedNodesPass()]
+    if config.fuse_matmuls:
+        passes += [FuseSiblingMatMulsPass(), RemoveUnusedNodesPass()]
     if config.quant != "none":
         passes.append(QuantizeWeightsPass(config.quant_spec(), stage))
+        if config.quant_embedding:
+            passes += [QuantizeEmbeddingPass(config.quant_spec()), RemoveUnusedNodesPass()]
     return passes
 
 

@@ -15,7 +15,7 @@ HELP = "calibrate -> rewrite -> build (-> bench), reusing every cached artifact"
 # shorter sweep, no lm-eval tasks, fewer repeats
 BENCH_FIELDS = ("engine", "seq_lens", "tasks", "limit", "repeats", "batch_sizes", "threads")
 BENCH_DEFAULTS = {"engine": None, "seq_lens": "128,512,1024,2048", "tasks": "none", "repeats": 3}
-QUANT_FIELDS = ("quant", "quant_block_size", "quant_symmetric", "quant_accuracy_level")
+QUANT_FIELDS = ("quant", "quant_block_size", "quant_symmetric", "quant_accuracy_level", "quant_embedding")
 TRTLLM_FIELDS = ("tp_size", "pp_size")
 # stage -> its flag groups as build takes them ((fields, flag prefix), ...): offered under "--backend
 # <stage>" and made into that stage's config where the chosen backend runs the stage

@@ -1,0 +1,104 @@
+"""``bench/long_context.py``'s options beyond the three-runtime run of test_long_context.py (issue 21):
+llama.cpp's q8_0 KV cache (a tiny config whose head_dim 32 is one q8_0 block), our ORT engine with
+int4 and int8 weights, and ``--shape`` (a random-weight model of bench/scale_probe.py's shapes; the
+smallest, ``tiny``, here)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from conftest import save_tiny
+from test_calibrate_cli import write_corpus
+
+import llama_cpp  # noqa: F401  (the test extra installs it: a missing runtime fails, never skips)
+
+SHORT = ["--contexts", "24", "--batches", "1", "--prefill-lens", "none", "--decode-steps", "2", "--repeats", "2",
+         "--warmup", "1", "--capacity-step", "256", "--threads", "1", "--calib-tokens", "256"]
+
+
+def _run(argv: list[str]) -> dict:
+    from bench.long_context import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def test_llamacpp_q8_0_kv(tmp_path):
+    """KV bytes as llama.cpp allocates a q8_0 cache: 34 bytes per block of 32 elements
+    (vendor/llama.cpp/ggml/src/ggml-common.h, block_q8_0), so 1.0625 bytes per element; one K or V
+    row per layer is kv_heads x head_dim = 2 x 32 = 2 blocks. 4 layers, P = 2: dense 4 x 2 x 68 = 544
+    bytes per token, HARP 272. The batch-1 context holds 4096 cells (the model's positions): 2.125 and
+    1.0625 MiB, which llama.cpp logs with 2 decimals (2.12 / 1.06), hence the tolerance of 0.005 MiB
+    over the smaller size. The budget is 2048 dense tokens exactly, so the fits are whole 256-token
+    steps (dense 2048, HARP 4096) and the capacity ratio L/(L-P) = 2 within one step of the HARP fit."""
+    model = save_tiny("llama", tmp_path / "tiny", seed=3, hidden_size=128, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
+    res = _run(["--model", str(model), "--corpus", str(write_corpus(tmp_path / "c.txt")), "--prune-layers", "2,3",
+                "--runtime", "llamacpp", "--kv-type", "q8_0", "--kv-budget", str(544 * 2048),
+                "--workdir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), *SHORT])
+    r = res["runtimes"]["llamacpp"]
+    assert r["kv_type"] == "q8_0" and r["kv_bytes_per_element"] == 34 / 32
+    kv = r["kv_bytes_per_token"]
+    assert kv["counted"] == {"dense": 544.0, "harp": 272.0}
+    tol = 0.005 / 1.0625
+    assert abs(kv["ratio"] - 0.5) <= tol, kv
+    for v in ("dense", "harp"):
+        assert abs(kv[v] / kv["counted"][v] - 1) <= tol, (v, kv)
+    cap = r["kv_capacity"]
+    assert cap["per_layer"] and cap["ideal"] == 2.0
+    assert cap["dense"]["tokens"] == 2048 and abs(cap["ratio"] - 2.0) <= 256 / 2048, cap
+    (m,) = r["decode"]
+    assert m["ideal"]["ideal"] > 1 and m["per_engine"]["harp"]["tokens_per_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def shape_runs(tmp_path_factory):
+    """``--shape tiny`` (qwen2, 6 layers, hidden 64, vocab 49152) with int4 and then int8 ORT engines,
+    one workdir: the random model, plan, export and rewrite are made once."""
+    d = tmp_path_factory.mktemp("longctx-shape")
+    tok = save_tiny("llama", d / "tok")   # only its tokenizer files are borrowed
+    common = ["--shape", "tiny", "--tokenizer", str(tok), "--prune-layers", "4,5", "--runtime", "ort",
+              "--corpus", str(write_corpus(d / "c.txt")), "--kv-budget", "1MiB", "--workdir", str(d / "cache"),
+              *SHORT]
+    return {q: _run([*common, "--quant", q, "--out", str(d / q)]) for q in ("int4", "int8")}
+
+
+@pytest.mark.parametrize("quant, bits, wb", [("int4", 4, 0.5), ("int8", 8, 1.0)])
+def test_ort_quantized_engines(shape_runs, quant, bits, wb):
+    res = shape_runs[quant]
+    r = res["runtimes"]["ort"]
+    assert res["settings"]["quant"] == quant and r["weight_bytes_per_param"] == wb
+    assert r["kv_bytes_per_element"] == 4   # weights quantized, the KV cache stays fp32
+    for v in ("dense", "harp"):
+        q = r["engines"][v]["engine"]["quant"]
+        assert q["mode"] == quant and q["bits"] == bits and q["matmuls"] > 0
+    assert r["kv_bytes_per_token"]["ratio"] == 4 / 6   # whole buffers: exact
+    (m,) = r["decode"]
+    assert m["ideal"]["ideal"] > 1 and m["per_engine"]["dense"]["tokens_per_s"] > 0
+
+
+def test_shape_model_wires_through(shape_runs):
+    """The model is scale_probe's tiny shape with random weights: its config, 6 layers, P = 2."""
+    from transformers import AutoConfig
+
+    from bench.scale_probe import SHAPES
+
+    res = shape_runs["int4"]
+    assert res["settings"]["shape"] == "tiny" and res["model"].rstrip("/").endswith("tiny-seed0")
+    cfg = AutoConfig.from_pretrained(res["model"])
+    for k in ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
+        assert getattr(cfg, k) == SHAPES["tiny"][k], k
+    assert res["plan"]["num_layers"] == 6 and res["plan"]["layers"] == [4, 5]
+    assert res["model_digest"] == shape_runs["int8"]["model_digest"]   # written once
+
+
+def test_shape_needs_prune_layers(capsys):
+    from bench.long_context import main
+
+    assert main(["--shape", "tiny"]) == 2
+    assert "--prune-layers" in capsys.readouterr().err
