@@ -2,7 +2,7 @@
 prefill and decode timing, dense vs HARP, on onnxruntime-genai (CUDA provider) or llama.cpp (every
 layer offloaded, ``n_gpu_layers=-1``) instead of PyTorch.
 
-:func:`probe` runs first and refuses (:class:`bench._gpu_common.Refused`, exit 2) where the runtime
+:func:`probe` runs first and refuses (:class:`harp_trt.bench._gpu_common.Refused`, exit 2) where the runtime
 does not import, or, without ``--dry-run``, has no GPU support: onnxruntime-genai must be the
 ``onnxruntime-genai-cuda`` build (``og.is_cuda_available()``), llama-cpp-python a CUDA build
 (``llama_supports_gpu_offload()``, llama.cpp's ``llama_supports_gpu_offload`` in
@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench._gpu_common import SHAPES, Refused, ci95
+from harp_trt.bench._gpu_common import SHAPES, Refused, ci95
 
 __all__ = ["ENGINES", "GPU_RUNTIMES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill",
            "time_engine_decode", "close"]
@@ -63,14 +63,14 @@ def _llamacpp_info(where: str) -> dict[str, Any]:
 
 
 def _genai_engines(sources: dict, max_pos: int, dry_run: bool, headroom: int) -> dict:
-    from bench.stage.engine_genai import GenaiBenchEngine
+    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
 
     provider = "cpu" if dry_run else "cuda"
     return {v: GenaiBenchEngine(sources[v].path, v, 0, headroom, max_pos, provider=provider) for v in ("dense", "harp")}
 
 
 def _llamacpp_engines(sources: dict, max_pos: int, dry_run: bool, headroom: int) -> dict:
-    from bench.stage.engine_llamacpp import LlamaCppEngine, gguf_path
+    from harp_trt.bench.stage.engine_llamacpp import LlamaCppEngine, gguf_path
 
     # n_gpu_layers=-1: every layer offloaded (a CPU build, as in --dry-run, keeps them on the CPU)
     return {v: LlamaCppEngine(gguf_path(sources[v]), v, 0, headroom, max_pos, n_gpu_layers=-1)
@@ -138,7 +138,7 @@ def _save_random_model(shape: str, folder: Path) -> Path:
 
 def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: bool, headroom: int) -> dict:
     """``{"dense": Engine, "harp": Engine}`` of the shape on ``engine``, on the GPU unless ``dry_run``."""
-    from bench.long_context import build_sources
+    from harp_trt.bench.long_context import build_sources
     from harp_trt.families import family_of
     from harp_trt.models import resolve_model
     from harp_trt.plan import Plan
@@ -158,7 +158,7 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
 
 
 def time_engine_prefill(engines: dict, seq_lens, repeats: int, warmup: int, vocab: int) -> list[dict]:
-    """Prefill rows as ``bench.gpu_prefill.time_prefill`` writes them, dense and HARP interleaved
+    """Prefill rows as ``harp_trt.bench.gpu_prefill.time_prefill`` writes them, dense and HARP interleaved
     (the order flips every repeat); each runtime returns when its logits are on the host."""
     import torch
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stage import flops
+from harp_trt.bench.stage import flops
 
 from ._long_context_measure import largest_fit, measure_decode, measure_prefill, peak_rss_bytes
 
@@ -98,7 +98,7 @@ def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: f
 
 def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, Any]:
     """Batch 1: prefill ``context`` tokens, decode one, bytes the runtime holds / positions they cover."""
-    from bench.stage.latency import random_ids
+    from harp_trt.bench.stage.latency import random_ids
 
     out: dict[str, Any] = {}
     ids = random_ids(vocab, context, 11)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
@@ -79,7 +79,7 @@ def _sync(device) -> None:
 def search_figures(model, family, windows, layers, grid, naive: bool) -> dict:
     import copy
 
-    from calib.search import search_alphas
+    from harp_trt.calib.search import search_alphas
 
     m = copy.deepcopy(model) if naive else model
     t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def shape_check(model: str, layers: int = 8) -> dict:
     installed transformers' config and model classes are checked at the GPU run's size."""
     import torch
 
-    from bench.gpu_prefill import build_models
+    from harp_trt.bench.gpu_prefill import build_models
 
     dense, harp, _ = build_models(model, layers, torch.device("meta"), torch.bfloat16)
     return {"model": model, "params": sum(p.numel() for p in dense.parameters()),
@@ -133,10 +133,10 @@ def _prefill_summary(out: dict, rows: list[dict]) -> None:
 
 
 def engine_latency(out: dict, args, info: dict) -> None:
-    """Prefill at ``--seq-lens`` and batch-1 decode on ``--engine`` (``bench.gpu_prefill.engine_figures``)."""
+    """Prefill at ``--seq-lens`` and batch-1 decode on ``--engine`` (``harp_trt.bench.gpu_prefill.engine_figures``)."""
     from types import SimpleNamespace
 
-    from bench.gpu_prefill import engine_figures
+    from harp_trt.bench.gpu_prefill import engine_figures
 
     ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
     ns = SimpleNamespace(engine=args.engine, shape=args.shape, layers=args.layers, workdir=args.workdir,
@@ -154,7 +154,7 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
     ``out``; what the time budget leaves out is listed in ``out["skipped"]``."""
     import torch
 
-    from bench.gpu_prefill import max_batch, time_decode, time_prefill
+    from harp_trt.bench.gpu_prefill import max_batch, time_decode, time_prefill
 
     rows = []
     for s in args.seq_lens:
@@ -178,11 +178,11 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
 def run(args) -> dict:
     import torch
 
-    from bench.gpu_prefill import build_models
+    from harp_trt.bench.gpu_prefill import build_models
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)
-    from bench._gpu_engines import GPU_RUNTIMES, probe
+    from harp_trt.bench._gpu_engines import GPU_RUNTIMES, probe
 
     info = None
     if args.engine in GPU_RUNTIMES:

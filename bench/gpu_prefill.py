@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import SHAPES, ci95, device_or_refuse, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import SHAPES, ci95, device_or_refuse, run_main  # noqa: E402  (after the path above)
 
 DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DRY_SEQ_LENS = (16, 32, 64)
@@ -275,7 +275,7 @@ def engine_figures(args, info: dict) -> tuple[list[dict], list[dict], dict, str]
     """The same figures on ``args.engine`` (``bench/_gpu_engines.py``; decode at batch 1)."""
     import tempfile
 
-    from bench import _gpu_engines as ge
+    from harp_trt.bench import _gpu_engines as ge
 
     vocab = SHAPES[args.shape]["vocab_size"]
     with tempfile.TemporaryDirectory(prefix="gpu_engines_") as tmp:
@@ -293,7 +293,7 @@ def run(args) -> dict:
     import torch
 
     device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
-    from bench._gpu_engines import GPU_RUNTIMES, probe
+    from harp_trt.bench._gpu_engines import GPU_RUNTIMES, probe
 
     info = None
     if args.engine in GPU_RUNTIMES:

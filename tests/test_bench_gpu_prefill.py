@@ -25,7 +25,7 @@ def test_refuses_without_gpu(tmp_path):
 
 
 def test_argument_parsing():
-    from bench.gpu_prefill import DEFAULT_SEQ_LENS, SHAPES, parse_args
+    from harp_trt.bench.gpu_prefill import DEFAULT_SEQ_LENS, SHAPES, parse_args
 
     a = parse_args(["--out", "x"])
     assert a.seq_lens == DEFAULT_SEQ_LENS == (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -33,7 +33,7 @@ def test_argument_parsing():
     a = parse_args(["--out", "x", "--model", "qwen2-7b", "--seq-lens", "1024,4096", "--layers", "4"])
     assert a.seq_lens == (1024, 4096) and a.shape == "qwen2-7b"
     assert SHAPES["llama3.1-8b"]["num_hidden_layers"] == 32 and SHAPES["qwen2-7b"]["hidden_size"] == 3584
-    from bench._gpu_engines import disk_needed, shape_params
+    from harp_trt.bench._gpu_engines import disk_needed, shape_params
 
     # --engine's disk estimate: Llama-3.1-8B's 8,030,261,248 parameters (bf16 folder + two f16 GGUFs)
     assert shape_params("llama3.1-8b") == 8_030_261_248 and disk_needed("llamacpp", "llama3.1-8b") == 6 * 8_030_261_248
@@ -45,7 +45,7 @@ def test_argument_parsing():
 
 
 def test_ci95_student_t():
-    from bench.gpu_prefill import ci95
+    from harp_trt.bench.gpu_prefill import ci95
 
     mean, half, med = ci95([1.0, 2.0, 3.0])
     # sd = 1, n = 3, t(0.975, 2) = 4.303
@@ -53,7 +53,7 @@ def test_ci95_student_t():
 
 
 def test_dry_run_same_code_path(tmp_path):
-    from bench.gpu_prefill import main
+    from harp_trt.bench.gpu_prefill import main
 
     rc = main(["--dry-run", "--out", str(tmp_path), "--seq-lens", "8,16", "--repeats", "2", "--warmup", "0",
                "--decode-steps", "2"])
@@ -72,7 +72,7 @@ def test_dry_run_same_code_path(tmp_path):
 def test_dry_run_on_genai(tmp_path):
     """--engine genai: the same CSV/PNG/JSON from onnxruntime-genai (the CUDA provider on a GPU
     host; the CPU build in a dry run) on the folders the pipeline builds, KV bytes as genai holds them."""
-    from bench.gpu_prefill import main
+    from harp_trt.bench.gpu_prefill import main
 
     rc = main(["--dry-run", "--engine", "genai", "--out", str(tmp_path), "--seq-lens", "8,16", "--repeats", "2",
                "--warmup", "0", "--decode-steps", "2"])
@@ -88,8 +88,8 @@ def test_engine_refusals(engine, module, tmp_path):
     """Where the runtime does not import (the GPU host has neither), --engine refuses: exit 2, one
     line naming the package to install, a JSON last line, nothing written. Without --dry-run the
     CPU builds here are refused too (no CUDA support)."""
-    from bench._gpu_common import Refused
-    from bench._gpu_engines import probe
+    from harp_trt.bench._gpu_common import Refused
+    from harp_trt.bench._gpu_engines import probe
 
     code = ("import sys; sys.modules[%r] = None; sys.argv = %r; import runpy; "
             "runpy.run_path(%r, run_name='__main__')" % (module, ["gpu_prefill.py", "--dry-run", "--engine", engine,
@@ -103,7 +103,7 @@ def test_engine_refusals(engine, module, tmp_path):
     # the 8B artifacts against the disk (genai's 135 GiB do not fit this machine's; a larger one runs)
     import shutil
 
-    from bench._gpu_engines import disk_needed
+    from harp_trt.bench._gpu_engines import disk_needed
 
     if disk_needed(engine, "llama3.1-8b") > shutil.disk_usage(tmp_path).free:
         with pytest.raises(Refused, match="GiB free: pass --workdir on a larger disk"):

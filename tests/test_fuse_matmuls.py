@@ -11,8 +11,8 @@ import onnx
 import pytest
 
 from _exported import exported
-from builders.ort.builder import OrtBuilder
-from builders.ort.config import OrtBuildConfig
+from harp_trt.builders.ort.builder import OrtBuilder
+from harp_trt.builders.ort.config import OrtBuildConfig
 from harp_trt.ort_session import OrtCausalLM
 
 IDS = np.array([[5, 9, 40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54, 55, 56, 57]])

@@ -20,7 +20,7 @@ SHORT = ["--contexts", "24", "--batches", "1", "--prefill-lens", "none", "--deco
 
 
 def _run(argv: list[str]) -> dict:
-    from bench.long_context import main
+    from harp_trt.bench.long_context import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -86,7 +86,7 @@ def test_shape_model_wires_through(shape_runs):
     """The model is scale_probe's tiny shape with random weights: its config, 6 layers, P = 2."""
     from transformers import AutoConfig
 
-    from bench.scale_probe import SHAPES
+    from harp_trt.bench.scale_probe import SHAPES
 
     res = shape_runs["int4"]
     assert res["settings"]["shape"] == "tiny" and res["model"].rstrip("/").endswith("tiny-seed0")
@@ -98,7 +98,7 @@ def test_shape_model_wires_through(shape_runs):
 
 
 def test_shape_needs_prune_layers(capsys):
-    from bench.long_context import main
+    from harp_trt.bench.long_context import main
 
     assert main(["--shape", "tiny"]) == 2
     assert "--prune-layers" in capsys.readouterr().err

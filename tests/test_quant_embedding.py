@@ -11,9 +11,9 @@ import onnx
 import pytest
 
 from _exported import exported
-from builders.ort.builder import OrtBuilder
-from builders.ort.config import OrtBuildConfig
-from builders.ort.quant_embedding import quantize_rows
+from harp_trt.builders.ort.builder import OrtBuilder
+from harp_trt.builders.ort.config import OrtBuildConfig
+from harp_trt.builders.ort.quant_embedding import quantize_rows
 
 
 @pytest.mark.parametrize("bits", [4, 8])
