@@ -32,6 +32,11 @@ What counts as an import (each rule has a reason):
 A module reached by several roads counts once; the digest covers the bytes of every file counted,
 by path relative to the repository root, and the versions of the ``LIBRARIES`` the code imports.
 
+Names map to files as pyproject.toml's ``package-dir`` installs them (``PACKAGE_DIRS``):
+``harp_trt.builders.ort.builder`` is ``builders/ort/builder.py`` in a checkout (and
+``harp_trt/builders/ort/builder.py`` in an installed wheel, hashed under the checkout's path); the
+folder names alone (``builders.ort``) are no import names and resolve to nothing.
+
 Per process the result is cached (``functools.lru_cache``): the code a process runs does not change
 under it. ``clear_cache()`` is for tests that change a file or a version."""
 from __future__ import annotations
@@ -46,9 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["CodeKey", "Closure", "code_key", "import_closure", "library_versions_of", "installed_version", "LIBRARIES",
-           "IMPLIES", "REPO_ROOT", "clear_cache"]
+           "IMPLIES", "REPO_ROOT", "PACKAGE_DIRS", "module_file", "clear_cache"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# (``__spec__.origin`` is this file; not ``__file__``, which would make rule 5 take the folder
+# names of PACKAGE_DIRS for data beside it where they are, in an installed wheel)
+REPO_ROOT = Path(__spec__.origin).resolve().parent.parent
+# import name -> its folder at the repository's top level (pyproject.toml: [tool.setuptools] package-dir)
+PACKAGE_DIRS = {"harp_trt.bench": "bench", "harp_trt.builders": "builders", "harp_trt.calib": "calib"}
 
 # import name -> distributions that provide it (first installed one wins). The libraries whose
 # version changes what an artifact holds: the exporter and its ONNX tooling (graph bytes), the
@@ -96,17 +105,34 @@ class _Source:
     is_package: bool
 
 
+def _places(name: str) -> list[list[str]]:
+    """Where module ``name`` may lie, as path parts under the root: a mapped package's folder (a
+    checkout), then its own path (an installed wheel, or any other package)."""
+    parts = name.split(".")
+    for pkg, folder in PACKAGE_DIRS.items():
+        if name == pkg or name.startswith(pkg + "."):
+            return [[folder, *parts[len(pkg.split(".")):]], parts]
+    return [] if parts[0] in PACKAGE_DIRS.values() else [parts]
+
+
 @functools.lru_cache(maxsize=None)
 def _resolve(name: str, root: Path) -> _Source | None:
     """The file of module ``name`` under ``root`` (a module or a package's ``__init__.py``)."""
     if not name or not all(p.isidentifier() for p in name.split(".")):
         return None
-    base = root.joinpath(*name.split("."))
-    if (f := base.with_name(base.name + ".py")).is_file():
-        return _Source(name, f, False)
-    if (f := base / "__init__.py").is_file():
-        return _Source(name, f, True)
+    for parts in _places(name):
+        base = root.joinpath(*parts)
+        if (f := base.with_name(base.name + ".py")).is_file():
+            return _Source(name, f, False)
+        if (f := base / "__init__.py").is_file():
+            return _Source(name, f, True)
     return None
+
+
+def module_file(name: str, root: Path = REPO_ROOT) -> Path | None:
+    """The file of repository module ``name`` (``harp_trt.builders.ort`` -> ``builders/ort/__init__.py``), or None."""
+    src = _resolve(name, root)
+    return src.path if src else None
 
 
 def _absolute(src: _Source, module: str | None, level: int) -> str:
@@ -185,7 +211,19 @@ def _scan(src: _Source, full: bool, root: Path) -> _Found:
 
 def _module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
+    folders = {folder: pkg for pkg, folder in PACKAGE_DIRS.items()}
+    parts = [*folders[parts[0]].split("."), *parts[1:]] if parts[0] in folders else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _checkout_path(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` as in a checkout (a wheel's ``harp_trt/builders/x.py`` is ``builders/x.py``)."""
+    parts = path.relative_to(root).parts
+    for pkg, folder in PACKAGE_DIRS.items():
+        n = len(pkg.split("."))
+        if list(parts[:n]) == pkg.split("."):
+            parts = (folder, *parts[n:])
+    return "/".join(parts)
 
 
 def _loaded_elsewhere(name: str, root: Path) -> _Source | None:
@@ -264,7 +302,7 @@ def code_key(roots: tuple[str, ...], root: Path = REPO_ROOT) -> CodeKey:
     versions of the ``LIBRARIES`` it imports."""
     closure = import_closure(roots, root)
     libraries = library_versions_of(closure.external)
-    files = {f.relative_to(root).as_posix(): f for f in (*closure.modules.values(), *closure.data)}
+    files = {_checkout_path(f, root): f for f in (*closure.modules.values(), *closure.data)}
     h = hashlib.sha256()
     for rel in sorted(files):
         h.update(rel.encode() + b"\0" + files[rel].read_bytes() + b"\0")

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from harp_trt import codekey
-from harp_trt.codekey import REPO_ROOT, code_key, import_closure
+from harp_trt.codekey import REPO_ROOT, code_key, import_closure, module_file
 from harp_trt.registry import STAGES
 
-PACKAGES = ("harp_trt", "calib", "builders", "bench")
+PACKAGES = ("harp_trt", "calib", "builders", "bench")  # folders (bench/ imports as harp_trt.bench)
 STAGE_MODULES = {n: STAGES.get(n).stage.partition(":")[0] for n in STAGES.names()}  # imports nothing
 
 # A fresh interpreter imports a stage's module, then takes every entry of every lazy registry it can
@@ -93,8 +93,7 @@ def _bytecode_imports(code: types.CodeType, nested: bool):
 
 
 def _module_of(name: str) -> bool:
-    base = REPO_ROOT.joinpath(*name.split("."))
-    return base.with_name(base.name + ".py").is_file() or (base / "__init__.py").is_file()
+    return module_file(name) is not None
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_MODULES))
@@ -162,6 +161,21 @@ def test_a_core_change_rekeys_every_dependent_stage(tmp_path):
     for name in before:
         changed = before[name]["digest"] != after[name]["digest"]
         assert changed == (name in dependent), (name, before[name]["digest"], after[name]["digest"])
+
+
+def test_an_installed_wheel_keys_like_the_checkout(tmp_path):
+    """A wheel installs bench/, builders/ and calib/ inside harp_trt/ (pyproject.toml: package-dir);
+    its keys equal the checkout's: files are hashed under their checkout paths."""
+    site = tmp_path / "site-packages"
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO_ROOT / "harp_trt", site / "harp_trt", ignore=ignore)
+    for name, folder in codekey.PACKAGE_DIRS.items():
+        shutil.copytree(REPO_ROOT / folder, site.joinpath(*name.split(".")), ignore=ignore)
+    for stage, module in STAGE_MODULES.items():
+        mine, wheel = code_key((module,)), code_key((module,), site)
+        assert module_file(module, site).is_relative_to(site / "harp_trt")
+        assert (wheel.files, wheel.modules, wheel.digest) == (mine.files, mine.modules, mine.digest), stage
+    codekey.clear_cache()
 
 
 def test_a_library_version_is_in_the_key(monkeypatch):

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from harp_trt.codekey import PACKAGE_DIRS
+
 ROOT = Path(__file__).resolve().parents[1]
-STAGE_PACKAGES = ("calib", "harp_trt.export", "harp_trt.rewrite", "harp_trt.builders.ort", "harp_trt.builders.trtllm", "harp_trt.builders.triton",
-                  "harp_trt.builders.genai", "harp_trt.builders.gguf", "harp_trt.bench.stage")
+STAGE_PACKAGES = ("harp_trt.calib", "harp_trt.export", "harp_trt.rewrite", "harp_trt.builders.ort",
+                  "harp_trt.builders.trtllm", "harp_trt.builders.triton", "harp_trt.builders.genai",
+                  "harp_trt.builders.gguf", "harp_trt.bench.stage")
 
 
 def _group(module: str) -> str | None:
@@ -25,25 +28,29 @@ def _group(module: str) -> str | None:
         return "cli"
     if module in ("harp_trt.pipeline",):
         return "pipeline"
+    if module == "harp_trt.bench" or module.startswith("harp_trt.bench."):
+        return "scripts"
+    if module.startswith("harp_trt.builders."):  # a builder not listed above is a stage all the same
+        return ".".join(module.split(".")[:3])
     if module == "harp_trt" or module.startswith("harp_trt."):
         return "core"
-    if module == "bench" or module.startswith("bench."):
-        return "scripts"
-    if module == "builders":
-        return "core"
-    if module.startswith("builders."):  # a builder not listed above is a stage all the same
-        return ".".join(module.split(".")[:2])
     return None
+
+
+_PACKAGE_OF = {folder: pkg for pkg, folder in PACKAGE_DIRS.items()}
+
+
+def _module(path: Path) -> str:
+    """A file's import name (pyproject.toml's package-dir): ``builders/ort/gqa.py`` -> ``harp_trt.builders.ort.gqa``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = [*_PACKAGE_OF[parts[0]].split("."), *parts[1:]] if parts[0] in _PACKAGE_OF else parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path) -> list[tuple[str, int, bool]]:
     """(imported module, line, at module level) for every import in ``path``."""
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    is_pkg = parts[-1] == "__init__"
-    if is_pkg:
-        parts = parts[:-1]
-    package = parts if is_pkg else parts[:-1]
+    parts = _module(path).split(".")
+    package = parts if path.name == "__init__.py" else parts[:-1]
     tree = ast.parse(path.read_text())
     top = {id(n) for n in tree.body}
     out = []
@@ -69,8 +76,7 @@ def _sources():
         for f in sorted((ROOT / folder).rglob("*.py")):
             if "assets" in f.parts:  # files shipped into Triton repositories, run there
                 continue
-            rel = f.relative_to(ROOT).with_suffix("")
-            mod = ".".join(rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts)
+            mod = _module(f)
             yield f, mod, _group(mod)
 
 
@@ -98,7 +104,7 @@ def test_stages_do_not_import_the_cli_pipeline_or_scripts():
 
 
 def _stage(group: str | None) -> bool:
-    return group in STAGE_PACKAGES or (group or "").startswith("builders.")
+    return group in STAGE_PACKAGES or (group or "").startswith("harp_trt.builders.")
 
 
 def test_cli_imports_no_stage():
@@ -108,13 +114,13 @@ def test_cli_imports_no_stage():
 
 
 def test_harp_trt_imports_no_stage_package():
-    """Nothing under harp_trt/ imports calib, builders or bench, at any depth; the only strings that
-    name a module in them are the registry's ``"module:Class"`` entries."""
+    """Nothing under harp_trt/ imports harp_trt.calib, harp_trt.builders or harp_trt.bench, at any
+    depth; the only strings that name a module in them are the registry's ``"module:Class"`` entries."""
     bad = []
-    named = re.compile(r"^(calib|builders|bench)[.:]")
+    named = re.compile(r"^(harp_trt\.)?(calib|builders|bench)[.:]")
     for f in sorted((ROOT / "harp_trt").rglob("*.py")):
         rel = f.relative_to(ROOT)
-        bad += [f"{rel}:{line} imports {t}" for t, line, _ in _imports(f) if t.split(".")[0] in ("calib", "builders", "bench")]
+        bad += [f"{rel}:{line} imports {t}" for t, line, _ in _imports(f) if named.match(t + ".")]
         if rel.as_posix() == "harp_trt/registry.py":
             continue
         bad += [f"{rel}:{n.lineno} names {n.value!r}" for n in ast.walk(ast.parse(f.read_text()))
@@ -127,6 +133,81 @@ def test_the_rules_see_real_edges():
     edges = {(s, _group(t)) for f, m, s in _sources() for t, _, _ in _imports(f)}
     assert ("harp_trt.export", "core") in edges and ("harp_trt.rewrite", "core") in edges and ("cli", "pipeline") in edges and ("scripts", "harp_trt.bench.stage") in edges
     assert ("harp_trt.builders.ort", "core") in edges and ("pipeline", "core") in edges
+    assert ("harp_trt.calib", "core") in edges and _group("harp_trt.builders") == "core"
+
+
+# ---- import names ------------------------------------------------------------------------------
+_OLD_MODULE = re.compile(rf"({'|'.join(PACKAGE_DIRS.values())})(\.\w+)+(:\w+)?")   # "builders.ort.steps:exact"
+
+
+def _old_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every absolute import of a bare folder name in ``tree``, and in the code of
+    its string constants that parse as Python with an import (``python -c`` programs)."""
+    out = []
+    for n in ast.walk(tree):
+        names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                 [n.module] if isinstance(n, ast.ImportFrom) and not n.level else [])
+        out += [(n.lineno, name) for name in names if name.split(".")[0] in PACKAGE_DIRS.values()]
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and "import" in n.value:
+            try:
+                code = ast.parse(n.value)
+            except (SyntaxError, ValueError):
+                continue
+            out += [(n.lineno, name) for _, name in _old_imports(code)]
+    return out
+
+
+def test_no_file_uses_the_folder_names_as_import_names():
+    """bench/, builders/ and calib/ import as harp_trt.bench, harp_trt.builders, harp_trt.calib: no
+    file imports the bare names (in its code or code it runs), or names them in a registry or ``-m``
+    string."""
+    bad = []
+    for folder in (*_FOLDERS, "tests"):
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            rel, tree = f.relative_to(ROOT), ast.parse(f.read_text())
+            bad += [f"{rel}:{line} imports {name}" for line, name in _old_imports(tree)]
+            bad += [f"{rel}:{n.lineno} names {n.value!r}" for n in ast.walk(tree)
+                    if isinstance(n, ast.Constant) and isinstance(n.value, str) and _OLD_MODULE.fullmatch(n.value)]
+    assert bad == []
+    probe = ast.parse("import os, " + "calib.x as y\ndef f():\n    from bench import z\n    return 'import bench.a'")
+    assert [(line, name.split(".")[0]) for line, name in _old_imports(probe)] == [(1, "calib"), (3, "bench"), (4, "bench")]
+
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pip's copy of the same parser
+        from pip._vendor import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_the_install_holds_one_top_level_package():
+    """pyproject.toml installs every package folder (``__init__.py``) of harp_trt/, bench/, builders/
+    and calib/, each under harp_trt: no top-level ``builders`` to shadow another distribution's
+    (onnxruntime-genai's builder imports its siblings as top-level modules). The package-dir mapping
+    is the one ``harp_trt.codekey`` and a checkout's finder (``harp_trt/__init__.py``) use."""
+    import harp_trt
+
+    setup = _pyproject()
+    folders = {_module(f) for folder in _FOLDERS for f in (ROOT / folder).rglob("__init__.py")}
+    assert sorted(setup["packages"]) == sorted(folders)
+    assert {p.split(".")[0] for p in setup["packages"]} == {"harp_trt"}
+    assert setup["package-dir"] == PACKAGE_DIRS == harp_trt._FOLDERS
+
+
+def test_a_checkout_imports_its_own_folders(tmp_path):
+    """From outside the repository, with only this checkout on the path (``PYTHONPATH``), the mapped
+    names load this checkout's folders, ahead of whatever an editable install elsewhere maps."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, harp_trt.builders.ort.config as b, harp_trt.bench.stage.config as s, harp_trt.calib.config as c;"
+            "print(json.dumps([m.__file__ for m in (b, s, c)]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    got = [Path(f) for f in __import__("json").loads(out.stdout.strip().splitlines()[-1])]
+    assert got == [ROOT / "builders/ort/config.py", ROOT / "bench/stage/config.py", ROOT / "calib/config.py"]
 
 
 # ---- import circles ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from harp_trt.builders.trtllm import read_checkpoint, write_checkpoint
 from harp_trt.builders.trtllm.trtllm_models import ACTIVATIONS
+from harp_trt.codekey import module_file
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
 from harp_trt.families import FAMILIES
 from harp_trt.harp import apply_harp
@@ -67,14 +68,13 @@ def _closure(module: str) -> set[str]:
     seen, todo = set(), [module]
     while todo:
         mod = todo.pop()
-        file, init = ROOT / (mod.replace(".", "/") + ".py"), ROOT / mod.replace(".", "/") / "__init__.py"
-        path = file if file.is_file() else init
-        if mod in seen or not path.is_file():
+        path = module_file(mod, ROOT)
+        if mod in seen or path is None:
             continue
         seen.add(mod)
         parts = mod.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages run first
-        pkg = parts if path == init else parts[:-1]
+        pkg = parts if path.name == "__init__.py" else parts[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""

@@ -60,7 +60,9 @@ def measure_kv_rss(folder: str | os.PathLike, max_length: int, batch: int = 1, t
     """Resident bytes a generator of ``max_length`` tokens (batch ``batch``) adds over the loaded
     model, measured in a fresh Python process (see the module docstring)."""
     cmd = [sys.executable, "-m", "harp_trt.builders.genai.probe", str(folder), str(max_length), str(batch)]
-    root = str(Path(__file__).resolve().parents[2])
+    import harp_trt
+
+    root = str(Path(harp_trt.__path__[0]).resolve().parent)  # a checkout's root, or site-packages
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     if proc.returncode != 0:
