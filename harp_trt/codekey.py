@@ -35,7 +35,7 @@ by path relative to the repository root, and the versions of the ``LIBRARIES`` t
 Names map to files as pyproject.toml's ``package-dir`` installs them (``PACKAGE_DIRS``):
 ``harp_trt.builders.ort.builder`` is ``builders/ort/builder.py`` in a checkout (and
 ``harp_trt/builders/ort/builder.py`` in an installed wheel, hashed under the checkout's path); the
-folder names alone (``builders.ort``) are no import names and resolve to nothing.
+bare folder names (``builders``, ``calib``, ``bench``) are no import names and resolve to nothing.
 
 Per process the result is cached (``functools.lru_cache``): the code a process runs does not change
 under it. ``clear_cache()`` is for tests that change a file or a version."""

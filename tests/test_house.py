@@ -137,7 +137,7 @@ def test_the_rules_see_real_edges():
 
 
 # ---- import names ------------------------------------------------------------------------------
-_OLD_MODULE = re.compile(rf"({'|'.join(PACKAGE_DIRS.values())})(\.\w+)+(:\w+)?")   # "builders.ort.steps:exact"
+_OLD_MODULE = re.compile(rf"({'|'.join(PACKAGE_DIRS.values())})(\.\w+)+(:\w+)?")  # module path under a bare folder name
 
 
 def _old_imports(tree: ast.AST) -> list[tuple[int, str]]:
