@@ -1,15 +1,12 @@
 """The house rules, read from the source (ARCHITECTURE.md, "The house"): which package may import
 which. A stage reaches another stage only through artifacts; the core, the pipeline and the CLI reach
 stages only through the registry (its ``"module:Class"`` strings, ``StageSpec.entry``) and the
-pipeline; every CLI flag is generated from a config field or is listed here as not one."""
+pipeline. The flag rule is in test_house_flags.py."""
 from __future__ import annotations
 
-import argparse
 import ast
 import re
 from pathlib import Path
-
-import pytest
 
 from harp_trt.codekey import PACKAGE_DIRS
 
@@ -309,97 +306,6 @@ def test_triton_modules_import_no_private_names_of_each_other(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from .repository import _a, b\ndef f():\n    from harp_trt.x import _c\n")
     assert _private_imports(probe) == [".repository:_a", "harp_trt.x:_c"]
-
-
-# Flags that set no config field, per command, and why. Everything else a command offers must be
-# generated from a field's option() (its action carries ``config_field``).
-_PLACEMENT = {"--device", "--dtype", "--device-map", "--sequential"}  # harp_trt.device resolves them
-_CALIBRATE = {"--model", "--alpha-order", "--paper-alphas", "--naive"} | _PLACEMENT  # inputs of the alphas
-NOT_CONFIG = {
-    "build": _CALIBRATE | {"--backend", "--force", "--bench"},       # pipeline choices
-    "calibrate": _CALIBRATE | {"--force"},
-    "score": {"--model", "--save"} | _PLACEMENT,                     # scoring is no stage
-    "eval": {"--plan", "--model", "--split"} | _PLACEMENT,           # nor is eval
-    "rewrite": {"--model", "--plan", "--onnx", "--force"},
-    "cache": set(),
-    "bench": {"--plan", "--artifact", "--model", "--dense-engine", "--harp-engine", "--dtype", "--device",
-              "--max-ppl-increase", "--min-speedup", "--force"},       # inputs, placement and gates
-    "deploy trtllm": {"--plan", "--model", "--force"},
-    "deploy triton": {"--artifact", "--out", "--force"},
-    "deploy genai": {"--artifact", "--out", "--force"},
-    "deploy gguf": {"--plan", "--model", "--out", "--force"},
-    "generate": {"--artifact", "--prompt", "--max-new-tokens", "--sample", "--temperature", "--top-k", "--top-p",
-                 "--seed", "--chat", "--threads", "--no-stream"},     # a session's settings, no stage
-}
-_EVERY_COMMAND = {"-h", "--help", "--workdir", "--json", "-v", "--verbose"}
-
-
-def _commands():
-    """(command name, its parser) for every command and deploy target."""
-    from harp_trt.cli import build_parser
-
-    def subparsers(p):
-        return next((a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
-
-    for name, p in subparsers(build_parser()).items():
-        targets = subparsers(p)
-        yield from ((f"{name} {t}", tp) for t, tp in targets.items()) if targets else [(name, p)]
-
-
-def test_every_flag_is_a_config_field_or_listed():
-    seen, fields = set(), set()
-    for name, p in _commands():
-        seen.add(name)
-        for a in p._actions:
-            field = getattr(a, "config_field", None)
-            flags = set(a.option_strings) - _EVERY_COMMAND
-            if field:
-                fields.add(field)
-                assert not flags & NOT_CONFIG[name], (name, a.option_strings, "listed but generated")
-            elif flags:
-                assert flags <= NOT_CONFIG[name], (name, sorted(flags - NOT_CONFIG[name]))
-    assert seen == set(NOT_CONFIG)
-    assert {"CalibrateConfig.layers", "OrtBuildConfig.quant_symmetric", "TritonRepoConfig.max_input_len",
-            "BenchConfig.seq_lens", "TrtllmCheckpointConfig.tp_size", "GenaiConfig.link", "GgufConfig.gguf_type"} <= fields
-
-
-def test_every_declared_option_is_offered():
-    """A field that declares option() is a flag of some command (no dead declarations)."""
-    import dataclasses
-
-    from harp_trt.config import cli_option
-    from harp_trt.registry import STAGES
-
-    offered = {getattr(a, "config_field", None) for _, p in _commands() for a in p._actions}
-    declared = {f"{c.__name__}.{f.name}" for c in {STAGES.get(n).config_class() for n in STAGES.names()}
-                for f in dataclasses.fields(c) if cli_option(f)}
-    assert declared and declared <= offered, sorted(declared - offered)
-
-
-@pytest.mark.parametrize("argv, value", [
-    (["deploy", "triton", "--artifact", "a", "--out", "o", "--copy", "--include-input", "--prompt-limit", "7"],
-     {"link": False, "exclude_input_in_output": False, "max_input_len": 7}),
-    (["deploy", "trtllm", "--plan", "p", "--no-hf", "--tp", "2"], {"hf_format": False, "tp_size": 2}),
-    (["bench", "--plan", "p", "--engine", "ort", "--seq-lens", "8,16", "--tasks", "none", "--no-latency"],
-     {"engine": "ort", "seq_lens": (8, 16), "tasks": (), "latency": False}),
-])
-def test_flags_map_back_to_fields(argv, value):
-    """Parsed flags -> field values, negated flags and comma lists included."""
-    from harp_trt.cli import build_parser
-    from harp_trt.cli._options import values_from_args
-    from harp_trt.registry import STAGES
-
-    stage = {"deploy": argv[1], "bench": "bench"}[argv[0]]
-    got = values_from_args(STAGES.get(stage).config_class(), build_parser().parse_args(argv))
-    assert {k: got[k] for k in value} == value
-
-
-def test_bench_engine_choices_are_the_registry():
-    from harp_trt.bench.stage.config import ENGINES
-
-    (bench,) = [p for name, p in _commands() if name == "bench"]
-    (engine,) = [a for a in bench._actions if "--engine" in a.option_strings]
-    assert list(engine.choices) == ENGINES.names() and engine.config_field == "BenchConfig.engine"
 
 
 # ---- family and backend names are table keys, not branches --------------------------------------
