@@ -235,7 +235,7 @@ def test_triton_modules_import_no_private_names_of_each_other(tmp_path):
 _PLACEMENT = {"--device", "--dtype", "--device-map", "--sequential"}  # harp_trt.device resolves them
 _CALIBRATE = {"--model", "--alpha-order", "--paper-alphas", "--naive"} | _PLACEMENT  # inputs of the alphas
 NOT_CONFIG = {
-    "build": _CALIBRATE | {"--backend", "--force", "--bench"},       # pipeline choices
+    "build": _CALIBRATE | {"--backend", "--force", "--bench", "--keep-intermediates"},  # pipeline choices
     "calibrate": _CALIBRATE | {"--force"},
     "score": {"--model", "--save"} | _PLACEMENT,                     # scoring is no stage
     "eval": {"--plan", "--model", "--split"} | _PLACEMENT,           # nor is eval

@@ -68,6 +68,7 @@ def fold_weight_transposes(model) -> int:
         shape = ir.Shape([tensor.shape[1], tensor.shape[0]])
         lazy = ir.LazyTensor(lambda t=tensor, n=name: _transposed(t, n), dtype=tensor.dtype, shape=shape, name=name)
         new = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
+        new.meta.update(src.meta)  # a transpose is as exact in bf16 as its source (harp_trt.compact)
         out.replace_all_uses_with(new)
         graph.remove(node, safe=True)  # safe: detaches the node from W, so W has no use left
         graph.initializers.add(new)
