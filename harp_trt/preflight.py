@@ -108,15 +108,19 @@ def free_resources(cache: str | os.PathLike) -> tuple[int, int]:
     return mem, shutil.disk_usage(p).free
 
 
+def _size(n: int) -> str:
+    return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
 def check_fits(est: Estimate, cache: str | os.PathLike, what: str) -> dict:
     """Raise ResourceError (exit 2) when ``est`` exceeds the available memory or free disk."""
     mem, disk = free_resources(cache)
+    other = "" if est.path == "compact" else ", or use --quant int4 (compact intermediates, the streamed path)"
     if est.peak_disk > disk:
-        raise ResourceError(f"{what} needs ~{est.peak_disk / GB:.1f} GB of disk under {cache} at its peak "
-                            f"({est.path} path), {disk / GB:.1f} GB are free",
-                            "free disk, pass --workdir on a larger disk, or use --quant int4 (compact intermediates)")
+        raise ResourceError(f"{what} needs ~{_size(est.peak_disk)} of disk under {cache} at its peak "
+                            f"({est.path} path), {_size(disk)} are free",
+                            f"free disk or pass --workdir on a larger disk{other}")
     if est.peak_rss > mem:
-        raise ResourceError(f"{what} needs ~{est.peak_rss / GB:.1f} GB of memory at its peak ({est.path} path), "
-                            f"{mem / GB:.1f} GB are available",
-                            "stop other jobs, or use --quant int4 (the streamed path)")
+        raise ResourceError(f"{what} needs ~{_size(est.peak_rss)} of memory at its peak ({est.path} path), "
+                            f"{_size(mem)} are available", f"stop other jobs{other}")
     return {**est.to_dict(), "free_memory": mem, "free_disk": disk}

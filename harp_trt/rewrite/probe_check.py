@@ -7,7 +7,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..onnx_io import EXPORT_META_KEY, MODEL_FILE
 from ..plan import Plan
@@ -26,12 +26,12 @@ def _probe_plan(plan: Plan, layers: list[int]) -> Plan:
                                alphas=tuple(alphas[k] for k in keep), scores=())
 
 
-def verify_with_probe(full: Path, probe: Artifact, plan: Plan, cfg: VerifyConfig, work: Path) -> dict[str, Any]:
-    """Rewrite ``probe``'s graph for ``plan`` into ``work`` (removed afterwards), verify it
-    numerically, and check ``full``'s structure against it. Returns what was checked."""
+def verify_with_probe(full: Path, probe: Artifact, plan: Plan, cfg: VerifyConfig, work: Path,
+                      rewrite_onnx: Callable[..., dict]) -> dict[str, Any]:
+    """Rewrite ``probe``'s graph for ``plan`` into ``work`` (removed afterwards) with the stage's
+    ``rewrite_onnx`` (the one that wrote ``full``), verify it numerically, and check ``full``'s
+    structure against it. Returns what was checked."""
     import onnx_ir as ir
-
-    from .stage import rewrite_onnx
 
     info = probe.manifest["probe"]
     layers = list(info["layers"])

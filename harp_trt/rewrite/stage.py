@@ -205,7 +205,8 @@ class RewriteStage(Stage[RewriteConfig]):
             # a graph too large for one ORT session: its probe, and the structure (harp_trt.probe)
             from .probe_check import verify_with_probe
 
-            verify = verify_with_probe(out_dir / MODEL_FILE, probe, plan, config.verify_config(), out_dir / ".probe")
+            verify = verify_with_probe(out_dir / MODEL_FILE, probe, plan, config.verify_config(), out_dir / ".probe",
+                                       rewrite_onnx)
         elif config.verify:  # the reference is read layer by layer from the weights: bounded memory
             verify = {**verify_rewrite(out_dir / MODEL_FILE, Path(resolved.folder), plan.alpha_map,
                                        config.verify_config()).to_dict(), "path": "whole graph"}
