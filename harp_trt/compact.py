@@ -83,7 +83,10 @@ def compact(model: ir.Model) -> int:
 
 
 def _widened(src: ir.TensorProtocol, name: str) -> ir.Tensor:
-    return ir.Tensor(np.asarray(src.numpy(), dtype=np.float32), name=name)
+    out = ir.Tensor(np.asarray(src.numpy(), dtype=np.float32), name=name)
+    if isinstance(src, ir.ExternalTensor):  # unmap: mapped pages would stay resident, weight after weight
+        src.release()
+    return out
 
 
 def expand(model: ir.Model) -> int:

@@ -130,15 +130,17 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         out.records.append(StageRecord(record, art, time.perf_counter() - t, _peak_rss()))
         return art
 
-    def restore(art: Any) -> Any:
-        """A pruned input artifact, rebuilt (same key) by the step that made it."""
+    def restore(art: Any) -> Any:  # a pruned input artifact, rebuilt (same key) by its step
         if not isinstance(art, Artifact) or not art.pruned:
             return art
         name = next(k for k, v in ctx.items() if isinstance(v, Artifact) and v.key == art.key)
         stage_name, config, inputs = made[name]
         stage = STAGES.get(stage_name).stage_class()()
         inputs = {k: restore(v) for k, v in inputs.items()}
+        phase(f"{name} (rebuilding its pruned weights) ...")
+        t = time.perf_counter()
         ctx[name] = stage.execute(store, config, stage.prepare(store, config, inputs, hooks), force=True)
+        out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, _peak_rss()))
         return ctx[name]
 
     def config_of(stage_name: str) -> StageConfig:
@@ -147,10 +149,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         return configs[stage_name]
 
     _check_requirements(spec, bench_config, needed, configs)
-    if spec.configure:  # the backend's own choices across stages (e.g. compact intermediates)
-        for name in {s.stage for s in spec.steps}:
-            config_of(name)
-        configs.update(load_object(spec.configure)(configs))
+    _configure(spec, configs)
 
     from .models import resolve_model
 
@@ -173,6 +172,14 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         source = {variant: ctx[name] for variant, name in bench_engines if name in ctx} if bench_engines else resolved
         run("bench", "bench", bench_config, {"calibrate": ctx["calibrate"], "source": source})
     return out
+
+
+def _configure(spec: BackendSpec, configs: dict[str, StageConfig]) -> None:
+    """The backend's own choices across its stages' configs (e.g. compact intermediates)."""
+    if spec.configure:
+        for name in {s.stage for s in spec.steps}:
+            configs.setdefault(name, STAGES.get(name).config_class()())
+        configs.update(load_object(spec.configure)(configs))
 
 
 def _prune_consumed(store: ArtifactStore, ctx: Mapping[str, Any], steps: list, done: int, engines) -> None:
