@@ -17,6 +17,7 @@ GEMMs, rotary tables) is not marked and stays fp32. A marked weight that is not 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -28,13 +29,19 @@ __all__ = ["STORAGE", "NARROW", "mark", "storage_of", "compact", "expand", "narr
 log = logging.getLogger(__name__)
 
 STORAGE = "harp_trt.storage"   # ``Value.meta`` key: the narrow dtype a fp32 weight is exact in
+SOURCE = "harp_trt.narrow"     # ``Value.meta`` key: () -> the narrow tensor itself, where it is at hand
+_WIDE = "harp_trt.wide"        # the fp32 tensor ``SOURCE`` stands for: a replaced value drops its source
 NARROW = {"bfloat16": ir.DataType.BFLOAT16, "float16": ir.DataType.FLOAT16}
 
 
-def mark(value: ir.Value, dtype: str | None) -> None:
-    """Record that ``value`` (an fp32 initializer) is exact in ``dtype`` (bfloat16 | float16)."""
+def mark(value: ir.Value, dtype: str | None, source: Callable[[], ir.TensorProtocol] | None = None) -> None:
+    """Record that ``value`` (an fp32 initializer) is exact in ``dtype`` (bfloat16 | float16);
+    ``source`` returns its narrow data directly (the checkpoint's tensor), so saving it compactly
+    never widens it (a 7B embedding is 2.2 GB at fp32)."""
     if dtype in NARROW:
         value.meta[STORAGE] = dtype
+        if source is not None:
+            value.meta[SOURCE], value.meta[_WIDE] = source, value.const_value
 
 
 def storage_of(value: ir.Value) -> str | None:
@@ -64,8 +71,13 @@ def compact(model: ir.Model) -> int:
         if dtype is None or t is None or t.dtype != ir.DataType.FLOAT:
             continue
         narrow_name = f"{name}.{dtype}"
-        lazy = ir.LazyTensor(lambda s=t, d=dtype, n=narrow_name: _narrowed(s, d, n), dtype=NARROW[dtype],
-                             shape=t.shape, name=narrow_name)
+        source = value.meta.get(SOURCE) if value.meta.get(_WIDE) is t else None
+        if source is not None:
+            lazy = ir.LazyTensor(lambda f=source, n=narrow_name: _copied(f(), n), dtype=NARROW[dtype], shape=t.shape,
+                                 name=narrow_name)
+        else:
+            lazy = ir.LazyTensor(lambda s=t, d=dtype, n=narrow_name: _narrowed(s, d, n), dtype=NARROW[dtype],
+                                 shape=t.shape, name=narrow_name)
         narrow = ir.Value(name=narrow_name, shape=t.shape, type=ir.TensorType(NARROW[dtype]), const_value=lazy)
         cast = ir.node("Cast", [narrow], {"to": ir.DataType.FLOAT}, name=f"harp.storage/{name}")
         out = cast.outputs[0]
@@ -80,6 +92,13 @@ def compact(model: ir.Model) -> int:
             graph.insert_before(first, cast)
         done += 1
     return done
+
+
+def _copied(src: ir.TensorProtocol, name: str) -> ir.Tensor:
+    out = ir.Tensor(np.array(src.numpy()), name=name)
+    if isinstance(src, ir.ExternalTensor):
+        src.release()
+    return out
 
 
 def _widened(src: ir.TensorProtocol, name: str) -> ir.Tensor:
@@ -113,7 +132,7 @@ def expand(model: ir.Model) -> int:
         del graph.initializers[src.name]
         wide.name = name
         graph.initializers.add(wide)
-        mark(wide, by_dtype[t.dtype])
+        mark(wide, by_dtype[t.dtype], lambda s=t: s)  # saved compactly again: the narrow bytes as they are
         done += 1
     return done
 

@@ -291,10 +291,12 @@ def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "fl
     if compact:
         from ..compact import mark
 
+        from .initializers import _ir_tensor
+
         narrow = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
         for n, v in program.model.graph.initializers.items():
-            if n not in buffers and hf_name(n) in reader:
-                mark(v, narrow.get(reader.spec(hf_name(n)).dtype))
+            if n not in buffers and hf_name(n) in reader:  # saved as read: never widened
+                mark(v, narrow.get(reader.spec(hf_name(n)).dtype), lambda n=n: _ir_tensor(reader.get(hf_name(n)), n))
     return _finish(program, _meta(fake, kv_layers, dtype), out_dir, compact)
 
 
