@@ -149,11 +149,11 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         return configs[stage_name]
 
     _check_requirements(spec, bench_config, needed, configs)
-    _configure(spec, configs)
 
     from .models import resolve_model
 
     resolved = resolve_model(model_ref, store.root)  # once: a GGUF or new folder is hashed here
+    _configure(spec, configs, resolved)
     if spec.preflight:  # will it fit? said before calibrate's minutes (ResourceError, exit 2)
         out.preflight = load_object(spec.preflight)(resolved, configs, store.root, keep_intermediates)
     ctx: dict[str, Any] = {"model": resolved}
@@ -174,12 +174,12 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     return out
 
 
-def _configure(spec: BackendSpec, configs: dict[str, StageConfig]) -> None:
+def _configure(spec: BackendSpec, configs: dict[str, StageConfig], resolved) -> None:
     """The backend's own choices across its stages' configs (e.g. compact intermediates)."""
     if spec.configure:
         for name in {s.stage for s in spec.steps}:
             configs.setdefault(name, STAGES.get(name).config_class()())
-        configs.update(load_object(spec.configure)(configs))
+        configs.update(load_object(spec.configure)(configs, resolved))
 
 
 def _prune_consumed(store: ArtifactStore, ctx: Mapping[str, Any], steps: list, done: int, engines) -> None:
@@ -189,9 +189,10 @@ def _prune_consumed(store: ArtifactStore, ctx: Mapping[str, Any], steps: list, d
         art = ctx.get(step.name)
         if step.name in later or not isinstance(art, Artifact) or art.pruned:
             continue
-        files = STAGES.get(step.stage).stage_class().intermediate
-        if files and any(step.name == src for s, _ in steps[:done + 1] for _, src in s.inputs):
-            ctx[step.name] = store.prune(art, files)  # type: ignore[index]
+        stage = STAGES.get(step.stage).stage_class()
+        if stage.intermediate and stage.prunable(art) and any(step.name == src for s, _ in steps[:done + 1]
+                                                               for _, src in s.inputs):
+            ctx[step.name] = store.prune(art, stage.intermediate)  # type: ignore[index]
 
 
 def run_stage(name: str, config: StageConfig, refs: Mapping[str, Any], store: ArtifactStore,

@@ -51,6 +51,11 @@ class Stage(Generic[C]):
     intermediate: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        """Whether this artifact's ``intermediate`` files may be dropped once consumed."""
+        return bool(cls.intermediate)
+
+    @classmethod
     def code_key(cls) -> CodeKey:
         """The repository modules this stage's module imports (transitively, function bodies and
         lazy registry entries included) and the versions of the libraries among them that shape an

@@ -21,12 +21,17 @@ def exact(config: OrtBuildConfig) -> OrtBuildConfig:
     return dataclasses.replace(config, quant="none")
 
 
-def configure(configs):
-    """A quantized run stores its export and rewrite compactly (``harp_trt.compact``: the
-    checkpoint's bf16/fp16 weights at their width behind an exact Cast), and checks the rewrite
-    through the plan's probe model (``harp_trt.probe``): nothing holds the fp32 graph."""
+def configure(configs, resolved):
+    """A quantized run of a bf16/fp16 checkpoint stores its export and rewrite compactly
+    (``harp_trt.compact``: the checkpoint's weights at their width behind an exact Cast), checks
+    the rewrite through the plan's probe model (``harp_trt.probe``) and drops consumed
+    intermediates: nothing holds the fp32 graph. An fp32 checkpoint keeps the fp32 path."""
+    from harp_trt.preflight import read_shapes
+
     ort, export = configs.get("build-ort"), configs.get("export")
     if ort is None or export is None or ort.quant == "none" or export.storage != "full" or export.dtype != "float32":
+        return {}
+    if not read_shapes(resolved.folder).half:
         return {}
     return {"export": dataclasses.replace(export, storage="compact")}
 

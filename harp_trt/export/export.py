@@ -54,6 +54,7 @@ from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRE
                       input_names, output_names, read_export_meta)
 from ..config import digest_of
 from ..stage import Stage
+from ..store import Artifact
 from ..weights import hf_config
 from .config import ExportConfig
 from .initializers import bind_lazily, drop_dead_initializers, fold_weight_transposes, optimize
@@ -321,6 +322,12 @@ class ExportStage(Stage[ExportConfig]):
     version = 2
     outputs = ("model.onnx", "config.json")
     intermediate = ("model.onnx", PROBE_DIR + "/model.safetensors")
+
+    @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        """Only the large-model (compact) path drops its weights once consumed: a small fp32 run
+        keeps them, as before, for the reruns and benches that read them."""
+        return artifact.manifest.get("storage") == "compact"
 
     def requirements(self, config: ExportConfig) -> tuple[tuple[str, str], ...]:
         return (("onnxruntime", "the export's check against PyTorch needs it"),)

@@ -151,6 +151,12 @@ class RewriteStage(Stage[RewriteConfig]):
     outputs = ("model.onnx", "plan.json", REPORT)
     intermediate = ("model.onnx",)
 
+    @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        """Only the large-model (compact) path drops its weights once consumed: a small fp32 run
+        keeps them, as before, for the reruns and benches that read them."""
+        return artifact.manifest.get("storage") == "compact"
+
     def requirements(self, config: RewriteConfig) -> tuple[tuple[str, str], ...]:
         return (("onnxruntime", "the rewrite's check against PyTorch needs it (or --no-verify)"),) if config.verify else ()
 
