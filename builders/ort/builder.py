@@ -2,7 +2,7 @@
 
 An engine folder holds ``model.onnx`` (the graph after the passes of ``passes.py``, the
 ``GroupQueryAttention`` fusion and weight quantization, then ONNX Runtime's own graph
-optimizations, saved with ``SessionOptions.optimized_model_filepath``), ``model.onnx.data`` above 2 GB, the tokenizer files and ``engine.json``::
+optimizations, saved with ``SessionOptions.optimized_model_filepath``), ``model.onnx.data`` above 1 GiB of weights, the tokenizer files and ``engine.json``::
 
     {"format": "harp-engine/1", "backend": "ort", "model": "model.onnx",
      "providers": [...], "intra_op_threads": 2, "graph_optimization_level": "all",
@@ -130,11 +130,11 @@ class OrtBuilder:
         model = run_passes(passes, model)
         weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                            if v.const_value is not None)
-        external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+        # above 1 GiB (not only past protobuf's 2 GB) the weights go to external data: saved inline,
+        # the whole model is serialized as one protobuf in memory (7.8 GB for a 1.9 GB int4 graph)
+        external = weight_bytes > min(EXTERNAL_DATA_THRESHOLD, 1 << 30)
         staged = out / ".staged.onnx"
-        # the staged graph (a temp file) keeps any sizable weights in external data: saved inline, the
-        # whole model would be serialized as one protobuf in memory (7.8 GB for a 1.9 GB int4 graph)
-        ir.save(model, staged, external_data=(staged.name + EXTERNAL_DATA_SUFFIX) if weight_bytes > 1 << 26 else None)
+        ir.save(model, staged, external_data=(staged.name + EXTERNAL_DATA_SUFFIX) if external else None)
         return staged, external
 
     @staticmethod
