@@ -1,6 +1,6 @@
 """Measurements of ``bench/long_context.py``: interleaved decode and prefill timings of a dense and a
 HARP engine (and optional peers) of one runtime, and the KV capacity of a fixed budget measured by
-allocating it. The statistics are ``bench.stage.latency``'s (``paired_speedup``, ``latency_stats``).
+allocating it. The statistics are ``harp_trt.bench.stage.latency``'s (``paired_speedup``, ``latency_stats``).
 
 Decode at a context C and batch B: every engine prefills a prompt of C tokens per sequence once
 (untimed), runs ``warmup`` untimed steps, then ``repeats`` rounds in which each engine, in an order
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bench.stage.latency import _ids, latency_stats, paired_speedup
+from harp_trt.bench.stage.latency import _ids, latency_stats, paired_speedup
 
 __all__ = ["rotation", "measure_decode", "measure_prefill", "largest_fit", "peak_rss_bytes"]
 

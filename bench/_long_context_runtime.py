@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stage import flops
+from harp_trt.bench.stage import flops
 
 from ._long_context_measure import largest_fit, measure_decode, measure_prefill, peak_rss_bytes
 
@@ -57,7 +57,7 @@ def capacity_allocator(runtime: str, engine, step: int):
         def alloc(n):
             gen = engine._generator(n // step, step)
             gen.append_tokens(np.ones((n // step, 1), dtype=np.int32))
-            from bench.stage.engine_genai import _State
+            from harp_trt.bench.stage.engine_genai import _State
             state = _State(gen, n // step, step, None)
             if engine.cache_tokens(state) != step:
                 raise LookupError("genai does not allocate max_length ahead (no past_present_share_buffer)")
@@ -95,7 +95,7 @@ def _capacity(runtime: str, pair, args, L: int, P: int) -> dict[str, Any]:
 
 def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, Any]:
     """Batch 1: prefill ``context`` tokens, decode one, bytes the runtime holds / positions they cover."""
-    from bench.stage.latency import _ids
+    from harp_trt.bench.stage.latency import _ids
 
     out: dict[str, Any] = {}
     ids = _ids(vocab, context, 11)

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from calib.search import search_alphas
+    from harp_trt.calib.search import search_alphas
     from harp_trt.cli._common import parse_ints
     from harp_trt.data import load_corpus, token_windows
     from harp_trt.models import load_model, load_tokenizer, resolve_model

@@ -24,8 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
 
-    from calib import run_calibrate
-    from calib.config import CalibrateConfig
+    from harp_trt.calib import run_calibrate
+    from harp_trt.calib.config import CalibrateConfig
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
@@ -69,7 +69,7 @@ def _sync(device) -> None:
 def search_figures(model, family, windows, layers, grid, naive: bool) -> dict:
     import copy
 
-    from calib.search import search_alphas
+    from harp_trt.calib.search import search_alphas
 
     m = copy.deepcopy(model) if naive else model
     t0 = time.perf_counter()
@@ -105,7 +105,7 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
     ``out``; what the time budget leaves out is listed in ``out["skipped"]``."""
     import torch
 
-    from bench.gpu_prefill import max_batch, time_decode, time_prefill
+    from harp_trt.bench.gpu_prefill import max_batch, time_decode, time_prefill
 
     rows = []
     for s in args.seq_lens:
@@ -135,7 +135,7 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
 def run(args) -> dict:
     import torch
 
-    from bench.gpu_prefill import build_models
+    from harp_trt.bench.gpu_prefill import build_models
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)

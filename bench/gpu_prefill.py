@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -15,7 +15,7 @@ RSS of the process, and the KV capacity of ``--kv-budget`` found by allocating c
 Every figure sits next to its ideal from ``bench/stage/flops.py``: bytes per decode step (weights
 once plus every sequence's KV, at the runtime's weight and KV element sizes), prefill FLOPs, the
 counted KV bytes per token, and L/(L-P) for capacity. Speed-ups carry 95 % intervals
-(``bench.stage.latency.paired_speedup``). Writes ``long_context.png`` (matplotlib, if installed) and
+(``harp_trt.bench.stage.latency.paired_speedup``). Writes ``long_context.png`` (matplotlib, if installed) and
 ``long_context.json`` under ``--out`` and ends stdout with the JSON object."""
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[
 
 
 def load_pair(runtime: str, plan, sources, args, headroom: int):
-    from bench.stage.config import ENGINES, BenchConfig
+    from harp_trt.bench.stage.config import ENGINES, BenchConfig
 
     cfg = BenchConfig(engine=runtime, decode_tokens=headroom, greedy_tokens=1, threads=args.threads,
                       latency=False, accuracy=False)
@@ -170,8 +170,8 @@ def load_pair(runtime: str, plan, sources, args, headroom: int):
 
 def load_peer(args, resolved, store, max_pos: int, headroom: int):
     """onnxruntime-genai's own int4 model of the plan's model (its builder), cached by model digest."""
-    from bench.genai_engine import build_genai_int4
-    from bench.stage.engine_genai import GenaiBenchEngine
+    from harp_trt.bench.genai_engine import build_genai_int4
+    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
 
     folder = Path(store.root) / "long_context_peers" / f"genai-int4-{resolved.digest[:16]}"
     if not (folder / "genai_config.json").is_file():
@@ -184,8 +184,8 @@ def load_peer(args, resolved, store, max_pos: int, headroom: int):
 def run(args) -> dict[str, Any]:
     from harp_trt.store import ArtifactStore
 
-    from bench._long_context_runtime import measure_runtime
-    from bench._long_context_plot import write_plot
+    from harp_trt.bench._long_context_runtime import measure_runtime
+    from harp_trt.bench._long_context_plot import write_plot
 
     store = ArtifactStore(Path(args.workdir))
     plan, resolved, calib_art = make_plan(args, store)

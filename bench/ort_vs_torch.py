@@ -2,7 +2,7 @@
 
 Measures prefill at 512 and 2048 tokens (full logits and KV on both sides: the same work) and
 decode ms/token (``--decode-steps`` greedy steps after a ``--prompt``-token prefill), for the ORT
-engine built by ``builders.ort`` and the Hugging Face model (sdpa). Both use ``--threads`` threads.
+engine built by ``harp_trt.builders.ort`` and the Hugging Face model (sdpa). Both use ``--threads`` threads.
 Runs are interleaved (ORT, PyTorch, PyTorch, ORT, ...) after a warm-up, so load from other
 processes hits both sides alike; each figure is the median of ``--repeats``.
 
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("bench.ort_vs_torch")
+log = logging.getLogger("harp_trt.bench.ort_vs_torch")
 
 
 def build_engine(model_ref: str, workdir: str | None, threads: int, attention: str):
-    from builders.ort.builder import OrtBuildStage
-    from builders.ort.config import OrtBuildConfig
+    from harp_trt.builders.ort.builder import OrtBuildStage
+    from harp_trt.builders.ort.config import OrtBuildConfig
     from harp_trt.models import resolve_model
     from harp_trt.export.config import ExportConfig
     from harp_trt.export.export import ExportStage

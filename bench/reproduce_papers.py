@@ -20,8 +20,8 @@ import time
 
 
 def _calibrate_rows(args, store, resolved) -> list[dict]:
-    from calib import run_calibrate
-    from calib.config import CalibrateConfig
+    from harp_trt.calib import run_calibrate
+    from harp_trt.calib.config import CalibrateConfig
     from harp_trt.plan import Plan
 
     rows = []
@@ -49,9 +49,9 @@ def _calibrate_rows(args, store, resolved) -> list[dict]:
 
 def _eval_rows(args, resolved, plans: dict[str, str]) -> list[dict]:
     """lm-eval on the dense model and on each plan's HARP model (PyTorch, fp32, CPU)."""
-    from bench.stage.engine_torch import TorchEngine
-    from bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
-    from bench.stage.tasks import eval_data_root, write_task_yamls
+    from harp_trt.bench.stage.engine_torch import TorchEngine
+    from harp_trt.bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
+    from harp_trt.bench.stage.tasks import eval_data_root, write_task_yamls
     from harp_trt.harp import apply_harp
     from harp_trt.models import load_model, load_tokenizer
     from harp_trt.plan import Plan

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("bench.rewrite_real_exports")
+log = logging.getLogger("harp_trt.bench.rewrite_real_exports")
 
 GENAI_BOOTSTRAP = ("import runpy, sys; import onnxruntime_genai.models as m; "
                    "sys.path.insert(0, m.__path__[0]); "

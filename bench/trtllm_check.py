@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._gpu_common import Refused, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import Refused, run_main  # noqa: E402  (after the path above)
 
 
 def parse_args(argv=None):

@@ -93,10 +93,10 @@ class _Ours:
 
 def _engines(args, store):
     """(plan, dense int4 engine folder, HARP int4 engine folder, genai folder, build facts)."""
-    from bench.genai_engine import build_genai_int4, genai_graph_facts
-    from builders.ort.builder import OrtBuildStage
-    from builders.ort.config import OrtBuildConfig
-    from calib.config import CalibrateConfig
+    from harp_trt.bench.genai_engine import build_genai_int4, genai_graph_facts
+    from harp_trt.builders.ort.builder import OrtBuildStage
+    from harp_trt.builders.ort.config import OrtBuildConfig
+    from harp_trt.calib.config import CalibrateConfig
     from harp_trt.models import resolve_model
     from harp_trt.pipeline import run_build
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from bench.genai_engine import GenaiEngine, GenaiUnavailableError, genai_version
+    from harp_trt.bench.genai_engine import GenaiEngine, GenaiUnavailableError, genai_version
     from harp_trt.store import ArtifactStore
 
     if genai_version() is None:

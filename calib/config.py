@@ -15,7 +15,7 @@ from .strategies import STRATEGIES
 __all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "SEARCH_SPLITS", "PAPER_BOS"]
 
 DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
-METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (calib.search)
+METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (harp_trt.calib.search)
 SEARCH_SPLITS = ("halves", "all")  # which documents the search reads (see CalibrateConfig)
 GIVEN = "given layers and alphas (no search)"  # help section of the flags that skip scoring or search
 
@@ -28,7 +28,7 @@ class CalibrateConfig(StageConfig):
     store them) fixes the alphas (no search). ``objective``: ``windows`` = fixed windows of
     ``seq_len`` tokens over the corpus; ``paper`` = lm-eval ``wikitext``-style rolling windows over
     whole BOS-prefixed documents, ``seq_len`` 0 = the model's maximum length. ``search``:
-    ``exhaustive`` (Algorithm 1 over every grid value) or ``golden`` (``calib.search.golden_search``).
+    ``exhaustive`` (Algorithm 1 over every grid value) or ``golden`` (``harp_trt.calib.search.golden_search``).
 
     ``search_split``: ``halves`` = search on the corpus's even documents, report held-out
     perplexity on its odd ones; ``all`` = the HARP paper's split, search on every document of

@@ -120,7 +120,7 @@ class OrtCausalLM:
     @classmethod
     def from_engine(cls, folder: str | Path, providers: Sequence[str] | None = None,
                     intra_op_threads: int | None = None) -> "OrtCausalLM":
-        """Open an engine folder built by ``builders.ort``, with its recorded thread count."""
+        """Open an engine folder built by ``harp_trt.builders.ort``, with its recorded thread count."""
         folder = Path(folder)
         spec = _read_engine_json(folder)
         threads = intra_op_threads if intra_op_threads is not None else (spec.get("intra_op_threads") or None)
@@ -405,7 +405,7 @@ def _export_meta(session) -> dict:
 def _read_engine_json(folder: Path) -> dict:
     f = folder / "engine.json"
     if not f.is_file():
-        raise GraphError(STAGE, f"{folder} has no engine.json", "build one with `harp-trt build` (builders.ort)")
+        raise GraphError(STAGE, f"{folder} has no engine.json", "build one with `harp-trt build` (harp_trt.builders.ort)")
     try:
         return json.loads(f.read_text())
     except json.JSONDecodeError as e:

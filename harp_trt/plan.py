@@ -68,7 +68,7 @@ class Plan:
 
     @property
     def search_split(self) -> str:
-        """Which documents chose the alphas (``calib.config.SEARCH_SPLITS``): ``halves`` (even
+        """Which documents chose the alphas (``harp_trt.calib.config.SEARCH_SPLITS``): ``halves`` (even
         documents searched, odd ones held out) or ``all`` (every document of the corpus searched,
         held-out perplexity on another named text, as HARP did). Plans written before the split was
         recorded always used ``halves``."""

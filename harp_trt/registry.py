@@ -76,7 +76,7 @@ Engines = tuple[tuple[str, str], ...]  # variant ("dense", "harp", "dense_fp32".
 @dataclass(frozen=True)
 class BackendSpec:
     """A ``harp-trt build --backend``: its steps after calibrate; ``bench``, the bench engine
-    (``bench.stage.config.ENGINES``) that ``build --bench`` runs unless told otherwise, and
+    (``harp_trt.bench.stage.config.ENGINES``) that ``build --bench`` runs unless told otherwise, and
     ``engines``, the steps whose artifacts it compares (``variant -> step``; empty: the bench
     engine loads the plan's model itself, as ``torch`` does). ``also``: other bench engines the
     backend's artifacts serve, each with its own ``variant -> step`` table. ``after``: lazy
@@ -115,28 +115,28 @@ class BackendSpec:
 PHASES = ("calibrate", "export", "rewrite", "build", "bench")  # pipeline order, for --force
 
 STAGES: Registry[StageSpec] = Registry("stage")
-STAGES.register("calibrate", StageSpec("calib.stage:CalibrateStage", "calib.config:CalibrateConfig", "calibrate",
+STAGES.register("calibrate", StageSpec("harp_trt.calib.stage:CalibrateStage", "harp_trt.calib.config:CalibrateConfig", "calibrate",
                                        "score layers, choose P, search alpha (arXiv 2507.01900, Algorithm 1)"))
 STAGES.register("export", StageSpec("harp_trt.export.export:ExportStage", "harp_trt.export.config:ExportConfig",
                                     "export", "dense ONNX graph with a KV cache"))
 STAGES.register("rewrite", StageSpec("harp_trt.rewrite.stage:RewriteStage", "harp_trt.rewrite.config:RewriteConfig",
                                      "rewrite", "HARP graph surgery (Eq. 4-5), verified against PyTorch"))
-STAGES.register("build-ort", StageSpec("builders.ort.builder:OrtBuildStage", "builders.ort.config:OrtBuildConfig",
+STAGES.register("build-ort", StageSpec("harp_trt.builders.ort.builder:OrtBuildStage", "harp_trt.builders.ort.config:OrtBuildConfig",
                                        "build", "ONNX Runtime engine folder"))
-STAGES.register("trtllm", StageSpec("builders.trtllm.stage:TrtllmCheckpointStage",
-                                    "builders.trtllm.config:TrtllmCheckpointConfig", "build",
+STAGES.register("trtllm", StageSpec("harp_trt.builders.trtllm.stage:TrtllmCheckpointStage",
+                                    "harp_trt.builders.trtllm.config:TrtllmCheckpointConfig", "build",
                                     "TensorRT-LLM checkpoint + build_engine.sh"))
-STAGES.register("triton", StageSpec("builders.triton.stage:TritonRepoStage",
-                                    "builders.triton.config:TritonRepoConfig", "build",
+STAGES.register("triton", StageSpec("harp_trt.builders.triton.stage:TritonRepoStage",
+                                    "harp_trt.builders.triton.config:TritonRepoConfig", "build",
                                     "Triton model repository around an engine"))
-STAGES.register("genai", StageSpec("builders.genai.stage:GenaiStage", "builders.genai.config:GenaiConfig", "build",
+STAGES.register("genai", StageSpec("harp_trt.builders.genai.stage:GenaiStage", "harp_trt.builders.genai.config:GenaiConfig", "build",
                                    "onnxruntime-genai folder (og.Model) around an engine"))
-STAGES.register("gguf", StageSpec("builders.gguf.stage:GgufStage", "builders.gguf.config:GgufConfig", "build",
+STAGES.register("gguf", StageSpec("harp_trt.builders.gguf.stage:GgufStage", "harp_trt.builders.gguf.config:GgufConfig", "build",
                                   "llama.cpp deci GGUF (HARP layers as linear attention), verified in llama.cpp"))
-STAGES.register("bench", StageSpec("bench.stage.stage:BenchStage", "bench.stage.config:BenchConfig", "bench",
+STAGES.register("bench", StageSpec("harp_trt.bench.stage.stage:BenchStage", "harp_trt.bench.stage.config:BenchConfig", "bench",
                                    "latency and accuracy, dense vs HARP"))
 
-_ORT_QUANTIZED, _ORT_EXACT = "builders.ort.steps:quantized", "builders.ort.steps:exact"
+_ORT_QUANTIZED, _ORT_EXACT = "harp_trt.builders.ort.steps:quantized", "harp_trt.builders.ort.steps:exact"
 _ORT_STEPS = (
     Step("export", "export", (("model", "model"),)),
     # a compact (quantized, large-model) run checks its rewrite through the plan's probe model
@@ -158,7 +158,7 @@ _GENAI_STEPS = _ORT_STEPS + (Step("build:genai", "genai", (("engine", "build"),)
                              Step("build:genai-dense", "genai", (("engine", "build:dense"),), when="bench"))
 
 BACKENDS: Registry[BackendSpec] = Registry("backend")
-_ORT_HOOKS = dict(configure="builders.ort.steps:configure", preflight="builders.ort.steps:preflight")
+_ORT_HOOKS = dict(configure="harp_trt.builders.ort.steps:configure", preflight="harp_trt.builders.ort.steps:preflight")
 BACKENDS.register("ort", BackendSpec(_ORT_STEPS, _ORT_ENGINES,
                                      "export + rewrite, then the ONNX Runtime engine (builders/ort)", "ort", _MODEL,
                                      **_ORT_HOOKS))
@@ -170,7 +170,7 @@ BACKENDS.register("genai", BackendSpec(_GENAI_STEPS, (("harp", "build:genai"), (
                                        (("ort", _ORT_ENGINES), *_MODEL), **_ORT_HOOKS))
 BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
                                         "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)",
-                                        after="builders.trtllm.steps:engine_note"))
+                                        after="harp_trt.builders.trtllm.steps:engine_note"))
 BACKENDS.register("gguf", BackendSpec(
     (Step("build", "gguf", (("plan", "plan"), ("model", "model"))),
      Step("build:dense", "gguf", (("model", "model"),), when="bench")),  # no plan: the dense GGUF

@@ -12,7 +12,7 @@ __all__ = ["library_versions", "TRTLLM_VERSION"]
 # The TensorRT-LLM our checkpoints and launch files are written for (docs/trtllm-contract.md reads its
 # 1.2 source). An engine is built and served by one version: the trtllm manifest and every launch file
 # name it, and the Triton image is chosen to carry it (builders/triton/releases.py). Defined here, in
-# the core, because both builders.trtllm and builders.triton need it and no stage imports another.
+# the core, because both harp_trt.builders.trtllm and harp_trt.builders.triton need it and no stage imports another.
 TRTLLM_VERSION = "1.2.1"
 
 DEFAULT_PACKAGES = ("torch", "transformers", "onnx", "onnxruntime", "safetensors")

@@ -42,8 +42,8 @@ def exported(family: str, harp: bool = False) -> Path:
 @functools.cache
 def engine(family: str, harp: bool = False, attention: str = "gqa") -> Path:
     """An ORT engine folder built from ``exported(family, harp)``."""
-    from builders.ort.builder import OrtBuilder
-    from builders.ort.config import OrtBuildConfig
+    from harp_trt.builders.ort.builder import OrtBuilder
+    from harp_trt.builders.ort.config import OrtBuildConfig
 
     out = _root() / f"engine-{family}{'-harp' if harp else ''}-{attention}"
     OrtBuilder().build(exported(family, harp), out, OrtBuildConfig(attention=attention, intra_op_threads=2))

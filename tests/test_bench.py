@@ -46,8 +46,8 @@ def _cli_args(setup, *extra):
 
 @pytest.fixture(scope="module")
 def bench_art(setup):
-    from bench.stage.config import BenchConfig
-    from bench.stage.stage import run_bench
+    from harp_trt.bench.stage.config import BenchConfig
+    from harp_trt.bench.stage.stage import run_bench
 
     cfg = BenchConfig(seq_lens=(16, 48), decode_context=24, decode_tokens=3, warmup=1, repeats=3, tasks=(),
                       corpus=str(setup["root"] / "corpus.txt"), ppl_tokens=384, ppl_seq_len=128)
@@ -99,7 +99,7 @@ def test_tables_columns_units_and_rows(bench_art, setup):
 
 def test_speedup_table_uses_the_flop_count(bench_art, setup):
     from harp_trt.dims import ModelDims
-    from bench.stage.flops import ideal_speedups
+    from harp_trt.bench.stage.flops import ideal_speedups
     from harp_trt.families import FAMILIES
 
     art, cfg = bench_art
@@ -179,7 +179,7 @@ def test_heldout_perplexity_matches_reference(bench_art, setup):
 
 
 def test_stage_is_cached(bench_art, setup):
-    from bench.stage.stage import run_bench
+    from harp_trt.bench.stage.stage import run_bench
 
     art, cfg = bench_art
     again = run_bench(setup["root"] / "plan.json", str(setup["folder"]), cfg, setup["store"])
@@ -299,7 +299,7 @@ def test_model_from_another_plan(setup, tmp_path, capsys):
 
 
 def test_bad_config_values(setup, capsys):
-    from bench.stage.config import BenchConfig
+    from harp_trt.bench.stage.config import BenchConfig
     from harp_trt.errors import ConfigError, UnknownNameError
 
     with pytest.raises(UnknownNameError, match="did you mean 'torch'"):
@@ -357,7 +357,7 @@ def ort_engines(setup):
 def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     """Same plan in ONNX Runtime (dense export vs rewritten graph): same perplexities as the
     PyTorch reference, same measured KV bytes, every table filled."""
-    from bench.stage.stage import run_bench
+    from harp_trt.bench.stage.stage import run_bench
 
     art_t, cfg = bench_art
     cfg = cfg.replace(engine="ort", repeats=2, seq_lens=(16,), batch_sizes=(4,))
@@ -374,7 +374,7 @@ def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     spd = pl.read_parquet(art.path / "speedup.parquet")
     # the ORT graph computes logits for every prompt position: the ideal counts them
     from harp_trt.dims import ModelDims
-    from bench.stage.flops import prefill_flops
+    from harp_trt.bench.stage.flops import prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())

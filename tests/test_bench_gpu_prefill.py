@@ -25,7 +25,7 @@ def test_refuses_without_gpu(tmp_path):
 
 
 def test_argument_parsing():
-    from bench.gpu_prefill import DEFAULT_SEQ_LENS, SHAPES, parse_args
+    from harp_trt.bench.gpu_prefill import DEFAULT_SEQ_LENS, SHAPES, parse_args
 
     a = parse_args(["--out", "x"])
     assert a.seq_lens == DEFAULT_SEQ_LENS == (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -41,7 +41,7 @@ def test_argument_parsing():
 
 
 def test_ci95_student_t():
-    from bench.gpu_prefill import ci95
+    from harp_trt.bench.gpu_prefill import ci95
 
     mean, half, med = ci95([1.0, 2.0, 3.0])
     # sd = 1, n = 3, t(0.975, 2) = 4.303
@@ -49,7 +49,7 @@ def test_ci95_student_t():
 
 
 def test_dry_run_same_code_path(tmp_path):
-    from bench.gpu_prefill import main
+    from harp_trt.bench.gpu_prefill import main
 
     rc = main(["--dry-run", "--out", str(tmp_path), "--seq-lens", "8,16", "--repeats", "2", "--warmup", "0",
                "--decode-steps", "2"])

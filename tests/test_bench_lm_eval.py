@@ -24,7 +24,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def pair():
-    from bench.stage.engine_torch import torch_pair_from_models
+    from harp_trt.bench.stage.engine_torch import torch_pair_from_models
     from harp_trt.harp import apply_harp
 
     dense, harp = make_tiny("llama", seed=3), make_tiny("llama", seed=3)
@@ -45,7 +45,7 @@ def _loglik(model, tok, context: str, cont: str) -> tuple[float, bool]:
 
 
 def test_lm_eval_run_on_local_task(pair, tmp_path):
-    from bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
+    from harp_trt.bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
 
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("\n".join(json.dumps(d) for d in DOCS))
@@ -71,7 +71,7 @@ def test_lm_eval_run_on_local_task(pair, tmp_path):
 def test_loglikelihood_matches_logits(pair):
     from lm_eval.api.instance import Instance
 
-    from bench.stage.lm_eval_adapter import EngineLM
+    from harp_trt.bench.stage.lm_eval_adapter import EngineLM
 
     lm = EngineLM(pair.dense, pair.tokenizer, batch_size=2)
     reqs = [Instance("loglikelihood", {}, (c, x), i) for i, (c, x) in
@@ -85,7 +85,7 @@ def test_loglikelihood_matches_logits(pair):
 def test_rolling_and_generate(pair):
     from lm_eval.api.instance import Instance
 
-    from bench.stage.lm_eval_adapter import EngineLM
+    from harp_trt.bench.stage.lm_eval_adapter import EngineLM
 
     lm = EngineLM(pair.harp, pair.tokenizer, max_length=16)
     text = "some text that is longer than sixteen tokens, to roll over windows"
@@ -125,7 +125,7 @@ def test_offline_task_yamls(tmp_path):
     its validation split; a data folder without a task's file is a CorpusError."""
     import yaml
 
-    from bench.stage.tasks import EVAL_TASKS, check_eval_data, write_task_yamls
+    from harp_trt.bench.stage.tasks import EVAL_TASKS, check_eval_data, write_task_yamls
     from harp_trt.errors import CorpusError
 
     root = tmp_path / "olmo_eval"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.reproduce_papers import main
+from harp_trt.bench.reproduce_papers import main
 from conftest import save_tiny
 from test_calibrate_cli import write_corpus
 

@@ -123,9 +123,9 @@ def test_genai_kv_bytes_as_allocated(genai_build):
 @pytest.fixture(scope="module")
 def pairs(genai_build):
     """The genai and ORT engine pairs on the build's folders."""
-    from bench.stage.config import BenchConfig
-    from bench.stage.engine_genai import load_genai_pair
-    from bench.stage.engine_ort import load_ort_pair
+    from harp_trt.bench.stage.config import BenchConfig
+    from harp_trt.bench.stage.engine_genai import load_genai_pair
+    from harp_trt.bench.stage.engine_ort import load_ort_pair
     from harp_trt.plan import Plan
 
     st = genai_build["genai"]["stages"]
@@ -165,8 +165,8 @@ def test_genai_engine_logits_equal_ort(pairs, batch):
 
 
 def test_genai_pair_refuses_folders_of_another_plan(pairs, genai_build):
-    from bench.stage.config import BenchConfig
-    from bench.stage.engine_genai import load_genai_pair
+    from harp_trt.bench.stage.config import BenchConfig
+    from harp_trt.bench.stage.engine_genai import load_genai_pair
     from harp_trt.errors import PreconditionError
     from harp_trt.plan import Plan
 
@@ -215,7 +215,7 @@ def test_bench_cli_engine_genai_on_folders(genai_build, capsys):
 
 def test_backends_declare_registered_bench_engines():
     """Every backend's bench engines are registered bench engines and name steps it has."""
-    from bench.stage.config import ENGINES
+    from harp_trt.bench.stage.config import ENGINES
     from harp_trt.registry import BACKENDS
 
     for name in BACKENDS.names():
@@ -246,7 +246,7 @@ def test_build_gguf_bench_llamacpp_fields_and_kv(gguf_build, genai_build):
     assert s["ppl"]["harp"] == pytest.approx(so["ppl"]["harp"], rel=LLAMACPP_PPL_RTOL)
     # llama.cpp computes the last position's logits in a prefill (ORT's graph every position's): the
     # ideal counts one LM head, the same in dense and HARP, so it dilutes the ratio less
-    from bench.stage.flops import prefill_flops
+    from harp_trt.bench.stage.flops import prefill_flops
     from harp_trt.plan import Plan
 
     plan = Plan.load(Path(gguf_build["stages"]["calibrate"]["artifact"]))
@@ -271,8 +271,8 @@ def test_llamacpp_engine_logits_match_ort(gguf_build, pairs, batch):
     """llama.cpp's prefill, decode steps (batch 2 runs past its context's room: rebuilt and
     replayed) and teacher-forced logits against OrtCausalLM on the same plan, within
     LLAMACPP_LOGIT_TOL x max(1, max |logit|)."""
-    from bench.stage.config import BenchConfig
-    from bench.stage.engine_llamacpp import load_llamacpp_pair
+    from harp_trt.bench.stage.config import BenchConfig
+    from harp_trt.bench.stage.engine_llamacpp import load_llamacpp_pair
     from harp_trt.plan import Plan
 
     st = gguf_build["stages"]
@@ -304,8 +304,8 @@ def test_llamacpp_engine_logits_match_ort(gguf_build, pairs, batch):
 
 
 def test_llamacpp_pair_refuses_gguf_of_another_plan(gguf_build):
-    from bench.stage.config import BenchConfig
-    from bench.stage.engine_llamacpp import load_llamacpp_pair
+    from harp_trt.bench.stage.config import BenchConfig
+    from harp_trt.bench.stage.engine_llamacpp import load_llamacpp_pair
     from harp_trt.errors import PreconditionError
     from harp_trt.plan import Plan
 

@@ -11,7 +11,7 @@ def test_ideal_speedup_hand_counted():
     """Tiny llama: h=64, 4 heads x 16 (q=64), 2 KV heads (kv=32), MLP 128, vocab 128, 4 layers;
     layer 3 pruned at alpha=1. Decode after 9 tokens attends to T=10 keys."""
     from harp_trt.dims import ModelDims
-    from bench.stage.flops import decode_flops, ideal_speedups, prefill_flops
+    from harp_trt.bench.stage.flops import decode_flops, ideal_speedups, prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
@@ -38,7 +38,7 @@ def test_ideal_speedup_hand_counted():
 
 def test_sliding_window_caps_keys():
     from harp_trt.dims import ModelDims
-    from bench.stage.flops import prefill_flops
+    from harp_trt.bench.stage.flops import prefill_flops
 
     full = ModelDims(1, 8, 1, 1, 8, 8, 8, (None,))
     win = ModelDims(1, 8, 1, 1, 8, 8, 8, (2,))
@@ -52,7 +52,7 @@ def _ci(point, low, high, pairs=5):
 
 
 def test_check_gates_names_each_figure():
-    from bench.stage.stage import check_gates
+    from harp_trt.bench.stage.stage import check_gates
     from harp_trt.errors import GateError
 
     s = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "ppl": {"dense": 10.0, "harp": 10.4, "increase": 0.04},
@@ -73,7 +73,7 @@ def test_check_gates_names_each_figure():
 
 def test_min_speedup_gate_fails_only_below_the_upper_bound():
     """The point estimate under the threshold is not a failure while the interval reaches it."""
-    from bench.stage.stage import check_gates
+    from harp_trt.bench.stage.stage import check_gates
     from harp_trt.errors import GateError
 
     s = {"prefill_speedup": {"2048": 1.031}, "speedups": {"prefill_2048": _ci(1.031, 0.992, 1.071)}}
@@ -94,7 +94,7 @@ def test_min_speedup_gate_fails_only_below_the_upper_bound():
 
 def test_min_speedup_gate_reads_summaries_without_intervals():
     """A cached summary from bench config version 1 (no ``speedups``): the point is both bounds."""
-    from bench.stage.stage import check_gates, headline_speedup
+    from harp_trt.bench.stage.stage import check_gates, headline_speedup
     from harp_trt.errors import GateError
 
     old = {"prefill_speedup": {"128": 1.3, "4096": 1.05}, "decode_speedup": 1.2, "decode_context": 512}
@@ -121,7 +121,7 @@ def _pairs(rng, n, ratio, noise, drift=0.0):
 
 
 def test_paired_speedup_point_and_degenerate_cases():
-    from bench.stage.latency import paired_speedup
+    from harp_trt.bench.stage.latency import paired_speedup
 
     r = paired_speedup([2.0, 8.0], [1.0, 2.0])  # ratios 2 and 4: geometric mean sqrt(8)
     assert r["speedup"] == pytest.approx(8 ** 0.5) and r["pairs"] == 2
@@ -135,7 +135,7 @@ def test_paired_speedup_point_and_degenerate_cases():
 
 
 def test_paired_speedup_ci_contains_the_true_ratio_and_scales_with_noise():
-    from bench.stage.latency import paired_speedup
+    from harp_trt.bench.stage.latency import paired_speedup
 
     rng = np.random.default_rng(0)
     # the same standardised noise at two scales, centred so that the sample's geometric mean ratio
@@ -160,7 +160,7 @@ def test_paired_speedup_ci_contains_the_true_ratio_and_scales_with_noise():
 def test_pairing_cancels_shared_drift():
     """Load that hits both runs of a pair (the reason the bench interleaves) leaves the paired
     interval narrow; the same times unpaired would spread over the load's range."""
-    from bench.stage.latency import paired_speedup
+    from harp_trt.bench.stage.latency import paired_speedup
 
     d, h = _pairs(np.random.default_rng(1), 8, 1.05, 0.002, drift=0.3)
     r = paired_speedup(d, h)

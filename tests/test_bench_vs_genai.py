@@ -7,10 +7,10 @@ import json
 
 
 from _exported import exported
-from bench.genai_engine import stage_hf_folder
-from bench.vs_genai import _byte_ideal, _graph_bytes, _Ours
-from builders.ort.builder import OrtBuilder
-from builders.ort.config import OrtBuildConfig
+from harp_trt.bench.genai_engine import stage_hf_folder
+from harp_trt.bench.vs_genai import _byte_ideal, _graph_bytes, _Ours
+from harp_trt.builders.ort.builder import OrtBuilder
+from harp_trt.builders.ort.config import OrtBuildConfig
 from conftest import save_tiny
 
 

@@ -81,7 +81,7 @@ def test_bench_without_lm_eval_names_the_eval_extra(tiny, tmp_path):
     folder, corpus = tiny
     res, err = run(("lm_eval",), ["build", "--model", str(folder), "--workdir", str(tmp_path / "w"),
                                   "--corpus", str(corpus), "--bench", "--bench-tasks", "piqa"],
-                   "import bench.stage.lm_eval_adapter")
+                   "import harp_trt.bench.stage.lm_eval_adapter")
     assert res["code"] == 2
     line = "lm-eval is not installed: the bench's accuracy tasks need it"
     assert error_line(err.split("MissingDependencyError")[0]) == (
@@ -103,7 +103,7 @@ def test_gguf_backend_without_llama_cpp_names_the_gguf_extra_before_calibrating(
 
 def test_triton_config_check_without_tritonclient_names_the_triton_extra():
     res, err = run(("tritonclient",), None,
-                   "from builders.triton.pbtxt import parse_model_config; parse_model_config('name: \"m\"')")
+                   "from harp_trt.builders.triton.pbtxt import parse_model_config; parse_model_config('name: \"m\"')")
     assert error_line(err) == ("MissingDependencyError: tritonclient is not installed: Triton repositories need it "
                                "(each config.pbtxt is checked against its ModelConfig schema); "
                                "pip install -e '.[triton]' in the harp-trt checkout")
@@ -113,7 +113,7 @@ def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_
     folder, corpus = tiny
     argv = ["calibrate", "--model", str(folder), "--layers", "2", "--tokens", "256", "--seq-len", "64",
             "--corpus", str(corpus), "--workdir", str(tmp_path / "w"), "--json"]
-    res, err = run(("matplotlib",), argv, "from calib.plots import plot_search; plot_search(None, [], None)")
+    res, err = run(("matplotlib",), argv, "from harp_trt.calib.plots import plot_search; plot_search(None, [], None)")
     assert res["code"] == 0 and res["loaded"] == []  # calibrate imports no optional library
     assert ("alpha_search.png not written: matplotlib is not installed; pip install -e '.[plots]' in the harp-trt checkout") in err
     assert ("MissingDependencyError: matplotlib is not installed: the alpha-search plot needs it; "
@@ -132,8 +132,8 @@ def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_
 
 def test_help_and_main_path_import_no_optional_library():
     res, _ = run((), ["build", "--help"],
-                 "import calib.stage, harp_trt.pipeline, harp_trt.export.export, harp_trt.rewrite.stage, "
-                 "builders.ort.builder, bench.stage, harp_trt.ort_session")
+                 "import harp_trt.calib.stage, harp_trt.pipeline, harp_trt.export.export, harp_trt.rewrite.stage, "
+                 "harp_trt.builders.ort.builder, harp_trt.bench.stage, harp_trt.ort_session")
     assert res["code"] == 0 and res["loaded"] == []
 
 

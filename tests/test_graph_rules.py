@@ -10,9 +10,9 @@ import onnx_ir.passes as ir_passes
 import pytest
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from builders.ort.config import OrtBuildConfig
-from builders.ort.gqa import FuseGroupQueryAttention
-from builders.ort.passes import FuseGroupQueryAttentionPass, QuantizeWeightsPass, graph_passes, run_passes
+from harp_trt.builders.ort.config import OrtBuildConfig
+from harp_trt.builders.ort.gqa import FuseGroupQueryAttention
+from harp_trt.builders.ort.passes import FuseGroupQueryAttentionPass, QuantizeWeightsPass, graph_passes, run_passes
 from harp_trt.errors import ConfigError
 from harp_trt.graph_rules import GraphRule, MatchResult
 from harp_trt.rewrite.graph import remove_dead

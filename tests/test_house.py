@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGE_PACKAGES = ("calib", "harp_trt.export", "harp_trt.rewrite", "builders.ort", "builders.trtllm", "builders.triton",
-                  "builders.genai", "builders.gguf", "bench.stage")
+STAGE_PACKAGES = ("calib", "harp_trt.export", "harp_trt.rewrite", "harp_trt.builders.ort", "harp_trt.builders.trtllm", "harp_trt.builders.triton",
+                  "harp_trt.builders.genai", "harp_trt.builders.gguf", "harp_trt.bench.stage")
 
 
 def _group(module: str) -> str | None:
@@ -125,8 +125,8 @@ def test_harp_trt_imports_no_stage_package():
 def test_the_rules_see_real_edges():
     """The scanner finds the edges that are allowed, so an empty violation list means something."""
     edges = {(s, _group(t)) for f, m, s in _sources() for t, _, _ in _imports(f)}
-    assert ("harp_trt.export", "core") in edges and ("harp_trt.rewrite", "core") in edges and ("cli", "pipeline") in edges and ("scripts", "bench.stage") in edges
-    assert ("builders.ort", "core") in edges and ("pipeline", "core") in edges
+    assert ("harp_trt.export", "core") in edges and ("harp_trt.rewrite", "core") in edges and ("cli", "pipeline") in edges and ("scripts", "harp_trt.bench.stage") in edges
+    assert ("harp_trt.builders.ort", "core") in edges and ("pipeline", "core") in edges
 
 
 # ---- import circles ---------------------------------------------------------------------------
@@ -209,9 +209,9 @@ def test_no_import_circle_even_through_imports_inside_functions():
 def test_the_circle_finder_sees_circles_and_real_edges():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     top, every = _import_graph(module_level=True), _import_graph(module_level=False)
-    assert "builders.triton.onnx_repo" in top["builders.triton.llm_repo"]
+    assert "harp_trt.builders.triton.onnx_repo" in top["harp_trt.builders.triton.llm_repo"]
     assert "harp_trt.errors" in top["harp_trt.stage"]  # `from .errors import ...`
-    assert "builders.triton.llm_repo" in every["builders.triton.stage"] - top["builders.triton.stage"]
+    assert "harp_trt.builders.triton.llm_repo" in every["harp_trt.builders.triton.stage"] - top["harp_trt.builders.triton.stage"]
 
 
 def _private_imports(path: Path) -> list[str]:
@@ -314,7 +314,7 @@ def test_flags_map_back_to_fields(argv, value):
 
 
 def test_bench_engine_choices_are_the_registry():
-    from bench.stage.config import ENGINES
+    from harp_trt.bench.stage.config import ENGINES
 
     (bench,) = [p for name, p in _commands() if name == "bench"]
     (engine,) = [a for a in bench._actions if "--engine" in a.option_strings]

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 
-from builders.gguf import probe
-from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
+from harp_trt.builders.gguf import probe
+from harp_trt.builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
 from harp_trt.harp import apply_harp
 from harp_trt.models import ResolvedModel, load_tokenizer
 from harp_trt.onnx_io import copy_tokenizer

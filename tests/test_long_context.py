@@ -38,7 +38,7 @@ def result(tmp_path_factory):
     import contextlib
     import io
 
-    from bench.long_context import main
+    from harp_trt.bench.long_context import main
 
     d = tmp_path_factory.mktemp("longctx")
     model = save_tiny("llama", d / "tiny", seed=7, max_position_embeddings=1024)
@@ -100,7 +100,7 @@ def test_kv_capacity_measured(result):
 def test_ideals_match_flops(result):
     from transformers import AutoConfig
 
-    from bench.stage import flops
+    from harp_trt.bench.stage import flops
     from harp_trt.dims import ModelDims
 
     res, model = result
@@ -132,7 +132,7 @@ def test_ideals_match_flops(result):
     (["--model", "m", "--prune-layers", "1", "--contexts", "0"], "positive"),
 ])
 def test_bad_input_exits_2(argv, words, capsys):
-    from bench.long_context import main
+    from harp_trt.bench.long_context import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from _exported import HARP_ALPHAS, engine, exported, tiny
-from builders.ort.builder import OrtBuilder
-from builders.ort.config import OrtBuildConfig
+from harp_trt.builders.ort.builder import OrtBuilder
+from harp_trt.builders.ort.config import OrtBuildConfig
 from harp_trt.errors import ConfigError, GraphError
 from harp_trt.ort_session import OrtCausalLM, sample_next
 
@@ -190,7 +190,7 @@ def test_generate_cli(tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_engine_generates_like_hf(smollm2, smollm2_export):
     """Real model: export stage -> GQA engine -> greedy tokens equal HF's (batch 2, left padding)."""
-    from builders.ort.builder import OrtBuildStage
+    from harp_trt.builders.ort.builder import OrtBuildStage
     from harp_trt.models import load_tokenizer
 
     _, model, _ = smollm2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from calib.search import search_alphas
+from harp_trt.calib.search import search_alphas
 from conftest import save_tiny
 from harp_trt.device import choose_sequential, resolve_placement
 from harp_trt.errors import ConfigError

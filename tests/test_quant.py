@@ -12,9 +12,9 @@ import onnx
 import pytest
 
 from _exported import engine, exported
-from builders.ort.builder import OrtBuilder
-from builders.ort.config import OrtBuildConfig
-from builders.ort.config import QuantSpec
+from harp_trt.builders.ort.builder import OrtBuilder
+from harp_trt.builders.ort.config import OrtBuildConfig
+from harp_trt.builders.ort.config import QuantSpec
 from harp_trt.cli import main
 from harp_trt.errors import ConfigError, GraphError
 from harp_trt.ort_session import OrtCausalLM

@@ -35,8 +35,8 @@ def test_per_weight_packing_equals_ort_quantizer(mode, symmetric, level):
     """Every initializer byte, name, node input and attribute equals MatMulNBitsQuantizer's."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from builders.ort.config import QuantSpec
-    from builders.ort.quant import quantize_weights
+    from harp_trt.builders.ort.config import QuantSpec
+    from harp_trt.builders.ort.quant import quantize_weights
 
     spec = QuantSpec(mode, 32, symmetric, level)
     ref = MatMulNBitsQuantizer(ir.serde.serialize_model(_mlp_model()), bits=spec.bits, block_size=32,

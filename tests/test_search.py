@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from calib.search import search_alphas
+from harp_trt.calib.search import search_alphas
 from conftest import make_tiny
 from harp_trt.families import family_of
 from harp_trt.harp import harp_alphas
@@ -62,8 +62,8 @@ def _counting(f):
 
 
 def test_golden_finds_the_exhaustive_minimum_of_a_unimodal_curve_with_fewer_evaluations():
-    from calib.config import DEFAULT_GRID
-    from calib.search import golden_search
+    from harp_trt.calib.config import DEFAULT_GRID
+    from harp_trt.calib.search import golden_search
 
     for centre in DEFAULT_GRID:
         evaluate, calls = _counting(lambda a: 20 + (a - centre) ** 2)
@@ -74,8 +74,8 @@ def test_golden_finds_the_exhaustive_minimum_of_a_unimodal_curve_with_fewer_eval
 
 
 def test_golden_falls_back_to_the_full_grid_when_a_probe_contradicts_unimodality():
-    from calib.config import DEFAULT_GRID
-    from calib.search import golden_search
+    from harp_trt.calib.config import DEFAULT_GRID
+    from harp_trt.calib.search import golden_search
 
     # probes at 0.4 < 0.5 > 0.6: a rise then a fall, so the curve is not unimodal -> full grid
     curve = {a: v for a, v in zip(DEFAULT_GRID, (3, 9, 9, 9, 8, 9, 7, 9, 9, 9, 9))}

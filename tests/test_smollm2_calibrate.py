@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from calib import run_calibrate
-from calib.config import CalibrateConfig
+from harp_trt.calib import run_calibrate
+from harp_trt.calib.config import CalibrateConfig
 from harp_trt.plan import Plan
 from harp_trt.store import ArtifactStore
 

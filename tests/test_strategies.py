@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from calib.strategies import STRATEGIES, ScoreContext, get_strategy
-from calib.strategies.gate_norm import gate_norm_folded_scores, gate_norm_scores
-from calib.strategies.sink import with_prefix
+from harp_trt.calib.strategies import STRATEGIES, ScoreContext, get_strategy
+from harp_trt.calib.strategies.gate_norm import gate_norm_folded_scores, gate_norm_scores
+from harp_trt.calib.strategies.sink import with_prefix
 from conftest import make_tiny, save_tiny
 from harp_trt.errors import ConfigError, UnknownNameError
 from harp_trt.families import family_of

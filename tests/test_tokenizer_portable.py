@@ -90,8 +90,8 @@ def consumer():
 
 
 def test_transformers5_folder_fails_in_4x_and_every_shipped_copy_loads(consumer, tmp_path):
-    from builders.triton import write_repository
-    from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
+    from harp_trt.builders.triton import write_repository
+    from harp_trt.builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
     from harp_trt.models import ResolvedModel
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore

@@ -14,8 +14,8 @@ import onnx
 import pytest
 import torch
 
-from builders.triton import TritonRepoConfig, model_metadata, parse_model_config, write_repository
-from builders.triton.pbtxt import TRITON_TO_NUMPY
+from harp_trt.builders.triton import TritonRepoConfig, model_metadata, parse_model_config, write_repository
+from harp_trt.builders.triton.pbtxt import TRITON_TO_NUMPY
 from harp_trt.cli import main
 from harp_trt.errors import HarpError, PostconditionError, PreconditionError
 from harp_trt.harp import apply_harp
@@ -244,12 +244,12 @@ def test_bad_config_values_and_unparsable_pbtxt():
 
 
 def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
-    """An engine folder written by builders.ort (GroupQueryAttention graph saved by this ONNX
+    """An engine folder written by harp_trt.builders.ort (GroupQueryAttention graph saved by this ONNX
     Runtime) cannot go to Triton's onnxruntime backend, whose ORT is older (exit 2, with the
     versions); it becomes the text-in/text-out Python-backend model instead, whose config parses."""
-    from builders.ort.builder import OrtBuilder
-    from builders.triton.compat import required_ort
-    from builders.triton.releases import DEFAULT_TRITON_RELEASE, TRITON_ORT
+    from harp_trt.builders.ort.builder import OrtBuilder
+    from harp_trt.builders.triton.compat import required_ort
+    from harp_trt.builders.triton.releases import DEFAULT_TRITON_RELEASE, TRITON_ORT
 
     folder, model = engine
     spec = OrtBuilder().build(folder / "model.onnx", tmp_path / "engine")
@@ -275,7 +275,7 @@ def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
     assert (tmp_path / "py" / "harp" / "1" / "model.py").is_file()
     assert (tmp_path / "py" / "harp" / "1" / "engine" / "model.onnx").is_file() and r["serving"] == "python"
     from _exported import engine as gqa_engine
-    from builders.triton.llm_repo import check_gpu_graph
+    from harp_trt.builders.triton.llm_repo import check_gpu_graph
 
     gqa = gqa_engine("llama")  # attention fused to com.microsoft GroupQueryAttention, fp32
     with pytest.raises(HarpError, match="fp32 GroupQueryAttention graph"):
@@ -285,7 +285,7 @@ def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
 
 def test_stage_execute_caches_the_repository(engine, tmp_path):
     """The pipeline's path: TritonRepoStage().execute(store, config, {"engine": Artifact})."""
-    from builders.triton import TritonRepoStage
+    from harp_trt.builders.triton import TritonRepoStage
 
     folder, _ = engine
     store = ArtifactStore(tmp_path / "cache")

@@ -69,8 +69,8 @@ def server(tmp_path_factory, test_cache):
     assert main(["deploy", "triton", "--artifact", str(engine), "--out", str(repo), "--prompt-limit", "40",
                  "--context-limit", "64", "--json"]) == 0
     # the TensorRT-LLM repository of a tiny Qwen2, its C++ model replaced by a Python stand-in
-    from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
-    from builders.triton import TritonRepoConfig, write_repository
+    from harp_trt.builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
+    from harp_trt.builders.triton import TritonRepoConfig, write_repository
     from harp_trt.models import resolve_model
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore

@@ -12,9 +12,9 @@ import re
 import numpy as np
 import pytest
 
-from builders.triton import (TEMPLATE_KEYS, TritonRepoConfig, parse_model_config, string_params,
+from harp_trt.builders.triton import (TEMPLATE_KEYS, TritonRepoConfig, parse_model_config, string_params,
                              validate_repository, write_repository)
-from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
+from harp_trt.builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
 from harp_trt.cli import main
 from harp_trt.errors import PostconditionError, PreconditionError
 from harp_trt.plan import Plan
@@ -270,7 +270,7 @@ def _parse_docker_run(words: list[str]) -> tuple[dict[str, list[str]], str, list
 def test_docker_run_lines_parse_as_docker_arguments(tmp_path):
     """Every VAR=value sits behind -e; the command after the image is tritonserver itself (a tp=2
     Qwen2 engine: orchestrator mode and window shares both need an environment variable)."""
-    from builders.triton.readme import docker_run
+    from harp_trt.builders.triton.readme import docker_run
     from harp_trt.models import ResolvedModel
 
     folder = save_tiny("qwen2", tmp_path / "qwen2")
@@ -296,7 +296,7 @@ def test_docker_run_lines_parse_as_docker_arguments(tmp_path):
 
 
 def test_release_table_is_data_with_a_citation_per_row():
-    from builders.triton.releases import (DEFAULT_TRITON_RELEASE, TRITON_ORT, TRITON_TRTLLM, TRTLLM_VERSION,
+    from harp_trt.builders.triton.releases import (DEFAULT_TRITON_RELEASE, TRITON_ORT, TRITON_TRTLLM, TRTLLM_VERSION,
                                           check_trtllm_release)
 
     assert len(TRITON_TRTLLM) >= 8
@@ -315,7 +315,7 @@ def test_release_table_is_data_with_a_citation_per_row():
 
 
 def test_default_release_carries_the_checkpoint_version_and_a_mismatch_exits_2(artifacts, tmp_path, capsys):
-    from builders.triton.releases import DEFAULT_TRITON_RELEASE, TRITON_TRTLLM
+    from harp_trt.builders.triton.releases import DEFAULT_TRITON_RELEASE, TRITON_TRTLLM
 
     art = artifacts["qwen2"]
     target = art.manifest["tensorrt_llm"]["version"]

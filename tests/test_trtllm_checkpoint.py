@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from builders.trtllm import (TrtllmCheckpointConfig, TrtllmCheckpointStage, read_checkpoint,
+from harp_trt.builders.trtllm import (TrtllmCheckpointConfig, TrtllmCheckpointStage, read_checkpoint,
                              read_hf_decilm, write_checkpoint, write_hf_decilm)
-from builders.trtllm.checkpoint import fold_vo
+from harp_trt.builders.trtllm.checkpoint import fold_vo
 from harp_trt.dims import ModelDims
 from harp_trt.errors import ConfigError, PreconditionError
 from harp_trt.harp import apply_harp

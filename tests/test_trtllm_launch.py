@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
-from builders.trtllm.config import TRTLLM_VERSION
+from harp_trt.builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
+from harp_trt.builders.trtllm.config import TRTLLM_VERSION
 from harp_trt.errors import PreconditionError
 from harp_trt.models import ResolvedModel
 from harp_trt.plan import Plan

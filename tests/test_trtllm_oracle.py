@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from builders.trtllm import read_checkpoint, write_checkpoint
-from builders.trtllm.trtllm_models import ACTIVATIONS
+from harp_trt.builders.trtllm import read_checkpoint, write_checkpoint
+from harp_trt.builders.trtllm.trtllm_models import ACTIVATIONS
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
 from harp_trt.families import FAMILIES
 from harp_trt.harp import apply_harp
@@ -87,14 +87,14 @@ def _closure(module: str) -> set[str]:
 
 
 def test_reader_imports_nothing_from_the_family_tables():
-    closure = _closure("builders.trtllm.reader")
-    assert {"builders.trtllm", "builders.trtllm.trtllm_models", "harp_trt.weights"} <= closure  # the scan follows imports
-    writer_side = {"harp_trt.families", "builders.trtllm.checkpoint", "builders.trtllm.targets",
-                   "builders.trtllm.hf_format", "builders.trtllm.stage"}
+    closure = _closure("harp_trt.builders.trtllm.reader")
+    assert {"harp_trt.builders.trtllm", "harp_trt.builders.trtllm.trtllm_models", "harp_trt.weights"} <= closure  # the scan follows imports
+    writer_side = {"harp_trt.families", "harp_trt.builders.trtllm.checkpoint", "harp_trt.builders.trtllm.targets",
+                   "harp_trt.builders.trtllm.hf_format", "harp_trt.builders.trtllm.stage"}
     bad = sorted(m for m in closure if m in writer_side or m.startswith("harp_trt.families."))
     assert not bad, f"the reader reaches the writer's facts through {bad}"
     # and at run time: importing the reader (its whole closure) loads no family table
-    code = "import sys, builders.trtllm.reader; print(sorted(m for m in sys.modules if 'families' in m))"
+    code = "import sys, harp_trt.builders.trtllm.reader; print(sorted(m for m in sys.modules if 'families' in m))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -16,10 +16,10 @@ __all__ = ["BenchConfig", "ENGINES", "ENGINE_SOURCES", "DEFAULT_TASKS"]
 # engine name -> loader returning an ``EnginePair`` (bench/stage/engines.py); "torch" imports only
 # PyTorch/transformers, "ort" only ONNX Runtime, "genai" onnxruntime-genai, "llamacpp" llama.cpp
 ENGINES: Registry = Registry("bench engine")
-ENGINES.register("torch", "bench.stage.engine_torch:load_torch_pair")
-ENGINES.register("ort", "bench.stage.engine_ort:load_ort_pair")
-ENGINES.register("genai", "bench.stage.engine_genai:load_genai_pair")
-ENGINES.register("llamacpp", "bench.stage.engine_llamacpp:load_llamacpp_pair")
+ENGINES.register("torch", "harp_trt.bench.stage.engine_torch:load_torch_pair")
+ENGINES.register("ort", "harp_trt.bench.stage.engine_ort:load_ort_pair")
+ENGINES.register("genai", "harp_trt.bench.stage.engine_genai:load_genai_pair")
+ENGINES.register("llamacpp", "harp_trt.bench.stage.engine_llamacpp:load_llamacpp_pair")
 
 # what each engine compares: the plan's model (loaded twice), or built dense and HARP engines
 ENGINE_SOURCES = {"torch": "the plan's model (dense vs apply_harp)",

@@ -1,5 +1,5 @@
 """The ONNX Runtime engine: ``harp_trt.ort_session.OrtCausalLM`` on a dense engine folder and on
-the HARP (rewritten) one, in one process. A folder is a ``builders.ort`` engine (``engine.json``
+the HARP (rewritten) one, in one process. A folder is a ``harp_trt.builders.ort`` engine (``engine.json``
 + ``model.onnx``) or any folder with a ``model.onnx`` following the export I/O contract, plus the
 tokenizer and ``config.json``."""
 from __future__ import annotations

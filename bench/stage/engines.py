@@ -2,7 +2,7 @@
 
 An ``Engine`` is the minimum the bench needs from a backend: a prefill that returns the last
 token's logits and a cache, a one-token decode step, teacher-forced logits for perplexity and
-lm-eval, and the size of its cache. Backends register a loader in ``bench.stage.config.ENGINES`` (lazy: ``"torch"``
+lm-eval, and the size of its cache. Backends register a loader in ``harp_trt.bench.stage.config.ENGINES`` (lazy: ``"torch"``
 imports only PyTorch/transformers, ``"ort"`` only ONNX Runtime); a loader returns an
 ``EnginePair`` so both engines share one tokenizer, one set of dimensions and one process."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ Memory: genai 0.18 reports no allocation figures through its Python API, so ``me
 reads the process's resident set (``/proc/self/statm``) after ``og.Model`` loads and after a
 generator with ``max_length`` tokens has run its first forward (with ``past_present_share_buffer``
 the KV buffers are allocated at ``max_length`` and zero-filled then, so they are resident). The
-delta is the KV cache plus the prompt's activations; ``python -m builders.genai.probe FOLDER
+delta is the KV cache plus the prompt's activations; ``python -m harp_trt.builders.genai.probe FOLDER
 MAX_LENGTH [BATCH]`` prints it as JSON. A fresh process per measurement keeps one folder's freed
 memory from being reused by the next."""
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _probe(folder: Path, max_length: int, batch: int) -> dict[str, Any]:
 def measure_kv_rss(folder: str | os.PathLike, max_length: int, batch: int = 1, timeout: float = 600) -> dict[str, Any]:
     """Resident bytes a generator of ``max_length`` tokens (batch ``batch``) adds over the loaded
     model, measured in a fresh Python process (see the module docstring)."""
-    cmd = [sys.executable, "-m", "builders.genai.probe", str(folder), str(max_length), str(batch)]
+    cmd = [sys.executable, "-m", "harp_trt.builders.genai.probe", str(folder), str(max_length), str(batch)]
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 STAGE = "genai"
 GENAI_CONFIG = "genai_config.json"
 REPORT = "harp_genai.json"
-ENGINE_FORMAT = "harp-engine/1"  # builders.ort.builder.ENGINE_FORMAT (not imported: that loads onnxruntime)
+ENGINE_FORMAT = "harp-engine/1"  # harp_trt.builders.ort.builder.ENGINE_FORMAT (not imported: that loads onnxruntime)
 _META_FIELDS = ("num_layers", "num_heads", "kv_heads", "head_dim", "hidden_size", "vocab_size", "kv_layers")
 _HINT = "pass an ORT engine folder (or its cache key) written by `harp-trt build` (the build-ort artifact)"
 
@@ -273,7 +273,7 @@ class GenaiStage(Stage[GenaiConfig]):
     ``genai-<key>/`` is the folder ``og.Model`` opens."""
 
     name: ClassVar[str] = STAGE
-    code: ClassVar[tuple[str, ...]] = ("builders.genai", "harp_trt.onnx_io")
+    code: ClassVar[tuple[str, ...]] = ("harp_trt.builders.genai", "harp_trt.onnx_io")
     version: ClassVar[int] = 1
     outputs: ClassVar[tuple[str, ...]] = (GENAI_CONFIG, MODEL_FILE, REPORT)
 

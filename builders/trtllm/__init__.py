@@ -1,7 +1,7 @@
 """TensorRT-LLM build stage: HARP-pruned checkpoints (``config.json`` + ``rank{N}.safetensors``), an
 HF heterogeneous (DeciLM ``block_configs``) checkpoint where the family allows it, and the
 ``trtllm-build`` command. Nothing here imports ``tensorrt_llm``; ``reader.py`` verifies a written
-checkpoint in plain PyTorch. Imports are lazy: ``builders.trtllm.config`` stays free of torch."""
+checkpoint in plain PyTorch. Imports are lazy: ``harp_trt.builders.trtllm.config`` stays free of torch."""
 from __future__ import annotations
 
 import importlib

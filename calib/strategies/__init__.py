@@ -6,14 +6,14 @@ from harp_trt.lazy import Registry
 
 __all__ = ["STRATEGIES", "ScoreContext", "Strategy", "get_strategy"]
 
-STRATEGIES: Registry = Registry("strategy", base="calib.strategies.base:Strategy")
-STRATEGIES.register("top", "calib.strategies.top:TopStrategy")
-STRATEGIES.register("gate-norm", "calib.strategies.gate_norm:GateNormStrategy")
-STRATEGIES.register("gate-norm-folded", "calib.strategies.gate_norm:GateNormFoldedStrategy")
-STRATEGIES.register("bottom", "calib.strategies.top:BottomStrategy")
-STRATEGIES.register("sink", "calib.strategies.sink:SinkStrategy")
-STRATEGIES.register("bi", "calib.strategies.similarity:BlockInfluenceStrategy")
-STRATEGIES.register("attn-sim", "calib.strategies.similarity:AttnSimStrategy")
+STRATEGIES: Registry = Registry("strategy", base="harp_trt.calib.strategies.base:Strategy")
+STRATEGIES.register("top", "harp_trt.calib.strategies.top:TopStrategy")
+STRATEGIES.register("gate-norm", "harp_trt.calib.strategies.gate_norm:GateNormStrategy")
+STRATEGIES.register("gate-norm-folded", "harp_trt.calib.strategies.gate_norm:GateNormFoldedStrategy")
+STRATEGIES.register("bottom", "harp_trt.calib.strategies.top:BottomStrategy")
+STRATEGIES.register("sink", "harp_trt.calib.strategies.sink:SinkStrategy")
+STRATEGIES.register("bi", "harp_trt.calib.strategies.similarity:BlockInfluenceStrategy")
+STRATEGIES.register("attn-sim", "harp_trt.calib.strategies.similarity:AttnSimStrategy")
 
 
 def get_strategy(name: str):

@@ -40,7 +40,7 @@ def _engine_dir(ref: str, workdir):
         art = ArtifactStore(workdir).open(ref)
     except CacheError:
         raise GraphError("generate", f"no engine folder or cached artifact {ref!r}",
-                         "build one (builders.ort) and pass its folder, or see `harp-trt cache ls`") from None
+                         "build one (harp_trt.builders.ort) and pass its folder, or see `harp-trt cache ls`") from None
     if not (art.path / "engine.json").is_file():
         raise GraphError("generate", f"artifact {art.key} is a {art.manifest.get('stage')} artifact, not an engine")
     return art.path

@@ -34,7 +34,7 @@ shared 2-core machine, so absolute times are noisy, comparisons were interleaved
   and ORT's MLAS GEMMs match or beat PyTorch's per shape.
 
 So the dense export stays portable (standard ops, what the rewrite rules match) and the ORT
-builder converts ``Attention`` to ``GroupQueryAttention`` in a separate pass (``builders.ort.gqa``)
+builder converts ``Attention`` to ``GroupQueryAttention`` in a separate pass (``harp_trt.builders.ort.gqa``)
 that keeps this I/O contract. ``bench/ort_vs_torch.py`` measures engine vs PyTorch."""
 from __future__ import annotations
 
