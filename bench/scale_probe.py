@@ -10,7 +10,11 @@ command, seconds, peak RSS, peak RSS / model bf16 bytes (and / fp32 graph bytes 
 the path it took (in-memory or sequential), the disk bytes of each artifact it wrote and its exit code.
 
 Stages: ``calibrate`` (auto placement), ``calibrate-seq`` (``--sequential``), ``deploy`` (TensorRT-LLM
-checkpoint + HF folder, verified), ``rewrite`` (fp32 ONNX export + HARP rewrite + verification).
+checkpoint + HF folder, verified), ``rewrite`` (fp32 ONNX export + HARP rewrite + verification),
+``build`` (``harp-trt build --backend ort --quant Q`` with a ``--sequential`` calibrate, every step
+in one process: per step its seconds and the process's peak RSS when it ended, and the cache's
+peak disk, sampled every second while it runs; ``--backend ort --quant int4`` as in the issue),
+``generate`` (greedy tokens from the engine ``build`` wrote).
 Delete the probe folder afterwards (``--clean``): a 7B probe is ~15 GB and its checkpoint as much again."""
 from __future__ import annotations
 
@@ -149,10 +153,53 @@ def artifact_bytes(cache: Path) -> dict[str, int]:
             for d in sorted(cache.iterdir()) if (d / "manifest.json").is_file()}
 
 
+def cache_bytes(cache: Path) -> int:
+    """Bytes of every file under the cache folder (finished artifacts and temp folders alike)."""
+    total = 0
+    for dirpath, _, files in os.walk(cache):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except OSError:  # renamed or removed while walking
+                pass
+    return total
+
+
+class DiskPeak:
+    """The cache folder's peak size while a command runs (sampled every ``every`` seconds)."""
+
+    def __init__(self, cache: Path, every: float = 1.0):
+        import threading
+
+        self.cache, self.every, self.peak = cache, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, cache_bytes(self.cache))
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "DiskPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, cache_bytes(self.cache))
+
+
 def _stage_command(stage: str, calib: list[str], plan: str | None, args, model_dir: Path) -> list[str] | str:
     """The harp-trt command line of one probed stage, or why it is skipped."""
     if stage in ("calibrate", "calibrate-seq"):
         return calib + (["--sequential", "--force"] if stage == "calibrate-seq" else [])
+    if stage == "build":
+        return ["build", "--backend", args.backend, "--quant", args.quant, *calib[1:], "--sequential"] + \
+            (["--keep-intermediates"] if args.keep_intermediates else [])
+    if stage == "generate":
+        return "needs a build stage first" if plan is None else \
+            ["generate", "--artifact", plan, "--prompt", "The capital of France is", "--max-new-tokens", "8", "--no-stream"]
     if stage not in ("deploy", "rewrite"):
         raise SystemExit(f"unknown stage {stage!r}")
     if plan is None:
@@ -193,6 +240,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--alpha-grid", default="0,0.5,1")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--backend", default="ort", help="build stage: backend (default %(default)s)")
+    ap.add_argument("--quant", default="int4", help="build stage: none | int4 | int8 (default %(default)s)")
+    ap.add_argument("--keep-intermediates", action="store_true", help="build stage: keep export/rewrite weights")
+    ap.add_argument("--dtype", default="bfloat16", help="calibration dtype (default %(default)s)")
     ap.add_argument("--clean", action="store_true", help="delete the probe folder at the end")
     args = ap.parse_args(argv)
 
@@ -213,23 +264,36 @@ def main(argv=None) -> int:
     bf16 = info["bytes_bf16"]
     exe = [sys.executable, "-m", "harp_trt.cli"]
     common = ["--workdir", str(cache), "--json"]
-    calib = ["calibrate", "--model", str(model_dir), "--dtype", "bfloat16", "--device", "cpu",
+    calib = ["calibrate", "--model", str(model_dir), "--dtype", args.dtype, "--device", "cpu",
              "--layers", str(args.layers), "--tokens", str(args.tokens), "--seq-len", str(args.seq_len),
              "--alpha-grid", args.alpha_grid]
     stages: dict[str, dict] = {}
-    plan = None
+    plan = engine = None
     for stage in [s for s in args.stages.split(",") if s]:
-        cmd = _stage_command(stage, calib, plan, args, model_dir)
+        cmd = _stage_command(stage, calib, engine if stage == "generate" else plan, args, model_dir)
         if isinstance(cmd, str):
             stages[stage] = {"skipped": cmd}
             continue
         before = artifact_bytes(cache)
-        r = _measured(exe + cmd + common, env)
+        with DiskPeak(cache) as disk:
+            r = _measured(exe + cmd + common, env)
+        r["cache_peak_disk"] = disk.peak
+        r["cache_disk_after"] = cache_bytes(cache)
         r["command"] = "harp-trt " + " ".join(cmd)
         r["artifact_bytes"] = {k: v for k, v in artifact_bytes(cache).items() if k not in before}
         res = _stage_figures(stage, r, bf16)
         if stage.startswith("calibrate") and res.get("plan"):
             plan = res["plan"]
+        if stage == "build" and res.get("engine"):
+            engine = res["engine"]
+            r["cache_peak_disk_over_bf16_bytes"] = round(disk.peak / bf16, 3)
+            r["steps"] = {k: {"seconds": v["seconds"], "cached": v["cached"], "peak_rss_gb_so_far":
+                              round(v.get("peak_rss_so_far", 0) / 1e9, 3)} for k, v in res["stages"].items()}
+            r.update(preflight=res.get("preflight"), quant=res.get("quant"), layers=res.get("layers"),
+                     alphas=res.get("alphas"), kv_bytes_per_token=res.get("kv_bytes_per_token"))
+        if stage == "generate":
+            r["text"] = res.get("text") or res.get("completion")
+            r["tokens"] = res.get("tokens") or res.get("new_tokens")
         stages[stage] = r
         print(f"{stage}: {r.get('seconds')} s, peak {r.get('peak_rss_gb')} GB, exit {r['exit_code']}",
               file=sys.stderr)

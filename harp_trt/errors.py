@@ -6,7 +6,7 @@ __all__ = [
     "HarpError", "ConfigError", "UnknownNameError", "ModelError", "UnknownModelError",
     "UnsupportedArchitectureError", "HubUnavailableError", "CorruptWeightsError", "CorpusError",
     "CacheError", "StageError", "PreconditionError", "PostconditionError", "VerificationError",
-    "GraphError", "GateError", "MissingDependencyError",
+    "GraphError", "GateError", "MissingDependencyError", "ResourceError",
 ]
 
 
@@ -82,6 +82,10 @@ class VerificationError(StageError):
 
 class GraphError(StageError):
     """An ONNX graph could not be read or rewritten."""
+
+
+class ResourceError(HarpError):
+    """The run would not fit the machine's free memory or disk (said before any work)."""
 
 
 class MissingDependencyError(HarpError):

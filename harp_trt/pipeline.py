@@ -36,10 +36,20 @@ class StageRecord:
     stage: str
     artifact: Artifact
     seconds: float
+    peak_rss: int = 0   # the process's peak resident bytes so far, when the stage ended
 
     def row(self) -> dict[str, Any]:
         return {"stage": self.stage, "status": "cached" if self.artifact.cached else "built",
                 "seconds": round(self.seconds, 2), "artifact": str(self.artifact.path)}
+
+
+def _peak_rss() -> int:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return 0
 
 
 @dataclass
@@ -47,6 +57,7 @@ class BuildResult:
     records: list[StageRecord] = field(default_factory=list)
     plan: Plan | None = None
     notes: list[str] = field(default_factory=list)
+    preflight: dict[str, Any] | None = None
 
     def artifact(self, stage: str) -> Artifact | None:
         for r in self.records:
@@ -83,11 +94,14 @@ def _step_config(step: Step, needed: set[str], config: StageConfig) -> StageConf
 
 def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
               force: str | None = None, bench_config=None, configs: Mapping[str, StageConfig] | None = None,
-              on_phase: Callable[[str], None] | None = None, progress=None, placement=None) -> BuildResult:
+              on_phase: Callable[[str], None] | None = None, progress=None, placement=None,
+              keep_intermediates: bool = True) -> BuildResult:
     """Run the pipeline; returns the per-stage records (cached or built) and the plan. ``configs``
     maps registry stage names (``"build-ort"``, ``"trtllm"``...) to their configs; a stage not
     named runs with its config class's defaults, and one config builds every step of that stage
-    alike (up to the step's ``adjust``)."""
+    alike (up to the step's ``adjust``). ``keep_intermediates=False`` drops the weights of an
+    intermediate artifact (``Stage.intermediate``) once every step of the run that reads it has
+    run (``harp_trt.store.ArtifactStore.prune``); a later run that needs them rebuilds them."""
     spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
     # the engines the bench compares (variant -> step; empty: it loads the model); ConfigError first
     bench_engines = spec.bench_engines(bench_config.engine, f"backend {backend}") if bench_config is not None else ()
@@ -101,15 +115,33 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     phase = on_phase or (lambda s: log.info(s))
     out = BuildResult()
 
+    made: dict[str, tuple] = {}   # step -> (stage, config, inputs): to rebuild a pruned artifact
+
     def run(record: str, stage_name: str, config: StageConfig, inputs: dict[str, Any]) -> Artifact:
         entry = STAGES.get(stage_name)
         phase(f"{record} ...")
         t = time.perf_counter()
         stage = entry.stage_class()()
-        art = stage.execute(store, config, stage.prepare(store, config, inputs, hooks),
-                            force=_forced(entry.phase, force))
-        out.records.append(StageRecord(record, art, time.perf_counter() - t))
+        prepared = stage.prepare(store, config, inputs, hooks)
+        if store.get(stage.key(store, config, prepared)) is None or _forced(entry.phase, force):
+            prepared = {k: restore(v) for k, v in prepared.items()}  # it will run: its inputs' files back
+        art = stage.execute(store, config, prepared, force=_forced(entry.phase, force), allow_pruned=True)
+        made[record] = (stage_name, config, inputs)
+        out.records.append(StageRecord(record, art, time.perf_counter() - t, _peak_rss()))
         return art
+
+    def restore(art: Any) -> Any:  # a pruned input artifact, rebuilt (same key) by its step
+        if not isinstance(art, Artifact) or not art.pruned:
+            return art
+        name = next(k for k, v in ctx.items() if isinstance(v, Artifact) and v.key == art.key)
+        stage_name, config, inputs = made[name]
+        stage = STAGES.get(stage_name).stage_class()()
+        inputs = {k: restore(v) for k, v in inputs.items()}
+        phase(f"{name} (rebuilding its pruned weights) ...")
+        t = time.perf_counter()
+        ctx[name] = stage.execute(store, config, stage.prepare(store, config, inputs, hooks), force=True)
+        out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, _peak_rss()))
+        return ctx[name]
 
     def config_of(stage_name: str) -> StageConfig:
         if stage_name not in configs:
@@ -121,14 +153,18 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     from .models import resolve_model
 
     resolved = resolve_model(model_ref, store.root)  # once: a GGUF or new folder is hashed here
+    _configure(spec, configs, resolved)
+    if spec.preflight:  # will it fit? said before calibrate's minutes (ResourceError, exit 2)
+        out.preflight = load_object(spec.preflight)(resolved, configs, store.root, keep_intermediates)
     ctx: dict[str, Any] = {"model": resolved}
     ctx["calibrate"] = run("calibrate", "calibrate", calib_config, {"model": resolved})
     out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
-    for step in spec.steps:
-        config = _step_config(step, needed, config_of(step.stage))
-        if config is not None:
-            ctx[step.name] = run(step.name, step.stage, config, {k: ctx[src] for k, src in step.inputs})
+    steps = [(step, c) for step in spec.steps if (c := _step_config(step, needed, config_of(step.stage))) is not None]
+    for k, (step, config) in enumerate(steps):
+        ctx[step.name] = run(step.name, step.stage, config, {n: ctx[src] for n, src in step.inputs if src in ctx})
+        if not keep_intermediates:
+            _prune_consumed(store, ctx, steps, k, bench_engines if bench_config is not None else ())
     if spec.after:
         out.notes += load_object(spec.after)(ctx)
 
@@ -136,6 +172,27 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         source = {variant: ctx[name] for variant, name in bench_engines if name in ctx} if bench_engines else resolved
         run("bench", "bench", bench_config, {"calibrate": ctx["calibrate"], "source": source})
     return out
+
+
+def _configure(spec: BackendSpec, configs: dict[str, StageConfig], resolved) -> None:
+    """The backend's own choices across its stages' configs (e.g. compact intermediates)."""
+    if spec.configure:
+        for name in {s.stage for s in spec.steps}:
+            configs.setdefault(name, STAGES.get(name).config_class()())
+        configs.update(load_object(spec.configure)(configs, resolved))
+
+
+def _prune_consumed(store: ArtifactStore, ctx: Mapping[str, Any], steps: list, done: int, engines) -> None:
+    """Drop the weights of every intermediate artifact no step after ``done`` (nor the bench) reads."""
+    later = {src for step, _ in steps[done + 1:] for _, src in step.inputs} | {name for _, name in engines}
+    for step, _ in steps[:done + 1]:
+        art = ctx.get(step.name)
+        if step.name in later or not isinstance(art, Artifact) or art.pruned:
+            continue
+        stage = STAGES.get(step.stage).stage_class()
+        if stage.intermediate and stage.prunable(art) and any(step.name == src for s, _ in steps[:done + 1]
+                                                               for _, src in s.inputs):
+            ctx[step.name] = store.prune(art, stage.intermediate)  # type: ignore[index]
 
 
 def run_stage(name: str, config: StageConfig, refs: Mapping[str, Any], store: ArtifactStore,

@@ -81,7 +81,11 @@ class BackendSpec:
     engine loads the plan's model itself, as ``torch`` does). ``also``: other bench engines the
     backend's artifacts serve, each with its own ``variant -> step`` table. ``after``: lazy
     ``"module:function"`` called with the run's artifacts (step name -> ``Artifact``) after the
-    steps, returning notes for the user (e.g. what is left to run elsewhere)."""
+    steps, returning notes for the user (e.g. what is left to run elsewhere). ``configure``: lazy
+    ``"module:function"`` called with the run's stage configs (stage name -> config), returning
+    those it replaces (the ORT backend stores a quantized run's intermediates compactly).
+    ``preflight``: lazy ``"module:function"`` called with the resolved model, the stage configs
+    and the cache folder before any work, raising ``ResourceError`` when the run cannot fit."""
 
     steps: tuple[Step, ...]
     engines: Engines
@@ -89,6 +93,8 @@ class BackendSpec:
     bench: str = "torch"
     also: tuple[tuple[str, Engines], ...] = ()
     after: str = ""
+    configure: str = ""
+    preflight: str = ""
 
     def bench_names(self) -> list[str]:
         return [self.bench, *(name for name, _ in self.also)]
@@ -133,7 +139,11 @@ STAGES.register("bench", StageSpec("harp_trt.bench.stage.stage:BenchStage", "har
 _ORT_QUANTIZED, _ORT_EXACT = "harp_trt.builders.ort.steps:quantized", "harp_trt.builders.ort.steps:exact"
 _ORT_STEPS = (
     Step("export", "export", (("model", "model"),)),
-    Step("rewrite", "rewrite", (("plan", "plan"), ("export", "export"), ("model", "model"))),
+    # a compact (quantized, large-model) run checks its rewrite through the plan's probe model
+    Step("export:probe", "export", (("model", "model"), ("plan", "plan")), only_if="harp_trt.export.steps:compact",
+         adjust="harp_trt.export.steps:probe"),
+    Step("rewrite", "rewrite", (("plan", "plan"), ("export", "export"), ("model", "model"),
+                                ("probe", "export:probe"))),
     Step("build", "build-ort", (("onnx", "rewrite"),)),
     Step("build:dense", "build-ort", (("onnx", "export"),), when="bench"),
     Step("build:dense-fp32", "build-ort", (("onnx", "export"),), when="bench", only_if=_ORT_QUANTIZED,
@@ -148,14 +158,16 @@ _GENAI_STEPS = _ORT_STEPS + (Step("build:genai", "genai", (("engine", "build"),)
                              Step("build:genai-dense", "genai", (("engine", "build:dense"),), when="bench"))
 
 BACKENDS: Registry[BackendSpec] = Registry("backend")
+_ORT_HOOKS = dict(configure="harp_trt.builders.ort.steps:configure", preflight="harp_trt.builders.ort.steps:preflight")
 BACKENDS.register("ort", BackendSpec(_ORT_STEPS, _ORT_ENGINES,
-                                     "export + rewrite, then the ONNX Runtime engine (builders/ort)", "ort", _MODEL))
+                                     "export + rewrite, then the ONNX Runtime engine (builders/ort)", "ort", _MODEL,
+                                     **_ORT_HOOKS))
 BACKENDS.register("triton", BackendSpec(_ORT_STEPS + (Step("build:triton", "triton", (("engine", "build"),)),),
                                         _ORT_ENGINES, "the ort engine wrapped as a Triton model repository", "ort",
-                                        _MODEL))
+                                        _MODEL, **_ORT_HOOKS))
 BACKENDS.register("genai", BackendSpec(_GENAI_STEPS, (("harp", "build:genai"), ("dense", "build:genai-dense")),
                                        "the ort engine as an onnxruntime-genai folder (og.Model)", "genai",
-                                       (("ort", _ORT_ENGINES), *_MODEL)))
+                                       (("ort", _ORT_ENGINES), *_MODEL), **_ORT_HOOKS))
 BACKENDS.register("trtllm", BackendSpec((Step("build", "trtllm", (("plan", "plan"), ("model", "model"))),), (),
                                         "TensorRT-LLM checkpoint + build_engine.sh (engine where tensorrt_llm imports)",
                                         after="harp_trt.builders.trtllm.steps:engine_note"))

@@ -46,6 +46,14 @@ class Stage(Generic[C]):
     # where the scan of the stage's code starts besides its own module (``harp_trt.codekey``):
     # for an import no scan can see; the closure itself is computed, never listed
     code: ClassVar[tuple[str, ...]] = ()
+    # files a later stage consumes and a rerun does not need (the ONNX weights of export and
+    # rewrite): ``run_build(keep_intermediates=False)`` drops them once every reader has run
+    intermediate: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        """Whether this artifact's ``intermediate`` files may be dropped once consumed."""
+        return bool(cls.intermediate)
 
     @classmethod
     def code_key(cls) -> CodeKey:
@@ -120,17 +128,28 @@ class Stage(Generic[C]):
         with publishing(out, out.parent, f".{out.name}.tmp-") as tmp:
             return self.produce(config, inputs, tmp)
 
-    def execute(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any],
-                force: bool = False) -> Artifact:
+    def key(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any]) -> str:
+        """The artifact key ``execute`` would use."""
         material = self.key_material(config, inputs)
         if self.figures and not self.figures_enabled():
             material = {**material, "figures": False}
-        key = store.make_key(self.name, material)
-        if not force and (hit := store.get(key)) is not None:
+        return store.make_key(self.name, material)
+
+    def execute(self, store: ArtifactStore, config: C, inputs: Mapping[str, Any],
+                force: bool = False, allow_pruned: bool = False) -> Artifact:
+        """The cached artifact, or a new one. A pruned artifact (its intermediate files dropped)
+        counts as a hit only with ``allow_pruned`` (the pipeline, which rebuilds it when a step
+        that runs needs its files); otherwise it is rebuilt under the same key."""
+        key = self.key(store, config, inputs)
+
+        def usable(hit: Artifact | None) -> bool:
+            return hit is not None and (allow_pruned or not hit.pruned)
+
+        if not force and usable(hit := store.get(key)):
             log.info("%s: cache hit %s", self.name, key)
             return hit
         with store.lock(key):
-            if not force and (hit := store.get(key)) is not None:
+            if not force and usable(hit := store.get(key)):
                 return hit
             check(self.requirements(config))
             self.check_preconditions(config, inputs)

@@ -84,6 +84,11 @@ class Artifact:
     def stage(self) -> str:
         return self.manifest["stage"]
 
+    @property
+    def pruned(self) -> bool:
+        """Whether its intermediate files were dropped (``ArtifactStore.prune``)."""
+        return bool(self.manifest.get("pruned"))
+
 
 class ArtifactStore:
     def __init__(self, root: str | os.PathLike | None = None):
@@ -143,6 +148,21 @@ class ArtifactStore:
             raise CacheError(f"no artifact {key!r} in {self.root}", "run `harp-trt cache ls`")
         with FileLock(str(self.root / ".locks" / f"{key}.lock")):
             shutil.rmtree(path)
+
+    def prune(self, art: Artifact, files: tuple[str, ...]) -> Artifact:
+        """Drop ``files`` (and their ``.data`` external-data twins) of a consumed intermediate
+        artifact; its manifest stays, marked ``pruned``, so its key still resolves for the keys
+        downstream, and a stage that needs the files rebuilds it (``Stage.execute``)."""
+        names = [n for f in files for n in (f, f + ".data") if (art.path / n).exists()]
+        with FileLock(str(self.root / ".locks" / f"{art.key}.lock")):
+            manifest = {**art.manifest, "pruned": names}
+            tmp = art.path / f".{MANIFEST}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=2, default=str))
+            os.replace(tmp, art.path / MANIFEST)  # marked first: never files missing unmarked
+            for n in names:
+                (art.path / n).unlink(missing_ok=True)
+        log.info("pruned %s: dropped %s", art.key, ", ".join(names))
+        return Artifact(art.key, art.path, manifest, cached=art.cached)
 
     # -- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager

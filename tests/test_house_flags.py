@@ -12,7 +12,7 @@ import pytest
 _PLACEMENT = {"--device", "--dtype", "--device-map", "--sequential"}  # harp_trt.device resolves them
 _CALIBRATE = {"--model", "--alpha-order", "--paper-alphas", "--naive"} | _PLACEMENT  # inputs of the alphas
 NOT_CONFIG = {
-    "build": _CALIBRATE | {"--backend", "--force", "--bench"},       # pipeline choices
+    "build": _CALIBRATE | {"--backend", "--force", "--bench", "--keep-intermediates"},  # pipeline choices
     "calibrate": _CALIBRATE | {"--force"},
     "score": {"--model", "--save"} | _PLACEMENT,                     # scoring is no stage
     "eval": {"--plan", "--model", "--split"} | _PLACEMENT,           # nor is eval

@@ -86,8 +86,13 @@ class FuseSiblingMatMuls(GraphRule[SiblingMatMuls]):
         user of the old outputs to the Split's and remove the old MatMuls; returns the MatMul."""
         first = m.nodes[0]
         prefix = f"{first.name or 'MatMul'}/fused{len(m.nodes)}"
-        w = np.concatenate([_weight(n) for n in m.nodes], axis=1)
-        wv = ir.Value(name=f"{prefix}/weight", const_value=ir.tensor(np.ascontiguousarray(w)))
+        # Concatenated when read (a save, a quantizer), never held: a 7B graph's fused gate/up
+        # weights would otherwise sit in memory together (15 GB at fp32; issue 23's streaming path).
+        parts = [n.inputs[1].const_value for n in m.nodes]
+        shape = ir.Shape([int(parts[0].shape[0]), sum(m.widths)])
+        lazy = ir.LazyTensor(lambda ps=parts: ir.Tensor(np.concatenate([p.numpy() for p in ps], axis=1)),
+                             dtype=parts[0].dtype, shape=shape, name=f"{prefix}/weight")
+        wv = ir.Value(name=f"{prefix}/weight", shape=shape, type=ir.TensorType(parts[0].dtype), const_value=lazy)
         graph.register_initializer(wv)
         split = ir.Value(name=f"{prefix}/split", const_value=ir.tensor(np.asarray(m.widths, np.int64)))
         graph.register_initializer(split)

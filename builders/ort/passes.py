@@ -90,12 +90,9 @@ class FuseSiblingMatMulsPass(ir_passes.InPlacePass):
         return ir_passes.PassResult(model, modified=bool(report.fused))
 
 
-class QuantizeWeightsPass(ir_passes.PassBase):
-    """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``); ``report`` is what changed. The
-    quantizer returns a new model, and the tied LM head's weight is folded in the input first."""
-
-    in_place = False
-    changes_input = True
+class QuantizeWeightsPass(ir_passes.InPlacePass):
+    """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``), weight by weight in place (the tied
+    LM head's weight is folded first); ``report`` is what changed."""
 
     def __init__(self, spec: QuantSpec, stage: str):
         super().__init__()

@@ -4,9 +4,11 @@ Every ``MatMul`` whose right-hand side is a constant weight (the q/k/v/o project
 LM head and HARP's folded V.O GEMMs alike) becomes ``com.microsoft::MatMulNBits``: weights stored
 in ``bits`` per value, blocked along K in blocks of ``block_size`` with one fp32 scale per block
 (and a zero point unless symmetric). Activations, the embedding table and the KV cache stay fp32.
-The quantizer is ``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`` with its
-round-to-nearest ``DefaultWeightOnlyQuantConfig`` (the same kernel family onnxruntime-genai's model
-builder writes); nothing here quantizes by hand.
+The packing is ONNX Runtime's own: the C++ kernels (``quantize_matmul_4bits`` / ``_8bits``) that
+``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`` calls with its
+round-to-nearest ``DefaultWeightOnlyQuantConfig`` (the kernel family onnxruntime-genai's model
+builder writes), called here one weight at a time instead of on a serialized whole model, with the
+quantizer's names and attributes: the bytes are the quantizer's (tested); nothing quantizes by hand.
 
 ``accuracy_level`` is MatMulNBits' compute type: 0 = fp32 activations (dequantize, then GEMM),
 4 = activations quantized to int8 per block for an int8 GEMM (onnxruntime-genai's CPU default,
@@ -17,10 +19,10 @@ import logging
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from harp_trt.errors import ConfigError, GraphError
-from harp_trt.extras import require
 
 from .config import QUANT_MODES, QuantSpec
 
@@ -41,8 +43,6 @@ def _weight_matmuls(model: ir.Model) -> list[tuple[ir.Node, tuple[int, ...]]]:
 def _fold_transposed_weights(model: ir.Model) -> int:
     """A tied LM head reads ``Transpose(embedding)``: give that MatMul its own [K, N] weight so it
     is quantized too (the fp32 embedding stays for the Gather). Returns how many were folded."""
-    import numpy as np
-
     folded = 0
     for node in list(model.graph):
         if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
@@ -55,7 +55,11 @@ def _fold_transposed_weights(model: ir.Model) -> int:
         if src is None or src.const_value is None or len(src.const_value.shape) != 2 or \
                 (perm is not None and list(perm.value) != [1, 0]):
             continue
-        w = ir.Value(name=f"{src.name}_transposed", const_value=ir.tensor(np.ascontiguousarray(src.const_value.numpy().T)))
+        t_src, name = src.const_value, f"{src.name}_transposed"
+        shape = ir.Shape([t_src.shape[1], t_src.shape[0]])
+        lazy = ir.LazyTensor(lambda t=t_src, n=name: ir.Tensor(np.ascontiguousarray(np.asarray(t.numpy(), np.float32).T),
+                                                               name=n), dtype=t_src.dtype, shape=shape, name=name)
+        w = ir.Value(name=name, shape=shape, type=ir.TensorType(t_src.dtype), const_value=lazy)
         model.graph.register_initializer(w)
         node.replace_input_with(1, w)
         if not t.outputs[0].uses() and not t.outputs[0].is_graph_output():
@@ -64,12 +68,82 @@ def _fold_transposed_weights(model: ir.Model) -> int:
     return folded
 
 
+def _packed(w: np.ndarray, bits: int, block_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:
+    """(packed, scales, zero points) of one [K, N] fp32 weight, by the C++ kernels
+    ``DefaultWeightOnlyQuantizer.qbits_block_quant`` calls (same buffers, same arguments)."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    rows, cols = w.shape
+    kpack = 8 // bits
+    k_blocks = (rows + block_size - 1) // block_size
+    packed = np.zeros((cols, k_blocks, (block_size + kpack - 1) // kpack), dtype="uint8")
+    zero_point = np.zeros((cols, (k_blocks + kpack - 1) // kpack), dtype="uint8")
+    scales = np.zeros((cols, k_blocks), dtype=w.dtype)
+    kernel = quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits
+    kernel(packed, np.ascontiguousarray(w), scales, zero_point, block_size, cols, rows, symmetric)
+    return packed, scales, zero_point
+
+
+class _Quantized:
+    """One weight's packed tensors, computed when the saver first asks for one of them and
+    dropped once all were taken: one weight (and its packed form) resident at a time."""
+
+    def __init__(self, weight: ir.TensorProtocol, spec: QuantSpec, parts: int):
+        self.weight, self.spec, self.parts, self.result = weight, spec, parts, None
+        self.taken = 0
+
+    def part(self, i: int, name: str) -> ir.Tensor:
+        if self.result is None:
+            w = np.asarray(self.weight.numpy(), dtype=np.float32)
+            self.result = _packed(w, self.spec.bits, self.spec.block_size, self.spec.symmetric)
+        out = ir.Tensor(self.result[i], name=name)
+        self.taken += 1
+        if self.taken >= self.parts:
+            self.result, self.taken = None, 0
+        return out
+
+
+def _quantize_node(graph: ir.Graph, node: ir.Node, k: int, n: int, spec: QuantSpec) -> int:
+    """Replace one weight MatMul by MatMulNBits with lazily packed weights, named and attributed
+    as ``MatMulNBitsQuantizer`` (QOperator format) names them. Returns the packed bytes."""
+    bits, block = spec.bits, spec.block_size
+    kpack, k_blocks = 8 // bits, (k + block - 1) // block
+    w = node.inputs[1]
+    shapes = [(n, k_blocks, (block + kpack - 1) // kpack), (n, k_blocks), (n, (k_blocks + kpack - 1) // kpack)]
+    dtypes = [ir.DataType.UINT8, ir.DataType.FLOAT, ir.DataType.UINT8]
+    names = [f"{w.name}_Q{bits}", f"{w.name}_scales", f"{w.name}_zero_points"]
+    parts = 2 if spec.symmetric else 3
+    job = _Quantized(w.const_value, spec, parts)
+    inputs = [node.inputs[0]]
+    for i in range(parts):
+        lazy = ir.LazyTensor(lambda i=i, nm=names[i]: job.part(i, nm), dtype=dtypes[i], shape=ir.Shape(shapes[i]),
+                             name=names[i])
+        v = ir.Value(name=names[i], shape=ir.Shape(shapes[i]), type=ir.TensorType(dtypes[i]), const_value=lazy)
+        graph.register_initializer(v)
+        inputs.append(v)
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
+    if spec.accuracy_level:
+        attrs["accuracy_level"] = spec.accuracy_level
+    new = ir.node("MatMulNBits", inputs, attrs, domain="com.microsoft",
+                  name=f"{node.name}_Q{bits}" if node.name else "")
+    out = node.outputs[0]
+    new.outputs[0].shape, new.outputs[0].type = out.shape, out.type
+    graph.insert_before(node, new)
+    out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+    name = out.name
+    graph.remove(node, safe=True)
+    new.outputs[0].name = name
+    if not w.uses() and not w.is_graph_output() and w.name in graph.initializers:
+        del graph.initializers[w.name]
+    return sum(int(np.prod(s)) * (4 if d == ir.DataType.FLOAT else 1) for s, d in zip(shapes[:parts], dtypes))
+
+
 def quantize_weights(model: ir.Model, spec: QuantSpec, stage: str = "build-ort") -> tuple[ir.Model, dict[str, Any]]:
     """The graph with every constant-weight MatMul as MatMulNBits, and a report of what changed.
-    Raises ConfigError when ``block_size`` does not divide a weight's K (the hidden or MLP size)."""
-    MatMulNBitsQuantizer = require("onnxruntime.quantization.matmul_nbits_quantizer",
-                                   "int4 weights need it").MatMulNBitsQuantizer
-
+    Weight by weight, lazily: each is read, packed and written when the graph is saved, so the
+    model is never held whole (a 7B graph). The bytes equal ``MatMulNBitsQuantizer``'s
+    (``tests/test_quant_stream.py``). Raises ConfigError when ``block_size`` does not divide a
+    weight's K (the hidden or MLP size)."""
     spec.validate()
     _fold_transposed_weights(model)
     found = _weight_matmuls(model)
@@ -82,29 +156,16 @@ def quantize_weights(model: ir.Model, spec: QuantSpec, stage: str = "build-ort")
         raise ConfigError(f"--quant-block-size {spec.block_size} does not divide K = {bad} of the model's "
                           f"weights (K sizes: {ks})", f"use a power of two that divides {min(ks)}, e.g. 32")
     weight_bytes = sum(k * n * 4 for _, (k, n) in found)
-    proto = ir.serde.serialize_model(model)
-    del model
-    quantizer = MatMulNBitsQuantizer(proto, bits=spec.bits, block_size=spec.block_size,
-                                     is_symmetric=spec.symmetric, accuracy_level=spec.accuracy_level)
-    qlog = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = qlog.level
-    qlog.setLevel(logging.WARNING)  # it logs every node at INFO
-    try:
-        quantizer.process()
-    finally:
-        qlog.setLevel(level)
-    out = ir.serde.deserialize_model(quantizer.model.model)
-    ops = Counter(n.op_type for n in out.graph)
-    left = len(_weight_matmuls(out))
-    if ops.get("MatMulNBits", 0) != len(found) or left:
+    q_bytes = sum(_quantize_node(model.graph, node, k, n, spec) for node, (k, n) in found)
+    model.opset_imports.setdefault("com.microsoft", 1)
+    ops = Counter(n.op_type for n in model.graph)
+    if ops.get("MatMulNBits", 0) != len(found) or _weight_matmuls(model):
         raise GraphError(stage, f"the quantizer converted {ops.get('MatMulNBits', 0)} of {len(found)} weight MatMuls",
                          "report this with the graph")
-    q_bytes = sum(v.const_value.nbytes for n in out.graph if n.op_type == "MatMulNBits"
-                  for v in n.inputs[1:] if v is not None and v.const_value is not None)
     report = {"mode": spec.mode, "bits": spec.bits, "block_size": spec.block_size, "symmetric": spec.symmetric,
               "accuracy_level": spec.accuracy_level, "matmuls": len(found),
               "weight_bytes_fp32": weight_bytes, "weight_bytes_quantized": int(q_bytes),
-              "quantizer": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"}
+              "quantizer": "onnxruntime quantize_matmul_{4,8}bits per weight (MatMulNBitsQuantizer's kernels)"}
     log.info("quantized %d MatMuls to %s (block %d): %.1f MB -> %.1f MB", len(found), spec.mode, spec.block_size,
              weight_bytes / 1e6, q_bytes / 1e6)
-    return out, report
+    return model, report

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", default=None, metavar="STAGE",
                    help=f"rerun STAGE and every stage after it ({', '.join(PHASES)})")
     p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
+    p.add_argument("--keep-intermediates", action="store_true",
+                   help="keep the ONNX weights of the export and rewrite artifacts once the engine is built "
+                        "(default: dropped, their manifests kept; a run that needs them rebuilds them)")
     bench_help = {"engine": {"help": "runtime the bench compares dense and HARP in, per backend (the first is its "
                                      "default): " + "; ".join(f"{n}: {', '.join(BACKENDS.get(n).bench_names())}"
                                                               for n in BACKENDS.names()),
@@ -71,13 +74,14 @@ def run(args) -> dict:
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
                         bench_config=bench_config, configs=configs, on_phase=on_phase,
-                        progress=on_candidate, placement=placement)
+                        progress=on_candidate, placement=placement, keep_intermediates=args.keep_intermediates)
     plan = res.plan
     out = {"model": args.model, "backend": args.backend, "layers": list(plan.layers), "alphas": list(plan.alphas),
            "ppl": plan.ppl, "stages": {r.stage: {"artifact": str(r.artifact.path), "cached": r.artifact.cached,
-                                               "seconds": round(r.seconds, 3)} for r in res.records},
+                                               "seconds": round(r.seconds, 3), "peak_rss_so_far": r.peak_rss}
+                                               for r in res.records},
            "all_cached": all(r.artifact.cached for r in res.records),
-           "seconds": round(time.perf_counter() - t0, 3), "notes": res.notes,
+           "seconds": round(time.perf_counter() - t0, 3), "notes": res.notes, "preflight": res.preflight,
            "_tables": {"stages": [r.row() for r in res.records]}, "_hide": ["stages"]}
     engine = res.artifact("build")
     if engine is not None:

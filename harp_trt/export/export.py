@@ -52,7 +52,9 @@ from ..dims import ModelDims
 from ..errors import ConfigError, GraphError, PreconditionError
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, copy_tokenizer,
                       input_names, output_names, read_export_meta)
+from ..config import digest_of
 from ..stage import Stage
+from ..store import Artifact
 from ..weights import hf_config
 from .config import ExportConfig
 from .initializers import bind_lazily, drop_dead_initializers, fold_weight_transposes, optimize
@@ -61,6 +63,7 @@ __all__ = ["export_dense", "export_folder", "kv_layers_of", "ExportStage",
            "exporter_versions"]
 
 log = logging.getLogger(__name__)
+PROBE_DIR = "probe-model"   # a probe export's model folder (harp_trt.probe)
 
 
 def kv_layers_of(model: nn.Module) -> list[int]:
@@ -184,12 +187,15 @@ def _trace(fake_model: nn.Module, mode, kv_layers: list[int], num_layers: int, o
                              "check the model loads and runs a forward pass with cache=DynamicCache()") from e
 
 
-def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
+def _finish(program, meta: dict[str, Any], out_dir: Path, compact: bool = False) -> Path:
     """Optimise (as ``torch.onnx.export(optimize=True)`` does), stamp the metadata and save; weights
     go to ``model.onnx.data`` only past the protobuf limit, written one initializer at a time.
     Each weight is saved once: the folded transposes replace their sources, and any initializer
-    the graph no longer reads is dropped (a dead copy doubled the fp32 export on disk)."""
+    the graph no longer reads is dropped (a dead copy doubled the fp32 export on disk). ``compact``:
+    weights read from half-width safetensors are stored at that width (``harp_trt.compact``)."""
     import onnx_ir as ir
+
+    from ..compact import compact as compact_weights, narrow_bytes
 
     fold_weight_transposes(program.model)
     optimize(program.model)
@@ -201,8 +207,12 @@ def _finish(program, meta: dict[str, Any], out_dir: Path) -> Path:
     data = MODEL_FILE + EXTERNAL_DATA_SUFFIX
     for stale in (path, out_dir / data):
         stale.unlink(missing_ok=True)
-    weight_bytes = sum(v.const_value.nbytes for v in program.model.graph.initializers.values()
-                       if v.const_value is not None)
+    weight_bytes = narrow_bytes(program.model) if compact else sum(
+        v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
+    if compact:
+        meta = {**meta, "storage": "compact"}
+        program.model.metadata_props[EXPORT_META_KEY] = json.dumps(meta)
+        log.info("compact storage: %d weights stored at half width", compact_weights(program.model))
     if weight_bytes > EXTERNAL_DATA_THRESHOLD:
         ir.save(program.model, str(path), external_data=data)
     else:
@@ -239,10 +249,12 @@ def export_dense(model: nn.Module, out_dir: Path, opset: int = 23) -> Path:
     return _finish(program, _meta(model, kv_layers, "float32"), out_dir)
 
 
-def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "float32") -> Path:
+def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "float32",
+                  storage: str = "full") -> Path:
     """Export the dense model in a Hugging Face ``folder`` without loading it: trace a fake-tensor
     skeleton, then stream each initializer from the safetensors files (cast to ``dtype``) into
-    the saved graph. Peak memory: the largest single tensor, plus the exporter."""
+    the saved graph. Peak memory: the largest single tensor, plus the exporter. ``storage="compact"``
+    (fp32 only) keeps weights read from bf16/fp16 files at that width on disk (``harp_trt.compact``)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -280,7 +292,17 @@ def export_folder(folder: Path, out_dir: Path, opset: int = 23, dtype: str = "fl
     log.info("exporting %s from %s (%d layers, %s, streamed)", cfg.model_type, folder, cfg.num_hidden_layers, dtype)
     program = _trace(fake, mode, kv_layers, cfg.num_hidden_layers, opset)
     bind_lazily(program, fetch, shapes)
-    return _finish(program, _meta(fake, kv_layers, dtype), out_dir)
+    compact = storage == "compact" and tdt == torch.float32
+    if compact:
+        from ..compact import mark
+
+        from .initializers import _ir_tensor
+
+        narrow = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        for n, v in program.model.graph.initializers.items():
+            if n not in buffers and hf_name(n) in reader:  # saved as read: never widened
+                mark(v, narrow.get(reader.spec(hf_name(n)).dtype), lambda n=n: _ir_tensor(reader.get(hf_name(n)), n))
+    return _finish(program, _meta(fake, kv_layers, dtype), out_dir, compact)
 
 
 def _check_opset(opset: int) -> None:
@@ -303,6 +325,13 @@ class ExportStage(Stage[ExportConfig]):
     # model). Keep it so: import what the export needs from its own modules, never from rules.
     version = 2
     outputs = ("model.onnx", "config.json")
+    intermediate = ("model.onnx", PROBE_DIR + "/model.safetensors")
+
+    @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        """Only the large-model (compact) path drops its weights once consumed: a small fp32 run
+        keeps them, as before, for the reruns and benches that read them."""
+        return artifact.manifest.get("storage") == "compact"
 
     def requirements(self, config: ExportConfig) -> tuple[tuple[str, str], ...]:
         return (("onnxruntime", "the export's check against PyTorch needs it"),)
@@ -310,7 +339,9 @@ class ExportStage(Stage[ExportConfig]):
     def key_material(self, config: ExportConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
         base = super().key_material(config, inputs)
         resolved = inputs.get("model")
-        return {**base, "model_digest": getattr(resolved, "digest", None), "exporter": exporter_versions()}
+        plan = inputs.get("plan") if config.probe else None
+        probe = {"probe_plan": digest_of(plan.to_dict())} if plan is not None else {}
+        return {**base, "model_digest": getattr(resolved, "digest", None), "exporter": exporter_versions(), **probe}
 
     def check_preconditions(self, config: ExportConfig, inputs: Mapping[str, Any]) -> None:
         resolved = inputs.get("model")
@@ -319,18 +350,30 @@ class ExportStage(Stage[ExportConfig]):
                                     "resolve it with harp_trt.models.resolve_model(ref, cache_root)")
         if not (Path(resolved.folder) / "config.json").is_file():
             raise PreconditionError(self.name, f"model folder {resolved.folder} has no config.json")
+        if config.probe and inputs.get("plan") is None:
+            raise PreconditionError(self.name, "a probe export needs inputs['plan'] (the plan whose layer forms it holds)")
 
     def run(self, config: ExportConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
         from ..families import family_of
         from ..verify import VerifyConfig, verify_rewrite
 
         resolved = inputs["model"]
-        path = export_folder(Path(resolved.folder), Path(out_dir), opset=config.opset, dtype=config.dtype)
-        family = family_of(hf_config(resolved.folder))
+        folder, probe = Path(resolved.folder), None
+        if config.probe:  # the plan's probe model (harp_trt.probe), written from the checkpoint
+            from ..probe import probe_layers, write_probe_folder
+
+            plan = inputs["plan"]
+            probe = write_probe_folder(folder, probe_layers(plan.num_layers, plan.alpha_map), Path(out_dir) / PROBE_DIR)
+            probe["folder"] = PROBE_DIR
+            folder = Path(out_dir) / PROBE_DIR
+        path = export_folder(folder, Path(out_dir), opset=config.opset, dtype=config.dtype, storage=config.storage)
+        family = family_of(hf_config(folder))
         check = None
-        if config.dtype == "float32":  # half-precision graphs are for GPU engines; checked there
-            res = verify_rewrite(path, resolved.folder, {}, VerifyConfig(rtol=config.verify_atol, decode_steps=4,
-                                                                         greedy_steps=4))
+        if config.dtype == "float32" and (config.storage == "full" or config.probe):
+            # half-precision graphs are for GPU engines (checked there); a compact full graph is
+            # checked through its probe (harp_trt.probe) in the rewrite
+            res = verify_rewrite(path, folder, {}, VerifyConfig(rtol=config.verify_atol, decode_steps=4,
+                                                                 greedy_steps=4))
             check = {"logits": res.max_abs_diff, "tolerance": res.tolerance, "decode_steps": 4,
                      "reference": "layer by layer from the safetensors files"}
         copied = copy_tokenizer(Path(resolved.folder), Path(out_dir))
@@ -338,4 +381,5 @@ class ExportStage(Stage[ExportConfig]):
         return {"model": resolved.to_dict(), "family": family.name, "onnx": path.name,
                 "external_data": (Path(out_dir) / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "kv_layers": meta["kv_layers"],
                 "num_layers": meta["num_layers"], "kv_heads": meta["kv_heads"], "head_dim": meta["head_dim"],
+                "storage": config.storage, "probe": probe,
                 "verify": check, "files": copied, "versions": meta["versions"]}

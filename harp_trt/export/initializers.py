@@ -8,6 +8,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from ..compact import SOURCE, STORAGE, mark
 from ..errors import GraphError
 
 __all__ = ["bind_lazily", "fold_weight_transposes", "optimize", "drop_dead_initializers"]
@@ -68,6 +69,9 @@ def fold_weight_transposes(model) -> int:
         shape = ir.Shape([tensor.shape[1], tensor.shape[0]])
         lazy = ir.LazyTensor(lambda t=tensor, n=name: _transposed(t, n), dtype=tensor.dtype, shape=shape, name=name)
         new = ir.Value(name=name, shape=shape, type=ir.TensorType(tensor.dtype), const_value=lazy)
+        if STORAGE in src.meta:  # a transpose is as exact in bf16 as its source, its data the source's transposed
+            f = src.meta.get(SOURCE)
+            mark(new, src.meta[STORAGE], (lambda f=f, n=name: _transposed(f(), n)) if f is not None else None)
         out.replace_all_uses_with(new)
         graph.remove(node, safe=True)  # safe: detaches the node from W, so W has no use left
         graph.initializers.add(new)

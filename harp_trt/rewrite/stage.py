@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import onnx
 
+from ..compact import compact, expand
 from ..config import digest_of
 from ..dims import attention_dims
 from ..errors import GraphError, PostconditionError, PreconditionError
@@ -110,6 +111,7 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     against the plan and ``model_config`` (the reference model's ``config.json``) by
     ``check_foreign_graph``."""
     model = load_graph(src)
+    expand(model)  # a compact export's weights as fp32 initializers again, lazily (harp_trt.compact)
     meta_raw = model.metadata_props.get(EXPORT_META_KEY)
     meta = json.loads(meta_raw) if meta_raw else {}
     head_dim = head_dim or meta.get("head_dim")
@@ -126,11 +128,14 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     shapes_fixed = fix_constant_shapes(model.graph)
     model.metadata_props[PLAN_META_KEY] = json.dumps(
         {"model_digest": plan.model_digest, "layers": list(plan.layers), "alphas": list(plan.alphas)})
+    if meta.get("storage") == "compact":
+        compact(model)  # the weights read from the checkpoint back at its width; folded ones fp32
     external = save_graph(model, out_path, external_threshold_bytes=external_data_mb * (1 << 20))
     report = result.to_dict()
     report["external_data"] = external
     report["shape_annotations_fixed"] = shapes_fixed
     report["source"] = {"harp_export": bool(meta), **({"graph_facts": facts} if facts is not None else {})}
+    report["storage"] = meta.get("storage", "full")
     report["kv_inputs"] = sum(1 for v in model.graph.inputs if (k := parse_kv_name(v.name)) and k.direction == "past")
     del model, result  # the checker loads the saved file again: one copy of the weights at a time
     try:
@@ -144,6 +149,13 @@ class RewriteStage(Stage[RewriteConfig]):
     name = "rewrite"
     version = 1
     outputs = ("model.onnx", "plan.json", REPORT)
+    intermediate = ("model.onnx",)
+
+    @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        """Only the large-model (compact) path drops its weights once consumed: a small fp32 run
+        keeps them, as before, for the reruns and benches that read them."""
+        return artifact.manifest.get("storage") == "compact"
 
     def requirements(self, config: RewriteConfig) -> tuple[tuple[str, str], ...]:
         return (("onnxruntime", "the rewrite's check against PyTorch needs it (or --no-verify)"),) if config.verify else ()
@@ -194,9 +206,16 @@ class RewriteStage(Stage[RewriteConfig]):
         report = rewrite_onnx(src, plan, out_dir / MODEL_FILE, config.external_data_mb,
                               model_config=model_config, model_ref=resolved.ref if resolved is not None else None)
         verify = None
-        if config.verify:  # the reference is read layer by layer from the weights: bounded memory
-            verify = verify_rewrite(out_dir / MODEL_FILE, Path(resolved.folder), plan.alpha_map,
-                                    config.verify_config()).to_dict()
+        probe = inputs.get("probe")
+        if config.verify and isinstance(probe, Artifact) and probe.manifest.get("probe"):
+            # a graph too large for one ORT session: its probe, and the structure (harp_trt.probe)
+            from .probe_check import verify_with_probe
+
+            verify = verify_with_probe(out_dir / MODEL_FILE, probe, plan, config.verify_config(), out_dir / ".probe",
+                                       rewrite_onnx)
+        elif config.verify:  # the reference is read layer by layer from the weights: bounded memory
+            verify = {**verify_rewrite(out_dir / MODEL_FILE, Path(resolved.folder), plan.alpha_map,
+                                       config.verify_config()).to_dict(), "path": "whole graph"}
         report["verification"] = verify if verify is not None else {"skipped": "config.verify is false"}
         report["plan"] = {"layers": list(plan.layers), "alphas": list(plan.alphas),
                           "model_digest": plan.model_digest}
@@ -210,6 +229,7 @@ class RewriteStage(Stage[RewriteConfig]):
             "kv_inputs_removed": [n for r in report["layers"] for n in r["kv_inputs_removed"]],
             "removed_params": report["params_removed"],
             "max_abs_diff": verify["max_abs_diff"] if verify else None,
+            "verify_path": verify["path"] if verify else None, "storage": report.get("storage"),
             "tolerance": verify["tolerance"] if verify else None, "files": copied,
         }
 
