@@ -11,7 +11,7 @@ import statistics
 import sys
 from typing import Any, Callable
 
-__all__ = ["Refused", "run_main", "device_or_refuse", "SHAPES", "ci95"]
+__all__ = ["Refused", "run_main", "device_or_refuse", "SHAPES", "ci95", "prefill_row"]
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -44,6 +44,13 @@ def ci95(xs: list[float]) -> tuple[float, float, float]:
     df = n - 1
     t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
     return mean, t * statistics.stdev(xs) / math.sqrt(n), statistics.median(xs)
+
+
+def prefill_row(variant: str, seq_len: int, xs: list[float]) -> dict:
+    """One prefill row of the GPU scripts' CSV: ``xs`` seconds summarised by :func:`ci95`."""
+    mean, half, med = ci95(xs)
+    return {"variant": variant, "seq_len": seq_len, "mean_s": mean, "ci95_s": half, "median_s": med,
+            "min_s": min(xs), "n": len(xs)}
 
 
 class Refused(Exception):

@@ -27,9 +27,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from harp_trt.bench._gpu_common import SHAPES, Refused, ci95
+from harp_trt.bench._gpu_common import SHAPES, Refused, prefill_row
 
-__all__ = ["ENGINES", "GPU_RUNTIMES", "WEIGHTS", "probe", "shape_params", "disk_needed", "build_engines", "time_engine_prefill",
+__all__ = ["ENGINES", "GPU_RUNTIMES", "WEIGHTS", "probe", "engine_info", "add_engine_options", "shape_params", "disk_needed", "build_engines",
+           "time_engine_prefill",
            "time_engine_decode", "close"]
 
 ENGINES = ("torch", "genai", "llamacpp")
@@ -103,6 +104,22 @@ def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir:
     return info
 
 
+def add_engine_options(ap, timed: str) -> None:
+    """``--engine`` (what runs ``timed``) and ``--workdir``, the same in both GPU scripts."""
+    ap.add_argument("--engine", default="torch", choices=list(ENGINES),
+                    help=f"runtime of {timed}: PyTorch (default), onnxruntime-genai on CUDA or llama.cpp with every "
+                         "layer on the GPU (bench/_gpu_engines.py; refused where missing)")
+    ap.add_argument("--workdir", default="", help="keep the --engine artifacts here (default: a temporary folder)")
+
+
+def engine_info(args, script: str) -> dict[str, Any] | None:
+    """``probe`` of ``args.engine`` where it names a GPU runtime (refused before any work), else
+    None: the script's own PyTorch path."""
+    if args.engine not in _RUNTIMES:
+        return None
+    return probe(args.engine, script, args.dry_run, args.shape, args.workdir)
+
+
 def shape_params(shape: str) -> int:
     """Parameters of a ``SHAPES`` entry (untied embeddings; attention biases, where a family has
     them, left out: 0.002 % of Qwen2-7B, nothing for a disk estimate)."""
@@ -173,10 +190,7 @@ def time_engine_prefill(engines: dict, seq_lens, repeats: int, warmup: int, voca
                 engines[v].prefill(ids)
                 if r >= warmup:
                     samples[v].append(time.perf_counter() - t0)
-        for v, xs in samples.items():
-            mean, half, med = ci95(xs)
-            rows.append({"variant": v, "seq_len": seq, "mean_s": mean, "ci95_s": half, "median_s": med,
-                         "min_s": min(xs), "n": len(xs)})
+        rows += [prefill_row(v, seq, xs) for v, xs in samples.items()]
         print(f"prefill {seq:>6}: " + "  ".join(f"{r['variant']} {r['mean_s']:.4f} s" for r in rows[-2:]),
               file=sys.stderr)
     return rows

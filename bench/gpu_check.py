@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
 
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
@@ -51,10 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=280.0, help="skip stages once this much time is spent")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on any device (CPU included)")
-    ap.add_argument("--engine", default="torch", choices=["torch", "genai", "llamacpp"],
-                    help="runtime of the prefill and decode stage: PyTorch (default), onnxruntime-genai on CUDA or "
-                         "llama.cpp with every layer on the GPU (bench/_gpu_engines.py; refused where missing)")
-    ap.add_argument("--workdir", default="", help="keep the --engine artifacts here (default: a temporary folder)")
+    add_engine_options(ap, "the prefill and decode stage")
     args = ap.parse_args(argv)
     try:
         args.seq_lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip())
@@ -182,12 +180,7 @@ def run(args) -> dict:
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)
-    from harp_trt.bench._gpu_engines import GPU_RUNTIMES, probe
-
-    info = None
-    if args.engine in GPU_RUNTIMES:
-        # refuses before the search runs
-        info = probe(args.engine, "gpu_check.py", args.dry_run, args.shape, args.workdir)
+    info = engine_info(args, "gpu_check.py")  # refuses before the search runs
     t_start = time.perf_counter()
     out: dict = {"model": args.shape, "engine": args.engine, "runtime": info,
                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harp_trt.bench._gpu_common import SHAPES, ci95, device_or_refuse, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import SHAPES, ci95, device_or_refuse, prefill_row, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
 
 DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DRY_SEQ_LENS = (16, 32, 64)
@@ -50,10 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.85, help="share of free memory the KV cache may use")
     ap.add_argument("--out", required=True, help="folder for the CSV and PNG files")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, any device (CPU included)")
-    ap.add_argument("--engine", default="torch", choices=["torch", "genai", "llamacpp"],
-                    help="runtime timed: PyTorch (default), onnxruntime-genai on CUDA or llama.cpp with every layer "
-                         "on the GPU (bench/_gpu_engines.py; they refuse where missing)")
-    ap.add_argument("--workdir", default="", help="keep the --engine artifacts here (default: a temporary folder)")
+    add_engine_options(ap, "the prefill and decode timings")
     args = ap.parse_args(argv)
     try:
         lens = tuple(int(x) for x in args.seq_lens.split(",") if x.strip()) if args.seq_lens else None
@@ -134,10 +132,7 @@ def time_prefill(models: dict, seq_lens, repeats: int, warmup: int, device, voca
                 _sync(device)
                 if r >= warmup:
                     samples[v].append(time.perf_counter() - t0)
-        for v, xs in samples.items():
-            mean, half, med = ci95(xs)
-            rows.append({"variant": v, "seq_len": seq, "mean_s": mean, "ci95_s": half, "median_s": med,
-                         "min_s": min(xs), "n": len(xs)})
+        rows += [prefill_row(v, seq, xs) for v, xs in samples.items()]
         d = next(r for r in rows if r["seq_len"] == seq and r["variant"] == "dense")
         h = next(r for r in rows if r["seq_len"] == seq and r["variant"] == "harp")
         print(f"prefill {seq:>6}: dense {d['mean_s']:.4f}±{d['ci95_s']:.4f} s  harp {h['mean_s']:.4f}±"
@@ -293,12 +288,7 @@ def run(args) -> dict:
     import torch
 
     device, dtype = device_or_refuse("gpu_prefill.py", args.dry_run)
-    from harp_trt.bench._gpu_engines import GPU_RUNTIMES, probe
-
-    info = None
-    if args.engine in GPU_RUNTIMES:
-        # refuses before anything is written
-        info = probe(args.engine, "gpu_prefill.py", args.dry_run, args.shape, args.workdir)
+    info = engine_info(args, "gpu_prefill.py")  # refuses before anything is written
     t_start = time.perf_counter()
     pre, dec, batches, attn = engine_figures(args, info) if info else _torch_figures(args, device, dtype)
     out = Path(args.out)
