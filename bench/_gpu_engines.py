@@ -19,7 +19,6 @@ graphs for genai) and :func:`probe` refuses up front where the work folder has l
 Building takes minutes to tens of minutes at 8B and is not bounded by ``--budget-s``."""
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 import time
@@ -94,10 +93,10 @@ def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir:
     if not info["gpu"] and not dry_run:
         raise Refused(f"{where} needs a GPU build of {info['runtime']}: {info['version']} here has no CUDA support; "
                       f"{_CUDA_HINT[engine]}, or pass --dry-run to run it on the CPU at tiny shapes")
+    from harp_trt.preflight import free_disk
+
     folder = Path(workdir or tempfile.gettempdir())
-    while not folder.exists():
-        folder = folder.parent
-    need, free = disk_needed(engine, shape), shutil.disk_usage(folder).free
+    need, free = disk_needed(engine, shape), free_disk(folder)
     if need > free and not (workdir and (Path(workdir) / f"random-{shape}").is_dir()):
         raise Refused(f"{where} at {shape} writes about {need / 2**30:.0f} GiB of artifacts; {folder} has "
                       f"{free / 2**30:.0f} GiB free: pass --workdir on a larger disk")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .device import available_memory
 from .errors import ResourceError
 
-__all__ = ["Shapes", "Estimate", "read_shapes", "estimate_onnx_build", "free_resources", "check_fits"]
+__all__ = ["Shapes", "Estimate", "read_shapes", "estimate_onnx_build", "free_resources", "free_disk", "check_fits"]
 
 _BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 GB = 1e9
@@ -35,21 +35,17 @@ class Shapes:
     num_layers: int = 1
 
 
-def _header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
 def read_shapes(folder: str | os.PathLike) -> Shapes:
     """The figures an estimate needs, from the safetensors headers and config.json."""
+    from .weights import read_header
+
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     params = stored = matrix = 0
     half = True
     for f in sorted(folder.glob("*.safetensors")):
-        for name, v in _header(f).items():
+        for name, v in read_header(f)[0].items():
             if name == "__metadata__":
                 continue
             n = 1
@@ -96,21 +92,17 @@ def estimate_onnx_build(s: Shapes, bits: int, block_size: int, compact: bool, ke
     return Estimate(int(rss), int(disk * 1.05), "compact" if compact else "fp32")
 
 
-def free_resources(cache: str | os.PathLike) -> tuple[int, int]:
-    """(available memory, free disk under ``cache``) in bytes."""
-    mem = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if mem is None:
-        mem = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    p = Path(cache)
+def free_disk(path: str | os.PathLike) -> int:
+    """Free bytes on the file system ``path`` will be on (its nearest existing parent's)."""
+    p = Path(path)
     while not p.exists():
         p = p.parent
-    return mem, shutil.disk_usage(p).free
+    return shutil.disk_usage(p).free
+
+
+def free_resources(cache: str | os.PathLike) -> tuple[int, int]:
+    """(available memory, free disk under ``cache``) in bytes."""
+    return available_memory("cpu"), free_disk(cache)
 
 
 def _size(n: int) -> str:
