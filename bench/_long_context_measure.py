@@ -10,7 +10,6 @@ The context grows by ``warmup + repeats x steps`` tokens during the run (small n
 from __future__ import annotations
 
 import gc
-import resource
 import time
 from typing import Any, Callable
 
@@ -19,18 +18,13 @@ import torch
 
 from harp_trt.bench.stage.latency import latency_stats, paired_speedup, random_ids
 
-__all__ = ["rotation", "measure_decode", "measure_prefill", "largest_fit", "peak_rss_bytes"]
+__all__ = ["rotation", "measure_decode", "measure_prefill", "largest_fit"]
 
 
 def rotation(names: list[str], r: int) -> list[str]:
     """``names`` rotated by ``r``: each engine goes first in turn."""
     k = r % len(names)
     return names[k:] + names[:k]
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process so far (``getrusage``: KiB on Linux)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _step(engine, tok: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any, float]:

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from harp_trt.bench.stage import flops
+from harp_trt.memory import peak_rss_bytes
 
-from ._long_context_measure import largest_fit, measure_decode, measure_prefill, peak_rss_bytes
+from ._long_context_measure import largest_fit, measure_decode, measure_prefill
 
 __all__ = ["measure_runtime", "element_bytes", "decode_ideal", "prefill_ideal", "capacity_allocator"]
 

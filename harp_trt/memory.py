@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["tune_allocator"]
+__all__ = ["tune_allocator", "peak_rss_bytes"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -37,3 +37,13 @@ def tune_allocator(mmap_threshold: int = 1 << 20) -> bool:
     _done = ok
     log.debug("glibc mmap threshold pinned at %d bytes: %s", mmap_threshold, ok)
     return ok
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process so far (``getrusage``, KiB on Linux), 0 where it is unknown."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return 0

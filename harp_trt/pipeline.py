@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 from .config import StageConfig
 from .errors import ConfigError
 from .extras import check
+from .memory import peak_rss_bytes
 from .plan import Plan
 from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step, load_object
 from .stage import Hooks
@@ -41,15 +42,6 @@ class StageRecord:
     def row(self) -> dict[str, Any]:
         return {"stage": self.stage, "status": "cached" if self.artifact.cached else "built",
                 "seconds": round(self.seconds, 2), "artifact": str(self.artifact.path)}
-
-
-def _peak_rss() -> int:
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    except (ImportError, OSError):
-        return 0
 
 
 @dataclass
@@ -127,7 +119,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
             prepared = {k: restore(v) for k, v in prepared.items()}  # it will run: its inputs' files back
         art = stage.execute(store, config, prepared, force=_forced(entry.phase, force), allow_pruned=True)
         made[record] = (stage_name, config, inputs)
-        out.records.append(StageRecord(record, art, time.perf_counter() - t, _peak_rss()))
+        out.records.append(StageRecord(record, art, time.perf_counter() - t, peak_rss_bytes()))
         return art
 
     def restore(art: Any) -> Any:  # a pruned input artifact, rebuilt (same key) by its step
@@ -140,7 +132,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         phase(f"{name} (rebuilding its pruned weights) ...")
         t = time.perf_counter()
         ctx[name] = stage.execute(store, config, stage.prepare(store, config, inputs, hooks), force=True)
-        out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, _peak_rss()))
+        out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, peak_rss_bytes()))
         return ctx[name]
 
     def config_of(stage_name: str) -> StageConfig:
