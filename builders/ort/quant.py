@@ -30,6 +30,7 @@ __all__ = ["QUANT_MODES", "QuantSpec", "quantize_weights"]
 
 log = logging.getLogger(__name__)
 
+
 def _weight_matmuls(model: ir.Model) -> list[tuple[ir.Node, tuple[int, ...]]]:
     out = []
     for node in model.graph:
@@ -142,7 +143,7 @@ def quantize_weights(model: ir.Model, spec: QuantSpec, stage: str = "build-ort")
     """The graph with every constant-weight MatMul as MatMulNBits, and a report of what changed.
     Weight by weight, lazily: each is read, packed and written when the graph is saved, so the
     model is never held whole (a 7B graph). The bytes equal ``MatMulNBitsQuantizer``'s
-    (``tests/test_quant_stream.py``). Raises ConfigError when ``block_size`` does not divide a
+    (``tests/test_scale_path.py``). Raises ConfigError when ``block_size`` does not divide a
     weight's K (the hidden or MLP size)."""
     spec.validate()
     _fold_transposed_weights(model)
