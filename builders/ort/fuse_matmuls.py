@@ -43,12 +43,13 @@ class FuseReport:
                 "matmuls": sum(len(g["matmuls"]) for g in self.fused), "fused": self.fused, "skipped": self.skipped}
 
 
-def _weight(node: ir.Node) -> np.ndarray | None:
-    """The constant 2-D weight of a plain MatMul, else None."""
+def _weight(node: ir.Node) -> ir.TensorProtocol | None:
+    """The constant 2-D weight of a plain MatMul, else None (its data is not read: a lazily
+    widened compact weight stays unread until the fused weight is)."""
     if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2 or node.inputs[1] is None:
         return None
     w = node.inputs[1].const_value
-    return w.numpy() if w is not None and len(w.shape) == 2 else None
+    return w if w is not None and len(w.shape) == 2 else None
 
 
 class FuseSiblingMatMuls(GraphRule[SiblingMatMuls]):
@@ -76,7 +77,8 @@ class FuseSiblingMatMuls(GraphRule[SiblingMatMuls]):
         if len(kept) < 2:
             return MatchResult.fail("fewer than two of its MatMuls have a constant 2-D weight")
         if len({w.shape[0] for _, w in kept}) != 1 or len({w.dtype for _, w in kept}) != 1:
-            return MatchResult.fail(f"weights differ in K or dtype: {[(w.shape, str(w.dtype)) for _, w in kept]}")
+            found = [(tuple(w.shape), str(w.dtype.numpy())) for _, w in kept]
+            return MatchResult.fail(f"weights differ in K or dtype: {found}")
         if any(o.is_graph_output() for n, _ in kept for o in n.outputs):
             return MatchResult.fail("a MatMul output is a graph output")
         return MatchResult(SiblingMatMuls(x, [n for n, _ in kept], [int(w.shape[1]) for _, w in kept]))
