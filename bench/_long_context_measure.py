@@ -2,11 +2,14 @@
 HARP engine (and optional peers) of one runtime, and the KV capacity of a fixed budget measured by
 allocating it. The statistics are ``harp_trt.bench.stage.latency``'s (``paired_speedup``, ``latency_stats``).
 
-Decode at a context C and batch B: every engine prefills a prompt of C tokens per sequence once
-(untimed), runs ``warmup`` untimed steps, then ``repeats`` rounds in which each engine, in an order
-that rotates every round, times ``steps`` one-token decode steps. A round's median step time is one
-inter-token latency per engine; the rounds pair dense and HARP for the speed-up's 95 % interval.
-The context grows by ``warmup + repeats x steps`` tokens during the run (small next to C)."""
+Decode at a context C and batch B: every engine prefills a prompt of C - (warmup + repeats x steps)
+tokens per sequence once (untimed), runs ``warmup`` untimed steps, then ``repeats`` rounds in which
+each engine, in an order that rotates every round, times ``steps`` one-token decode steps, so the
+last timed step attends to exactly C positions (a model of C positions is timed at C). A round's
+median step time is one inter-token latency per engine; the rounds pair dense and HARP for the
+speed-up's 95 % interval. An engine with ``replicate(state, batch)`` (our ORT engine) prefills one
+row and copies its KV cache into every row: a step's cost depends on the cache's length, not on
+what it holds, and a B x C prefill is the costliest part of a long-context run."""
 from __future__ import annotations
 
 import gc
@@ -39,11 +42,22 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
     """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
     ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
     "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
-    ids = random_ids(vocab, context, seed + context, batch=batch)
+    prompt = context - warmup - repeats * steps
+    if prompt < 1:
+        from harp_trt.errors import ConfigError
+
+        raise ConfigError(f"context {context} holds no prompt before {warmup} warm-up and {repeats} x {steps} "
+                          "timed steps", "give a longer --contexts or fewer --repeats / --decode-steps")
+    ids = random_ids(vocab, prompt, seed + context, batch=batch)
     names = list(engines)
     live: dict[str, tuple[torch.Tensor, Any]] = {}
     for n in names:
-        logits, state = engines[n].prefill(ids)
+        e = engines[n]
+        if batch > 1 and hasattr(e, "replicate"):
+            logits, state = e.prefill(ids[:1])
+            logits, state = logits.expand(batch, -1), e.replicate(state, batch)
+        else:
+            logits, state = e.prefill(ids)
         live[n] = (logits.argmax(-1, keepdim=True), state)
     for n in names:
         tok, state = live[n]
@@ -63,14 +77,15 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
             rounds[n].append(float(np.median(ms)))
             every[n] += ms
     out: dict[str, Any] = {"context": context, "batch": batch, "steps_per_round": steps, "rounds": repeats,
+                           "prompt": prompt, "timed_positions": [prompt + warmup + 1, context],
+                           "replicated": sorted(n for n in names if batch > 1 and hasattr(engines[n], "replicate")),
                            "per_engine": {}}
     for n in names:
         state = live[n][1]
         nbytes, slots = engines[n].cache_bytes(state), engines[n].cache_tokens(state)
-        held = context + warmup + repeats * steps
         out["per_engine"][n] = {"tokens_per_s": batch * 1e3 / float(np.median(every[n])),
                                 "itl": latency_stats(every[n]), "kv_bytes": int(nbytes),
-                                "kv_tokens": int(slots) if slots else batch * held}
+                                "kv_tokens": int(slots) if slots else batch * context}
     out["speedup"] = paired_speedup(rounds["dense"], rounds["harp"], seed)
     out["peer_ratio"] = {n: paired_speedup(rounds["dense"], rounds[n], seed)
                          for n in names if n not in ("dense", "harp")}

@@ -118,12 +118,15 @@ def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, An
 def _check_contexts(pair, args) -> None:
     from harp_trt.errors import ConfigError
 
-    need = max(args.contexts) + args.warmup + args.repeats * args.decode_steps + 1
-    longest = max([need, *args.prefill_lens])
+    timed = args.warmup + args.repeats * args.decode_steps
+    if min(args.contexts) <= timed:
+        raise ConfigError(f"--contexts {min(args.contexts)} holds no prompt before the {timed} decoded tokens "
+                          "(warm-up + repeats x decode steps)", "give longer --contexts")
+    # the per-token KV figure decodes one token after a prompt of the shortest context
+    longest = max([max(args.contexts), min(args.contexts) + 1, *args.prefill_lens])
     if longest > pair.max_positions:
-        raise ConfigError(f"contexts up to {max(args.contexts)} plus {need - max(args.contexts)} decoded tokens "
-                          f"(or a prefill of {max(args.prefill_lens, default=0)}) exceed the model's "
-                          f"{pair.max_positions} positions", "give shorter --contexts / --prefill-lens")
+        raise ConfigError(f"contexts up to {max(args.contexts)} (or a prefill of {max(args.prefill_lens, default=0)}) "
+                          f"exceed the model's {pair.max_positions} positions", "give shorter --contexts / --prefill-lens")
 
 
 def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str, Any]:

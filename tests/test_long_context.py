@@ -64,6 +64,9 @@ def test_every_field(result):
         assert [(m["context"], m["batch"]) for m in r["decode"]] == [(24, 1), (24, 2)]
         for m in r["decode"]:
             assert DECODE_FIELDS <= set(m)
+            # a prompt of 24 - (1 warm-up + 2 x 2 timed) tokens: the last timed step attends to 24
+            assert m["prompt"] == 19 and m["timed_positions"] == [21, 24]
+            assert m["replicated"] == (["dense", "harp"] if name == "ort" and m["batch"] > 1 else [])
             for v in ("dense", "harp"):
                 e = m["per_engine"][v]
                 assert e["tokens_per_s"] > 0 and e["itl"]["n"] == 2 * 2
@@ -137,3 +140,31 @@ def test_bad_input_exits_2(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0]
+
+
+def test_ort_replicate_equals_a_batch_prefill(result):
+    """The ORT engine's decode set-up (one row's prefill, its KV copied into every row) decodes as a
+    batch prefill of identical rows does: same logits within 1e-5 of their scale."""
+    import numpy as np
+    import torch
+
+    from harp_trt.bench.stage.engine_ort import OrtEngine
+    from harp_trt.ort_session import OrtCausalLM
+
+    res, _ = result
+    folder = res["runtimes"]["ort"]["engines"]["harp"]["folder"]
+    e = OrtEngine(OrtCausalLM.from_engine(folder, intra_op_threads=1), "harp", 1024)
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    l1, s1 = e.prefill(ids)
+    rep = e.replicate(s1, 3)
+    lb, sb = e.prefill(ids.expand(3, -1))
+    tok = l1.argmax(-1, keepdim=True).expand(3, -1)
+    for _ in range(2):
+        a, rep = e.decode(tok, rep)
+        b, sb = e.decode(tok, sb)
+        scale = max(1.0, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= 1e-5 * scale
+        assert torch.equal(a[0], a[2])
+        tok = b.argmax(-1, keepdim=True)
+    with pytest.raises(ValueError, match="batch-1"):
+        e.replicate(sb, 2)

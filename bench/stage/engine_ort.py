@@ -46,6 +46,14 @@ class OrtEngine(Engine):
         logits, present = self.session.forward(x, np.ones((b, s), np.int64), pos, None)
         return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (present, s)
 
+    def replicate(self, state: Any, batch: int) -> tuple[Any, int]:
+        """A batch-1 prefill's state as ``batch`` rows holding copies of its KV cache (the long-context
+        bench's decode set-up: one row's prefill instead of ``batch``)."""
+        past, p = state
+        if isinstance(past, StaticCache) or next(iter(past.values()))[0].shape[0] != 1:
+            raise ValueError("replicate takes the state of a batch-1 prefill")
+        return {i: (np.repeat(k, batch, 0), np.repeat(v, batch, 0)) for i, (k, v) in past.items()}, p
+
     def decode(self, token: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
         """One step; on a GroupQueryAttention engine the first decode moves the prefill's cache
         into a ``StaticCache`` (in-place appends, as ``OrtCausalLM.generate`` decodes)."""
