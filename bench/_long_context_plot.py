@@ -36,8 +36,8 @@ def write_plot(result: dict[str, Any], path: Path) -> tuple[str | None, str]:
         ax.set_ylabel("HARP / dense decode speed-up")
         ax.set_title(name)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{result['model']}, P={result['plan']['pruned']} of {result['plan']['num_layers']} (busy machine)",
-                 fontsize=9)
+    fig.suptitle(f"{result['model']}, P={result['plan']['pruned']} of {result['plan']['num_layers']} "
+                 f"({result['note'].split(':')[0]})", fontsize=9)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

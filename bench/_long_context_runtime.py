@@ -72,6 +72,7 @@ def capacity_allocator(runtime: str, engine, step: int):
     return alloc
 
 
+KV_PROBE_TOKENS = 512   # prompt of the KV-bytes-per-token figure
 GENAI_MAX_SEQUENCES = 32   # onnxruntime-genai 0.18's Generator: "batch_size (64) must be in [1, 32]"
 
 
@@ -98,7 +99,8 @@ def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: f
 
 
 def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, Any]:
-    """Batch 1: prefill ``context`` tokens, decode one, bytes the runtime holds / positions they cover."""
+    """Batch 1: prefill ``context`` tokens (the shortest context, at most ``KV_PROBE_TOKENS``), decode
+    one, bytes the runtime holds / positions they cover."""
     from harp_trt.bench.stage.latency import random_ids
 
     out: dict[str, Any] = {}
@@ -137,7 +139,9 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
     out: dict[str, Any] = {"engines": pair.info, "weight_bytes_per_param": wb, "kv_bytes_per_element": kvb,
                            "kv_type": args.kv_type if runtime == "llamacpp" else str(np.dtype("float32")),
                            "decode": [], "prefill": []}
-    out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, min(args.contexts), kvb, d)
+    # bytes held over positions covered does not depend on the length: a short prompt says it (an 8192
+    # prefill per engine would only cost minutes)
+    out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, min(*args.contexts, KV_PROBE_TOKENS), kvb, d)
     for c in args.contexts:
         for b in args.batches:
             m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed)

@@ -44,8 +44,16 @@ log = logging.getLogger("long_context")
 
 RUNTIMES = {"ort": "ort", "genai": "genai", "llamacpp": "gguf"}   # runtime -> pipeline backend
 WEIGHT_BYTES = {"none": 4, "int8": 1, "int4": 0.5}                 # ORT weight element size per --quant
-BUSY_NOTE = ("timings from a shared, busy machine unless stated otherwise: speed-ups and their intervals "
-             "cover this run's repeat-to-repeat noise only")
+QUIET_LOAD = 0.5   # 1-minute load average before the run at or below which the machine counts as quiet
+
+
+def machine_note(load_before: float, load_after: float) -> str:
+    """What the timings can be trusted for, from the machine's load average (other jobs before the
+    run; the run's own threads are in the figure after it)."""
+    state = "quiet" if load_before <= QUIET_LOAD else "busy"
+    return (f"{state} machine: load average {load_before:.2f} before the run (others' jobs), {load_after:.2f} "
+            "after it (this run's threads included); speed-up intervals cover this run's repeat-to-repeat "
+            "noise only" + ("" if state == "quiet" else ", not the other jobs' load"))
 
 
 def parse_bytes(text: str) -> int:
@@ -222,7 +230,7 @@ def run(args) -> dict[str, Any]:
     plan, resolved, calib_art = make_plan(args, store)
     L, P = plan.num_layers, len(plan.layers)
     out: dict[str, Any] = {
-        "issue": 21, "note": BUSY_NOTE, "model": resolved.ref, "model_digest": resolved.digest,
+        "issue": 21, "model": resolved.ref, "model_digest": resolved.digest,
         "plan": {"layers": list(plan.layers), "alphas": list(plan.alphas), "num_layers": L, "pruned": P,
                  "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
@@ -246,6 +254,7 @@ def run(args) -> dict[str, Any]:
                 e.close()
         out["runtimes"][runtime]["seconds"] = round(time.perf_counter() - t, 1)
     out["machine"]["load_avg_end"] = list(os.getloadavg())
+    out["note"] = machine_note(out["machine"]["load_avg_start"][0], out["machine"]["load_avg_end"][0])
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out["plot"], out["plot_note"] = write_plot(out, out_dir / "long_context.png")
