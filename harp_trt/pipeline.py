@@ -108,6 +108,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     out = BuildResult()
 
     made: dict[str, tuple] = {}   # step -> (stage, config, inputs): to rebuild a pruned artifact
+    reading: set[str] = set()     # steps the running step and those after it read (set per step)
 
     def run(record: str, stage_name: str, config: StageConfig, inputs: dict[str, Any]) -> Artifact:
         entry = STAGES.get(stage_name)
@@ -133,6 +134,11 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         t = time.perf_counter()
         ctx[name] = stage.execute(store, config, stage.prepare(store, config, inputs, hooks), force=True)
         out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, peak_rss_bytes()))
+        if not keep_intermediates:  # an input rebuilt for this rebuild alone is dropped again now, not
+            for v in inputs.values():  # after the step that asked for it (the export beside the engine)
+                src = next((n for n in made if isinstance(ctx.get(n), Artifact) and ctx[n].key == getattr(v, "key", None)), None)
+                if src is not None and src not in reading:
+                    ctx[src] = _prune(store, made[src][0], ctx[src])
         return ctx[name]
 
     def config_of(stage_name: str) -> StageConfig:
@@ -153,7 +159,10 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
     steps = [(step, c) for step in spec.steps if (c := _step_config(step, needed, config_of(step.stage))) is not None]
+    engines_read = {name for _, name in bench_engines} if bench_config is not None else set()
     for k, (step, config) in enumerate(steps):
+        reading.clear()
+        reading.update({src for s, _ in steps[k:] for _, src in s.inputs} | engines_read)
         ctx[step.name] = run(step.name, step.stage, config, {n: ctx[src] for n, src in step.inputs if src in ctx})
         if not keep_intermediates:
             _prune_consumed(store, ctx, steps, k, bench_engines if bench_config is not None else ())
@@ -181,10 +190,17 @@ def _prune_consumed(store: ArtifactStore, ctx: Mapping[str, Any], steps: list, d
         art = ctx.get(step.name)
         if step.name in later or not isinstance(art, Artifact) or art.pruned:
             continue
-        stage = STAGES.get(step.stage).stage_class()
-        if stage.intermediate and stage.prunable(art) and any(step.name == src for s, _ in steps[:done + 1]
-                                                               for _, src in s.inputs):
-            ctx[step.name] = store.prune(art, stage.intermediate)  # type: ignore[index]
+        if any(step.name == src for s, _ in steps[:done + 1] for _, src in s.inputs):
+            ctx[step.name] = _prune(store, step.stage, art)  # type: ignore[index]
+
+
+def _prune(store: ArtifactStore, stage_name: str, art: Artifact) -> Artifact:
+    """``art`` with its stage's intermediate files dropped, where the stage declares them and
+    this artifact has them (``Stage.prunable``); else ``art``."""
+    stage = STAGES.get(stage_name).stage_class()
+    if art.pruned or not stage.intermediate or not stage.prunable(art):
+        return art
+    return store.prune(art, stage.intermediate)
 
 
 def run_stage(name: str, config: StageConfig, refs: Mapping[str, Any], store: ArtifactStore,

@@ -231,3 +231,37 @@ def test_preflight_refuses_before_any_work(tmp_path, monkeypatch):
     assert not list(cache.glob("*/manifest.json")) and not list((cache / ".tmp").iterdir())  # no artifact
     monkeypatch.setattr(pf, "free_resources", lambda cache: (est.peak_rss // 2, 1 << 50))
     assert main(["build", "--model", str(folder), "--quant", "int4", "--workdir", str(cache), "--json"]) == 2
+
+
+def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_path, capsys, monkeypatch):
+    """An int4 build drops the export's and rewrite's weights once the engine is built; an int8 build
+    of the same plan rebuilds both (same keys) and drops the export's again as soon as the rewrite is
+    rebuilt, so the cache never holds export, rewrite and engine at once (at 7B: 15 + 15 + 10 GB)."""
+    from harp_trt.builders.ort.builder import OrtBuildStage
+    from test_calibrate_cli import run_json, write_corpus
+
+    from safetensors.torch import load_file, save_file
+
+    folder = save_tiny("qwen2", tmp_path / "tiny", seed=5)
+    f = next(folder.glob("*.safetensors"))  # a bf16 checkpoint takes the compact (pruning) path
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    cmd = ["build", "--model", str(folder), "--layers", "2", "--tokens", "256", "--seq-len", "64",
+           "--corpus", str(write_corpus(tmp_path / "c.txt")), "--alpha-grid", "0,1",
+           "--workdir", str(tmp_path / "cache"), "--json"]
+    code, first, err = run_json(capsys, *cmd, "--quant", "int4")
+    assert code == 0, err
+    export, rewrite = (Path(first["stages"][s]["artifact"]) for s in ("export", "rewrite"))
+    assert not (export / "model.onnx").exists() and not (rewrite / "model.onnx").exists()
+    seen = {}
+    real_run = OrtBuildStage.run
+
+    def run(self, config, inputs, out_dir):
+        seen["export"], seen["rewrite"] = (export / "model.onnx").exists(), (rewrite / "model.onnx").exists()
+        return real_run(self, config, inputs, out_dir)
+
+    monkeypatch.setattr(OrtBuildStage, "run", run)
+    code, second, err = run_json(capsys, *cmd, "--quant", "int8")
+    assert code == 0, err
+    assert {"export:rebuilt", "rewrite:rebuilt"} <= set(second["stages"])
+    assert seen == {"export": False, "rewrite": True}
+    assert not (export / "model.onnx").exists() and not (rewrite / "model.onnx").exists()
