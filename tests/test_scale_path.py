@@ -265,3 +265,33 @@ def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_p
     assert {"export:rebuilt", "rewrite:rebuilt"} <= set(second["stages"])
     assert seen == {"export": False, "rewrite": True}
     assert not (export / "model.onnx").exists() and not (rewrite / "model.onnx").exists()
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_optimize_without_prepacking_saves_the_same_engine(mode, tmp_path):
+    """The build's optimize-and-save session runs with ``session.disable_prepacking`` (it never
+    computes, so copying weights into kernel layouts is waste): the saved graph and weights are
+    byte-identical to those of a session that prepacks (accuracy level 4, external weights)."""
+    import onnxruntime as ort
+
+    from harp_trt.builders.ort.builder import OrtBuilder
+    from harp_trt.builders.ort.config import OrtBuildConfig, QuantSpec
+    from harp_trt.builders.ort.quant import quantize_weights
+
+    model, _ = quantize_weights(_mlp_model(k=256, n=512), QuantSpec(mode, 32, True, 4))
+    staged = tmp_path / "staged.onnx"
+    ir.save(model, staged, external_data="staged.onnx.data")
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    OrtBuilder._optimize(staged, staged, ours / "model.onnx", OrtBuildConfig(), ["CPUExecutionProvider"], True)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(ref / "model.onnx")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "model.onnx.data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(staged), so, providers=["CPUExecutionProvider"])
+    for f in ("model.onnx", "model.onnx.data"):
+        assert (ours / f).read_bytes() == (ref / f).read_bytes(), f
+    assert (ref / "model.onnx.data").stat().st_size > 0

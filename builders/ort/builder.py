@@ -158,6 +158,10 @@ class OrtBuilder:
         so.graph_optimization_level = levels[config.optimization_level]
         so.optimized_model_filepath = str(target)
         so.log_severity_level = 3
+        # this session only optimizes and saves: without prepacking its kernels never copy the
+        # weights into their compute layouts (the saved file is byte-identical, tested; at 1.5B
+        # int8 the step's peak falls from 3.1 to 1.0 GB). ORT: session.disable_prepacking
+        so.add_session_config_entry("session.disable_prepacking", "1")
         if external:
             so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                         MODEL_FILE + EXTERNAL_DATA_SUFFIX)
