@@ -153,7 +153,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
                      m["speedup"]["speedup"], m["speedup"]["speedup_ci95_low"], m["speedup"]["speedup_ci95_high"],
                      m["ideal"]["ideal"])
     for s in args.prefill_lens:
-        m = measure_prefill(pair.engines(), d.vocab, s, args.repeats, min(args.warmup, 1), args.seed)
+        m = measure_prefill(pair.engines(), d.vocab, s, args.prefill_repeats, min(args.warmup, 1), args.seed)
         m["ideal"] = prefill_ideal(d, pair.pruned, s, pair.dense.prefill_logits)
         out["prefill"].append(m)
         log.info("%s prefill %d: speed-up %.3f, ideal %.3f", runtime, s, m["speedup"]["speedup"], m["ideal"]["ideal"])

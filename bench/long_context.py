@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-lens", default="4096,8192")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per engine per round")
     p.add_argument("--repeats", type=int, default=5, help="rounds (pairs for the intervals)")
+    p.add_argument("--prefill-repeats", type=int, default=0,
+                   help="prefill pairs (default: --repeats); a long prefill costs a minute per engine here")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps / prefills first")
     p.add_argument("--kv-budget", default="2GiB", help="KV budget the capacity is measured in")
     p.add_argument("--capacity-step", type=int, default=256, help="token granularity of the capacity search")
@@ -113,7 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ConfigError("--prune-layers makes a plan from --model; with --plan the plan names its layers")
     if not 0.0 <= a.alpha <= 1.0:
         raise ConfigError(f"--alpha must lie in [0, 1], got {a.alpha}")
-    for name in ("decode_steps", "repeats", "capacity_step"):
+    a.prefill_repeats = a.prefill_repeats or a.repeats
+    for name in ("decode_steps", "repeats", "prefill_repeats", "capacity_step"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0 or a.threads < 0:
@@ -234,8 +237,8 @@ def run(args) -> dict[str, Any]:
         "plan": {"layers": list(plan.layers), "alphas": list(plan.alphas), "num_layers": L, "pruned": P,
                  "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
-                                                   "warmup", "kv_budget_bytes", "capacity_step", "quant", "kv_type",
-                                                   "threads", "peer", "seed", "shape")},
+                                                   "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
+                                                   "quant", "kv_type", "threads", "peer", "seed", "shape")},
         "machine": {"cpus": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
         "runtimes": {}}
     headroom = args.warmup + args.repeats * args.decode_steps + 2

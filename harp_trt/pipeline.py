@@ -94,15 +94,8 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     alike (up to the step's ``adjust``). ``keep_intermediates=False`` drops the weights of an
     intermediate artifact (``Stage.intermediate``) once every step of the run that reads it has
     run (``harp_trt.store.ArtifactStore.prune``); a later run that needs them rebuilds them."""
-    spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
-    # the engines the bench compares (variant -> step; empty: it loads the model); ConfigError first
-    bench_engines = spec.bench_engines(bench_config.engine, f"backend {backend}") if bench_config is not None else ()
+    spec, bench_engines, configs = _checked(backend, bench_config, force, configs)
     needed = _needed(spec, bench_engines)
-    if force is not None and force not in PHASES:
-        raise ConfigError(f"--force takes a stage name; valid: {', '.join(PHASES)}, got {force!r}")
-    configs = dict(configs or {})
-    for name in configs:
-        STAGES.check(name)
     hooks = Hooks(progress=progress, on_phase=on_phase, placement=placement)
     phase = on_phase or (lambda s: log.info(s))
     out = BuildResult()
@@ -134,11 +127,8 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         t = time.perf_counter()
         ctx[name] = stage.execute(store, config, stage.prepare(store, config, inputs, hooks), force=True)
         out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, peak_rss_bytes()))
-        if not keep_intermediates:  # an input rebuilt for this rebuild alone is dropped again now, not
-            for v in inputs.values():  # after the step that asked for it (the export beside the engine)
-                src = next((n for n in made if isinstance(ctx.get(n), Artifact) and ctx[n].key == getattr(v, "key", None)), None)
-                if src is not None and src not in reading:
-                    ctx[src] = _prune(store, made[src][0], ctx[src])
+        if not keep_intermediates:
+            _drop_rebuilt_inputs(store, ctx, made, inputs.values(), reading)
         return ctx[name]
 
     def config_of(stage_name: str) -> StageConfig:
@@ -159,13 +149,12 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
     steps = [(step, c) for step in spec.steps if (c := _step_config(step, needed, config_of(step.stage))) is not None]
-    engines_read = {name for _, name in bench_engines} if bench_config is not None else set()
     for k, (step, config) in enumerate(steps):
         reading.clear()
-        reading.update({src for s, _ in steps[k:] for _, src in s.inputs} | engines_read)
+        reading.update({src for s, _ in steps[k:] for _, src in s.inputs} | {name for _, name in bench_engines})
         ctx[step.name] = run(step.name, step.stage, config, {n: ctx[src] for n, src in step.inputs if src in ctx})
         if not keep_intermediates:
-            _prune_consumed(store, ctx, steps, k, bench_engines if bench_config is not None else ())
+            _prune_consumed(store, ctx, steps, k, bench_engines)
     if spec.after:
         out.notes += load_object(spec.after)(ctx)
 
@@ -173,6 +162,31 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         source = {variant: ctx[name] for variant, name in bench_engines if name in ctx} if bench_engines else resolved
         run("bench", "bench", bench_config, {"calibrate": ctx["calibrate"], "source": source})
     return out
+
+
+def _checked(backend: str, bench_config, force: str | None, configs) -> tuple[BackendSpec, tuple, dict]:
+    """(the backend's spec, the engines its bench compares (variant -> step; empty: the bench loads
+    the model), the configs by stage name); typed errors first: unknown backend, bench engine,
+    ``--force`` stage or stage name."""
+    spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
+    bench_engines = spec.bench_engines(bench_config.engine, f"backend {backend}") if bench_config is not None else ()
+    if force is not None and force not in PHASES:
+        raise ConfigError(f"--force takes a stage name; valid: {', '.join(PHASES)}, got {force!r}")
+    configs = dict(configs or {})
+    for name in configs:
+        STAGES.check(name)
+    return spec, bench_engines, configs
+
+
+def _drop_rebuilt_inputs(store: ArtifactStore, ctx: dict[str, Any], made: Mapping[str, tuple], inputs,
+                         reading: set[str]) -> None:
+    """Drop again the weights of ``inputs`` rebuilt only to rebuild another pruned artifact, once
+    that one is rebuilt: no running or later step reads them (a second quantized build would
+    otherwise hold the rebuilt export beside the rewrite and the engine)."""
+    for v in inputs:
+        src = next((n for n in made if isinstance(ctx.get(n), Artifact) and ctx[n].key == getattr(v, "key", None)), None)
+        if src is not None and src not in reading:
+            ctx[src] = _prune(store, made[src][0], ctx[src])
 
 
 def _configure(spec: BackendSpec, configs: dict[str, StageConfig], resolved) -> None:

@@ -25,7 +25,7 @@ KV_RATIO_TOL = {"ort": 0.0, "genai": 0.0, "llamacpp": 0.005 / 0.25}
 # so the ratio is L/(L-P) exactly; the tolerance allows one step of the HARP fit
 CAPACITY_TOL = 256 / 2048
 ARGS = ["--prune-layers", "2,3", "--calib-tokens", "256", "--runtime", "all", "--contexts", "24",
-        "--batches", "1,2", "--prefill-lens", "32", "--decode-steps", "2", "--repeats", "2", "--warmup", "1",
+        "--batches", "1,2", "--prefill-lens", "32", "--prefill-repeats", "3", "--decode-steps", "2", "--repeats", "2", "--warmup", "1",
         "--kv-budget", "1MiB", "--capacity-step", "256", "--threads", "1"]
 DECODE_FIELDS = {"context", "batch", "steps_per_round", "rounds", "per_engine", "speedup", "peer_ratio", "ideal",
                  "fraction_of_ideal"}
@@ -75,7 +75,7 @@ def test_every_field(result):
             s = m["speedup"]
             assert s["pairs"] == 2 and s["speedup_ci95_low"] <= s["speedup"] <= s["speedup_ci95_high"]
         (p,) = r["prefill"]
-        assert p["seq_len"] == 32 and p["per_engine"]["harp"]["seconds"] > 0 and p["speedup"]["pairs"] == 2
+        assert p["seq_len"] == 32 and p["per_engine"]["harp"]["seconds"] > 0 and p["speedup"]["pairs"] == 3
         assert r["peak_rss_bytes"] > 0
 
 
