@@ -155,12 +155,12 @@ def layer_signatures(model, vocab: int) -> dict[int | None, Counter]:
     return out
 
 
-def check_structure(full, probe, layers: Sequence[int], alphas: Mapping[int, float], num_layers: int,
-                    vocab: int, probe_vocab: int, stage: str) -> dict[str, Any]:
-    """Every layer of ``full`` (an ``ir.Model``) against the probe layer of its form; the rest
-    against the probe's rest. Raises VerificationError naming the first layer that differs."""
+def check_structure(full, probe_sig: Mapping[int | None, Counter], layers: Sequence[int], alphas: Mapping[int, float],
+                    num_layers: int, vocab: int, stage: str) -> dict[str, Any]:
+    """Every layer of ``full`` (an ``ir.Model``) against the probe layer of its form (``probe_sig``:
+    the probe's ``layer_signatures``, taken before its file is removed); the rest against the
+    probe's rest. Raises VerificationError naming the first layer that differs."""
     full_sig = layer_signatures(full, vocab)
-    probe_sig = layer_signatures(probe, probe_vocab)
     k = len(layers)
     by_form: dict[tuple, int] = {}
     for j, i in enumerate(layers):

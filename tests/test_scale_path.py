@@ -134,15 +134,15 @@ def _layered(num_layers: int, vocab: int, odd: int | None = None) -> ir.Model:
 
 def test_structure_check_catches_a_differing_layer():
     from harp_trt.errors import VerificationError
-    from harp_trt.probe import check_structure, probe_layers
+    from harp_trt.probe import check_structure, layer_signatures, probe_layers
 
     layers = probe_layers(12, {})
     assert layers == [0, 1, 11]
-    probe = _layered(len(layers), 64)
-    report = check_structure(_layered(12, 1000), probe, layers, {}, 12, 1000, 64, "rewrite")
+    probe = layer_signatures(_layered(len(layers), 64), 64)
+    report = check_structure(_layered(12, 1000), probe, layers, {}, 12, 1000, "rewrite")
     assert report["layers_checked"] == 12 and report["by_form"] == {"kept": list(range(12))}
     with pytest.raises(VerificationError, match="layer 7 of the full graph differs in structure"):
-        check_structure(_layered(12, 1000, odd=7), probe, layers, {}, 12, 1000, 64, "rewrite")
+        check_structure(_layered(12, 1000, odd=7), probe, layers, {}, 12, 1000, "rewrite")
 
 
 def test_probe_verifies_and_catches_a_broken_layer(tmp_path):
@@ -236,7 +236,8 @@ def test_preflight_refuses_before_any_work(tmp_path, monkeypatch):
 def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_path, capsys, monkeypatch):
     """An int4 build drops the export's and rewrite's weights once the engine is built; an int8 build
     of the same plan rebuilds both (same keys) and drops the export's again as soon as the rewrite is
-    rebuilt, so the cache never holds export, rewrite and engine at once (at 7B: 15 + 15 + 10 GB)."""
+    rebuilt, so the cache never holds export, rewrite and engine at once (at 7B: 15 + 15 + 10 GB).
+    The rewrite checks its probe before writing the full graph and removes the probe's rewrite first."""
     from harp_trt.builders.ort.builder import OrtBuildStage
     from test_calibrate_cli import run_json, write_corpus
 
@@ -248,8 +249,20 @@ def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_p
     cmd = ["build", "--model", str(folder), "--layers", "2", "--tokens", "256", "--seq-len", "64",
            "--corpus", str(write_corpus(tmp_path / "c.txt")), "--alpha-grid", "0,1",
            "--workdir", str(tmp_path / "cache"), "--json"]
+    import harp_trt.rewrite.stage as rewrite_stage
+
+    writes = []   # (graph written, whether a probe rewrite then sits in the cache)
+    real_rewrite = rewrite_stage.rewrite_onnx
+
+    def rewrite(src, plan, out, *a, **k):
+        writes.append((Path(out).parent.name, any(Path(out).parents[1].glob("*/.probe/*"))))
+        return real_rewrite(src, plan, out, *a, **k)
+
+    monkeypatch.setattr(rewrite_stage, "rewrite_onnx", rewrite)
     code, first, err = run_json(capsys, *cmd, "--quant", "int4")
     assert code == 0, err
+    # the probe is rewritten and checked first; its rewrite is gone before the full graph is written
+    assert [w[0] == ".probe" for w in writes] == [True, False] and writes[1][1] is False
     export, rewrite = (Path(first["stages"][s]["artifact"]) for s in ("export", "rewrite"))
     assert not (export / "model.onnx").exists() and not (rewrite / "model.onnx").exists()
     seen = {}

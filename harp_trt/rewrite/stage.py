@@ -203,16 +203,18 @@ class RewriteStage(Stage[RewriteConfig]):
         resolved = self._resolved(inputs, plan, required=config.verify)
         cfg_file = Path(resolved.folder) / "config.json" if resolved is not None else None
         model_config = json.loads(cfg_file.read_text()) if cfg_file is not None and cfg_file.is_file() else None
+        probe, probe_check = inputs.get("probe"), None
+        if config.verify and isinstance(probe, Artifact) and probe.manifest.get("probe"):
+            # a graph too large for one ORT session: its probe (checked first, its rewrite removed
+            # before the full one is written), then the full graph's structure (harp_trt.probe)
+            from .probe_check import check_probe
+
+            probe_check = check_probe(probe, plan, config.verify_config(), out_dir / ".probe", rewrite_onnx)
         report = rewrite_onnx(src, plan, out_dir / MODEL_FILE, config.external_data_mb,
                               model_config=model_config, model_ref=resolved.ref if resolved is not None else None)
         verify = None
-        probe = inputs.get("probe")
-        if config.verify and isinstance(probe, Artifact) and probe.manifest.get("probe"):
-            # a graph too large for one ORT session: its probe, and the structure (harp_trt.probe)
-            from .probe_check import verify_with_probe
-
-            verify = verify_with_probe(out_dir / MODEL_FILE, probe, plan, config.verify_config(), out_dir / ".probe",
-                                       rewrite_onnx)
+        if probe_check is not None:
+            verify = probe_check.structure(out_dir / MODEL_FILE, plan)
         elif config.verify:  # the reference is read layer by layer from the weights: bounded memory
             verify = {**verify_rewrite(out_dir / MODEL_FILE, Path(resolved.folder), plan.alpha_map,
                                        config.verify_config()).to_dict(), "path": "whole graph"}
