@@ -96,12 +96,13 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     run (``harp_trt.store.ArtifactStore.prune``); a later run that needs them rebuilds them."""
     spec, bench_engines, configs = _checked(backend, bench_config, force, configs)
     needed = _needed(spec, bench_engines)
-    hooks = Hooks(progress=progress, on_phase=on_phase, placement=placement)
     phase = on_phase or (lambda s: log.info(s))
     out = BuildResult()
-
+    ctx: dict[str, Any] = {}
     made: dict[str, tuple] = {}   # step -> (stage, config, inputs): to rebuild a pruned artifact
-    reading: set[str] = set()     # steps the running step and those after it read (set per step)
+    weights = _Intermediates(store, ctx, made, keep_intermediates)
+    hooks = Hooks(progress=progress, on_phase=on_phase, placement=placement,
+                  release=None if keep_intermediates else weights.release)
 
     def run(record: str, stage_name: str, config: StageConfig, inputs: dict[str, Any]) -> Artifact:
         entry = STAGES.get(stage_name)
@@ -127,8 +128,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
         t = time.perf_counter()
         ctx[name] = stage.execute(store, config, stage.prepare(store, config, inputs, hooks), force=True)
         out.records.append(StageRecord(f"{name}:rebuilt", ctx[name], time.perf_counter() - t, peak_rss_bytes()))
-        if not keep_intermediates:
-            _drop_rebuilt_inputs(store, ctx, made, inputs.values(), reading)
+        weights.drop_rebuilt(inputs.values())
         return ctx[name]
 
     def config_of(stage_name: str) -> StageConfig:
@@ -144,14 +144,13 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     _configure(spec, configs, resolved)
     if spec.preflight:  # will it fit? said before calibrate's minutes (ResourceError, exit 2)
         out.preflight = load_object(spec.preflight)(resolved, configs, store.root, keep_intermediates)
-    ctx: dict[str, Any] = {"model": resolved}
+    ctx["model"] = resolved
     ctx["calibrate"] = run("calibrate", "calibrate", calib_config, {"model": resolved})
     out.plan = ctx["plan"] = Plan.load(ctx["calibrate"].path)
 
     steps = [(step, c) for step in spec.steps if (c := _step_config(step, needed, config_of(step.stage))) is not None]
     for k, (step, config) in enumerate(steps):
-        reading.clear()
-        reading.update({src for s, _ in steps[k:] for _, src in s.inputs} | {name for _, name in bench_engines})
+        weights.at_step(steps, k, bench_engines)
         ctx[step.name] = run(step.name, step.stage, config, {n: ctx[src] for n, src in step.inputs if src in ctx})
         if not keep_intermediates:
             _prune_consumed(store, ctx, steps, k, bench_engines)
@@ -178,15 +177,36 @@ def _checked(backend: str, bench_config, force: str | None, configs) -> tuple[Ba
     return spec, bench_engines, configs
 
 
-def _drop_rebuilt_inputs(store: ArtifactStore, ctx: dict[str, Any], made: Mapping[str, tuple], inputs,
-                         reading: set[str]) -> None:
-    """Drop again the weights of ``inputs`` rebuilt only to rebuild another pruned artifact, once
-    that one is rebuilt: no running or later step reads them (a second quantized build would
-    otherwise hold the rebuilt export beside the rewrite and the engine)."""
-    for v in inputs:
-        src = next((n for n in made if isinstance(ctx.get(n), Artifact) and ctx[n].key == getattr(v, "key", None)), None)
-        if src is not None and src not in reading:
-            ctx[src] = _prune(store, made[src][0], ctx[src])
+class _Intermediates:
+    """When the weights of intermediate artifacts (``Stage.intermediate``) are dropped while a build
+    runs, besides ``_prune_consumed`` after each step: an input a running step has finished reading
+    (``Hooks.release``), and an input rebuilt only to rebuild another pruned artifact. Nothing
+    with ``keep``; never an artifact a running or later step still reads."""
+
+    def __init__(self, store: ArtifactStore, ctx: dict[str, Any], made: Mapping[str, tuple], keep: bool):
+        self.store, self.ctx, self.made, self.keep = store, ctx, made, keep
+        self.later: set[str] = set()     # steps only the steps after the running one read
+        self.reading: set[str] = set()   # ... and the running one
+
+    def at_step(self, steps: list, k: int, engines) -> None:
+        self.later = {src for s, _ in steps[k + 1:] for _, src in s.inputs} | {name for _, name in engines}
+        self.reading = self.later | {src for _, src in steps[k][0].inputs}
+
+    def _drop(self, art: Any, unless: set[str]) -> None:
+        name = next((n for n in self.made if isinstance(self.ctx.get(n), Artifact)
+                     and self.ctx[n].key == getattr(art, "key", None)), None)
+        if not self.keep and name is not None and name not in unless:
+            self.ctx[name] = _prune(self.store, self.made[name][0], self.ctx[name])
+
+    def release(self, art: Artifact) -> None:
+        """The running step is done reading ``art`` (the ORT build once its staged graph is written)."""
+        self._drop(art, self.later)
+
+    def drop_rebuilt(self, inputs) -> None:
+        """``inputs`` were rebuilt for another artifact's rebuild, which is done (a second quantized
+        build would otherwise hold the rebuilt export beside the rewrite and the engine)."""
+        for v in inputs:
+            self._drop(v, self.reading)
 
 
 def _configure(spec: BackendSpec, configs: dict[str, StageConfig], resolved) -> None:

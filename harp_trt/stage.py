@@ -34,6 +34,9 @@ class Hooks:
     progress: Any = None
     on_phase: Callable[[str], None] | None = None
     placement: Any = None
+    # a stage calls it with an input artifact it has finished reading; the pipeline drops that
+    # artifact's intermediate files there and then where no later step reads them
+    release: Callable[[Any], None] | None = None
 
 
 class Stage(Generic[C]):

@@ -237,7 +237,8 @@ def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_p
     """An int4 build drops the export's and rewrite's weights once the engine is built; an int8 build
     of the same plan rebuilds both (same keys) and drops the export's again as soon as the rewrite is
     rebuilt, so the cache never holds export, rewrite and engine at once (at 7B: 15 + 15 + 10 GB).
-    The rewrite checks its probe before writing the full graph and removes the probe's rewrite first."""
+    The rewrite checks its probe before writing the full graph and removes the probe's rewrite first;
+    the build drops the rewrite's weights once its staged graph is written."""
     from harp_trt.builders.ort.builder import OrtBuildStage
     from test_calibrate_cli import run_json, write_corpus
 
@@ -259,6 +260,16 @@ def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_p
         return real_rewrite(src, plan, out, *a, **k)
 
     monkeypatch.setattr(rewrite_stage, "rewrite_onnx", rewrite)
+    from harp_trt.builders.ort.builder import OrtBuilder
+
+    optimized = []   # whether the rewrite's weights were still in the cache when the engine was written
+    real_optimize = OrtBuilder._optimize
+
+    def optimize(src, *a, **k):
+        optimized.append(any((tmp_path / "cache").glob("rewrite-*/model.onnx")))
+        return real_optimize(src, *a, **k)
+
+    monkeypatch.setattr(OrtBuilder, "_optimize", staticmethod(optimize))
     code, first, err = run_json(capsys, *cmd, "--quant", "int4")
     assert code == 0, err
     # the probe is rewritten and checked first; its rewrite is gone before the full graph is written
@@ -277,6 +288,9 @@ def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_p
     assert code == 0, err
     assert {"export:rebuilt", "rewrite:rebuilt"} <= set(second["stages"])
     assert seen == {"export": False, "rewrite": True}
+    # the build released the rewrite once its staged graph was written (Hooks.release): both engines
+    # were written with the rewrite's weights gone
+    assert optimized == [False, False]
     assert not (export / "model.onnx").exists() and not (rewrite / "model.onnx").exists()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -48,7 +48,9 @@ class OrtBuilder:
     backend = "ort"
 
     def build(self, onnx_path: str | Path, out_dir: str | Path, config: OrtBuildConfig | None = None,
-              tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+              tokenizer_dir: str | Path | None = None, source_read: Callable[[], None] | None = None) -> dict[str, Any]:
+        """``source_read`` is called once the source graph's weights have been read (the staged
+        graph is written; on a compact source nothing reads them again)."""
         ort = require("onnxruntime", "the ORT engine needs it")
 
         from harp_trt.ort_session import default_providers
@@ -70,6 +72,8 @@ class OrtBuilder:
                              "run `harp-trt build` or `harp-trt rewrite` to produce the graph")
         passes = graph_passes(config, meta, STAGE)
         staged, external = self._transform(src, out, passes)
+        if source_read is not None and meta.get("storage") == "compact":
+            source_read()
         report = next((p.report for p in passes if isinstance(p, FuseGroupQueryAttentionPass)), GqaReport())
         quant = next((p.report for p in passes if isinstance(p, QuantizeWeightsPass)), None)
         emb = next((p.report for p in passes if isinstance(p, QuantizeEmbeddingPass)), None)
@@ -264,10 +268,15 @@ class OrtBuildStage(Stage[OrtBuildConfig]):
         if not f.is_file():
             raise PreconditionError(self.name, f"artifact {art.key} has no {f.name}", "re-run its stage")
 
+    def prepare(self, store, config: OrtBuildConfig, inputs: Mapping[str, Any], hooks) -> dict[str, Any]:
+        """The inputs, plus the pipeline's ``release`` hook (not part of the key)."""
+        return {**inputs, "release": hooks.release} if hooks.release is not None else dict(inputs)
+
     def run(self, config: OrtBuildConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
         art: Artifact = inputs["onnx"]
         tok = inputs.get("tokenizer")
         tok_dir = tok.path if isinstance(tok, Artifact) else tok
+        release = inputs.get("release")
         spec = OrtBuilder().build(art.path / art.manifest.get("onnx", MODEL_FILE), Path(out_dir), config,
-                                  tokenizer_dir=tok_dir)
+                                  tokenizer_dir=tok_dir, source_read=(lambda: release(art)) if release else None)
         return {"engine": spec, "model": art.manifest.get("model"), "plan": art.manifest.get("plan")}
