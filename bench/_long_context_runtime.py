@@ -86,6 +86,11 @@ def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: f
         need = -(-budget // int(GENAI_MAX_SEQUENCES * least_bytes_per_token))
         step = min(max(step, -(-need // step) * step), pair.dense.max_positions)
         out["step_tokens"] = step
+    if runtime == "llamacpp":
+        # llama.cpp rounds a context up to whole blocks of cells (256 in 0.3.x): a finer step fits
+        # no more tokens, and the ratio's granularity is that block
+        step = max(step, pair.dense.kv_allocation(step)[1])
+        out["step_tokens"] = step
     try:
         for v, e in pair.engines().items():
             out[v] = largest_fit(capacity_allocator(runtime, e, step), budget, step)
@@ -125,7 +130,7 @@ def _check_contexts(pair, args) -> None:
         raise ConfigError(f"--contexts {min(args.contexts)} holds no prompt before the {timed} decoded tokens "
                           "(warm-up + repeats x decode steps)", "give longer --contexts")
     # the per-token KV figure decodes one token after a prompt of the shortest context
-    longest = max([max(args.contexts), min(args.contexts) + 1, *args.prefill_lens])
+    longest = max([max(args.contexts), min(*args.contexts, KV_PROBE_TOKENS) + 1, *args.prefill_lens])
     if longest > pair.max_positions:
         raise ConfigError(f"contexts up to {max(args.contexts)} (or a prefill of {max(args.prefill_lens, default=0)}) "
                           f"exceed the model's {pair.max_positions} positions", "give shorter --contexts / --prefill-lens")
