@@ -1,12 +1,14 @@
-"""The plot of ``bench/long_context.py``: HARP/dense decode speed-up against context, one line per
-runtime and batch with its 95 % interval, the byte ideal as a dashed line. matplotlib is optional:
-without it no PNG is written and the JSON says so."""
+"""The plot of ``bench/long_context.py``: HARP/dense decode speed-up against context, one panel per
+runtime, one line per batch with its 95 % interval, the byte ideal as a dashed line. matplotlib is
+optional: without it no PNG is written and the JSON says so. Runs made one runtime at a time go into
+one figure with ``python -m harp_trt.bench._long_context_plot OUT.png RUN.json [RUN.json ...]``
+(each a ``long_context.json`` of the same plan)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_plot"]
+__all__ = ["write_plot", "merge_runs"]
 
 
 def write_plot(result: dict[str, Any], path: Path) -> tuple[str | None, str]:
@@ -44,3 +46,23 @@ def write_plot(result: dict[str, Any], path: Path) -> tuple[str | None, str]:
     plt.close(fig)
     tmp.replace(path)
     return str(path), "speed-up vs context per runtime; dashed: the byte ideal"
+
+
+def merge_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result holding every run's runtimes (the first run's plan and note; runs of another plan
+    or model are refused)."""
+    first = results[0]
+    for r in results[1:]:
+        if (r["model"], r["plan"]) != (first["model"], first["plan"]):
+            raise ValueError(f"runs of different models or plans: {first['model']} {first['plan']['layers']} "
+                             f"vs {r['model']} {r['plan']['layers']}")
+    notes = sorted({r["note"].split(":")[0] for r in results})
+    return {**first, "note": " / ".join(notes) + ":", "runtimes": {k: v for r in results for k, v in r["runtimes"].items()}}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    out, runs = Path(sys.argv[1]), [json.loads(Path(f).read_text()) for f in sys.argv[2:]]
+    print(json.dumps({"plot": write_plot(merge_runs(runs), out)[0]}))

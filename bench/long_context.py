@@ -207,7 +207,11 @@ def load_pair(runtime: str, plan, sources, args, headroom: int):
     loader = ENGINES.get(runtime)
     if runtime == "llamacpp":
         return loader(plan, sources, cfg, kv_type=args.kv_type)
-    return loader(plan, sources, cfg)
+    pair = loader(plan, sources, cfg)
+    for e in pair.engines().values():  # an ORT session hands each long prefill's arena back
+        if hasattr(getattr(e, "session", None), "shrink_after_prefill"):
+            e.session.shrink_after_prefill = True
+    return pair
 
 
 def load_peer(args, resolved, store, max_pos: int, headroom: int):

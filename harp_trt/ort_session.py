@@ -113,6 +113,12 @@ class OrtCausalLM:
         self._output_names = outs
         self._rowwise = False  # set when the kernel (GQA on CPU) refuses batch>1 chunks with a past
         self.static_cache_enabled = True  # decode through a StaticCache where the graph allows it
+        # a multi-token call (a prefill) hands its arena memory back when it ends (ORT's
+        # memory.enable_memory_arena_shrinkage): else each session keeps its longest prefill's
+        # buffers (an 8192-token SmolLM2 prefill: 1.6 GB of logits alone) for its lifetime
+        self.shrink_after_prefill = False
+        self._shrink = ort.RunOptions()
+        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._gqa_kv: bool | None = None
         log.info("loaded %s: KV for %d of %d layers, providers %s", path, len(self.kv_layers),
                  self.num_layers, self.session.get_providers())
@@ -173,7 +179,8 @@ class OrtCausalLM:
             feed[past_name(i, "key")] = k
             feed[past_name(i, "value")] = v
         try:
-            outs = self.session.run(self._output_names, feed)
+            shrink = self._shrink if self.shrink_after_prefill and s > 1 else None
+            outs = self.session.run(self._output_names, feed, shrink)
         except Exception as e:
             if b > 1 and s > 1 and p > 0 and "batch_size must be 1" in str(e):
                 # ORT's CPU GroupQueryAttention takes multi-token chunks after a past only for batch 1

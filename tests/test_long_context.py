@@ -169,3 +169,26 @@ def test_ort_replicate_equals_a_batch_prefill(result):
         tok = b.argmax(-1, keepdim=True)
     with pytest.raises(ValueError, match="batch-1"):
         e.replicate(sb, 2)
+    # the long-context bench's sessions hand a prefill's arena back (ORT run option): same logits
+    e.session.shrink_after_prefill = True
+    assert torch.equal(e.prefill(ids)[0], l1)
+
+
+def test_runs_of_one_plan_merge_into_one_plot(result, tmp_path):
+    """Runs made one runtime at a time (``--runtime ort``, then ``llamacpp``) go into one figure;
+    a run of another plan is refused."""
+    import copy
+
+    from harp_trt.bench._long_context_plot import merge_runs, write_plot
+
+    res, _ = result
+    a = {**copy.deepcopy(res), "runtimes": {"ort": res["runtimes"]["ort"]}}
+    b = {**copy.deepcopy(res), "runtimes": {"llamacpp": res["runtimes"]["llamacpp"]}}
+    merged = merge_runs([a, b])
+    assert list(merged["runtimes"]) == ["ort", "llamacpp"] and merged["plan"] == res["plan"]
+    path, _ = write_plot(merged, tmp_path / "merged.png")
+    assert path and (tmp_path / "merged.png").stat().st_size > 0
+    other = copy.deepcopy(b)
+    other["plan"]["layers"] = [1]
+    with pytest.raises(ValueError, match="different models or plans"):
+        merge_runs([a, other])
