@@ -233,6 +233,7 @@ def run(args) -> dict[str, Any]:
     from harp_trt.bench._long_context_runtime import measure_runtime
     from harp_trt.bench._long_context_plot import write_plot
 
+    load_before = list(os.getloadavg())  # before this run's own work (calibration, engine builds)
     store = ArtifactStore(Path(args.workdir))
     plan, resolved, calib_art = make_plan(args, store)
     L, P = plan.num_layers, len(plan.layers)
@@ -243,7 +244,7 @@ def run(args) -> dict[str, Any]:
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
                                                    "quant", "kv_type", "threads", "peer", "seed", "shape")},
-        "machine": {"cpus": os.cpu_count(), "load_avg_start": list(os.getloadavg())},
+        "machine": {"cpus": os.cpu_count(), "load_avg_start": load_before},
         "runtimes": {}}
     headroom = args.warmup + args.repeats * args.decode_steps + 2
     for runtime in args.runtimes:
