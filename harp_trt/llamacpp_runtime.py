@@ -141,7 +141,11 @@ class LlamaModel(_Freed):
     """A GGUF loaded by llama.cpp (``vocab_only``: its vocabulary alone); errors name ``stage``."""
 
     def __init__(self, path: str | Path, *, stage: str, vocab_only: bool = False, hint: str | None = None,
-                 n_gpu_layers: int = 0):
+                 n_gpu_layers: int = 0, extra_bufts: bool = False):
+        """``extra_bufts``: llama.cpp's extra CPU buffer types (weight repacking, AMX), off by default:
+        on a CPU with AMX tiles llama-cpp-python 0.3.36 segfaults decoding a q8_0 model whose rows are
+        64 wide (tests/test_gguf_deploy.py::test_q8_0_gguf_generates); the plain CPU buffers run
+        every type (``llama_model_params.use_extra_bufts``)."""
         self.lib = lib = import_llama_cpp()
         self.path, self.stage = Path(path), stage
         lib.llama_backend_init()
@@ -149,6 +153,7 @@ class LlamaModel(_Freed):
             params = lib.llama_model_default_params()
             # n_gpu_layers: layers offloaded to a GPU backend, -1 all (bench/gpu_*.py); 0 on the CPU
             params.vocab_only, params.n_gpu_layers = vocab_only, int(n_gpu_layers)
+            params.use_extra_bufts = bool(extra_bufts)
             self.ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise PreconditionError(stage, f"llama.cpp cannot load {self.path}: {''.join(lines)[-_TAIL:]}", hint)
