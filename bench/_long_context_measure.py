@@ -21,7 +21,7 @@ import torch
 
 from harp_trt.bench.stage.latency import latency_stats, paired_speedup, random_ids
 
-__all__ = ["rotation", "measure_decode", "measure_prefill", "largest_fit"]
+__all__ = ["rotation", "prompt_length", "measure_decode", "measure_prefill", "largest_fit"]
 
 
 def rotation(names: list[str], r: int) -> list[str]:
@@ -37,23 +37,30 @@ def _step(engine, tok: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any, flo
     return logits.argmax(-1, keepdim=True), state, ms
 
 
-def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int, steps: int, repeats: int,
-                   warmup: int, seed: int = 0) -> dict[str, Any]:
-    """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
-    ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
-    "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
+def prompt_length(context: int, warmup: int, repeats: int, steps: int) -> int:
+    """The prompt that leaves ``context`` positions at the last timed step (ConfigError if none)."""
     prompt = context - warmup - repeats * steps
     if prompt < 1:
         from harp_trt.errors import ConfigError
 
         raise ConfigError(f"context {context} holds no prompt before {warmup} warm-up and {repeats} x {steps} "
                           "timed steps", "give a longer --contexts or fewer --repeats / --decode-steps")
+    return prompt
+
+
+def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int, steps: int, repeats: int,
+                   warmup: int, seed: int = 0) -> dict[str, Any]:
+    """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
+    ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
+    "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
+    prompt = prompt_length(context, warmup, repeats, steps)
     ids = random_ids(vocab, prompt, seed + context, batch=batch)
     names = list(engines)
+    replicated = sorted(n for n in names if batch > 1 and hasattr(engines[n], "replicate"))
     live: dict[str, tuple[torch.Tensor, Any]] = {}
     for n in names:
         e = engines[n]
-        if batch > 1 and hasattr(e, "replicate"):
+        if n in replicated:
             logits, state = e.prefill(ids[:1])
             logits, state = logits.expand(batch, -1), e.replicate(state, batch)
         else:
@@ -78,7 +85,7 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
             every[n] += ms
     out: dict[str, Any] = {"context": context, "batch": batch, "steps_per_round": steps, "rounds": repeats,
                            "prompt": prompt, "timed_positions": [prompt + warmup + 1, context],
-                           "replicated": sorted(n for n in names if batch > 1 and hasattr(engines[n], "replicate")),
+                           "replicated": replicated,
                            "per_engine": {}}
     for n in names:
         state = live[n][1]

@@ -11,7 +11,7 @@ import numpy as np
 from harp_trt.bench.stage import flops
 from harp_trt.memory import peak_rss_bytes
 
-from ._long_context_measure import largest_fit, measure_decode, measure_prefill
+from ._long_context_measure import largest_fit, measure_decode, measure_prefill, prompt_length
 
 __all__ = ["measure_runtime", "element_bytes", "decode_ideal", "prefill_ideal", "capacity_allocator"]
 
@@ -122,15 +122,17 @@ def _kv_per_token(pair, vocab: int, context: int, kvb: float, d) -> dict[str, An
     return out
 
 
+def _kv_probe_tokens(args) -> int:
+    """The prompt of the KV-bytes-per-token figure: the shortest context, at most KV_PROBE_TOKENS."""
+    return min(*args.contexts, KV_PROBE_TOKENS)
+
+
 def _check_contexts(pair, args) -> None:
     from harp_trt.errors import ConfigError
 
-    timed = args.warmup + args.repeats * args.decode_steps
-    if min(args.contexts) <= timed:
-        raise ConfigError(f"--contexts {min(args.contexts)} holds no prompt before the {timed} decoded tokens "
-                          "(warm-up + repeats x decode steps)", "give longer --contexts")
-    # the per-token KV figure decodes one token after a prompt of the shortest context
-    longest = max([max(args.contexts), min(*args.contexts, KV_PROBE_TOKENS) + 1, *args.prefill_lens])
+    prompt_length(min(args.contexts), args.warmup, args.repeats, args.decode_steps)  # before any work
+    # the per-token KV figure decodes one token after its prompt
+    longest = max([max(args.contexts), _kv_probe_tokens(args) + 1, *args.prefill_lens])
     if longest > pair.max_positions:
         raise ConfigError(f"contexts up to {max(args.contexts)} (or a prefill of {max(args.prefill_lens, default=0)}) "
                           f"exceed the model's {pair.max_positions} positions", "give shorter --contexts / --prefill-lens")
@@ -146,7 +148,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
                            "decode": [], "prefill": []}
     # bytes held over positions covered does not depend on the length: a short prompt says it (an 8192
     # prefill per engine would only cost minutes)
-    out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, min(*args.contexts, KV_PROBE_TOKENS), kvb, d)
+    out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, _kv_probe_tokens(args), kvb, d)
     for c in args.contexts:
         for b in args.batches:
             m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed)

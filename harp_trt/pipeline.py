@@ -120,7 +120,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     def restore(art: Any) -> Any:  # a pruned input artifact, rebuilt (same key) by its step
         if not isinstance(art, Artifact) or not art.pruned:
             return art
-        name = next(k for k, v in ctx.items() if isinstance(v, Artifact) and v.key == art.key)
+        name = weights.name_of(art)
         stage_name, config, inputs = made[name]
         stage = STAGES.get(stage_name).stage_class()()
         inputs = {k: restore(v) for k, v in inputs.items()}
@@ -192,9 +192,13 @@ class _Intermediates:
         self.later = {src for s, _ in steps[k + 1:] for _, src in s.inputs} | {name for _, name in engines}
         self.reading = self.later | {src for _, src in steps[k][0].inputs}
 
-    def _drop(self, art: Any, unless: set[str]) -> None:
-        name = next((n for n in self.made if isinstance(self.ctx.get(n), Artifact)
+    def name_of(self, art: Any) -> str | None:
+        """The step whose artifact ``art`` is (by key), or None."""
+        return next((n for n in self.made if isinstance(self.ctx.get(n), Artifact)
                      and self.ctx[n].key == getattr(art, "key", None)), None)
+
+    def _drop(self, art: Any, unless: set[str]) -> None:
+        name = self.name_of(art)
         if not self.keep and name is not None and name not in unless:
             self.ctx[name] = _prune(self.store, self.made[name][0], self.ctx[name])
 
