@@ -145,7 +145,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
     engines = {**pair.engines(), **peers}
     out: dict[str, Any] = {"engines": pair.info, "weight_bytes_per_param": wb, "kv_bytes_per_element": kvb,
                            "kv_type": args.kv_type if runtime == "llamacpp" else str(np.dtype("float32")),
-                           "decode": [], "prefill": []}
+                           "prefill_logits": pair.dense.prefill_logits, "decode": [], "prefill": []}
     # bytes held over positions covered does not depend on the length: a short prompt says it (an 8192
     # prefill per engine would only cost minutes)
     out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, _kv_probe_tokens(args), kvb, d)

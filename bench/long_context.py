@@ -194,6 +194,8 @@ def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[
         cfg = STAGES.get(step.stage).config_class()()
         if hasattr(cfg, "quant"):
             cfg = dataclasses.replace(cfg, quant=args.quant)
+        if hasattr(cfg, "last_logits"):   # a generator reads the last position only (genai folders)
+            cfg = dataclasses.replace(cfg, last_logits=True)
         log.info("%s: %s ...", runtime, step.name)
         ctx[step.name] = run_stage(step.stage, cfg, {k: ctx[src] for k, src in step.inputs}, store)
     return {v: ctx[name] for v, name in engines.items()}
@@ -207,6 +209,8 @@ def load_pair(runtime: str, plan, sources, args, headroom: int):
     loader = ENGINES.get(runtime)
     if runtime == "llamacpp":
         return loader(plan, sources, cfg, kv_type=args.kv_type)
+    if runtime == "genai":   # each batch prefill's buffers go back to the system when it ends
+        return loader(plan, sources, cfg, arena=False)
     pair = loader(plan, sources, cfg)
     for e in pair.engines().values():  # an ORT session hands each long prefill's arena back
         if hasattr(getattr(e, "session", None), "shrink_after_prefill"):
@@ -215,16 +219,18 @@ def load_pair(runtime: str, plan, sources, args, headroom: int):
 
 
 def load_peer(args, resolved, store, max_pos: int, headroom: int):
-    """onnxruntime-genai's own int4 model of the plan's model (its builder), cached by model digest."""
+    """onnxruntime-genai's own int4 model of the plan's model (its builder, with the last position's
+    logits only: ``prune_lm_head``, what a long-prompt user of it picks), cached by model digest. It
+    runs without the CPU arena, as our genai folders do here."""
     from harp_trt.bench.genai_engine import build_genai_int4
     from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
 
-    folder = Path(store.root) / "long_context_peers" / f"genai-int4-{resolved.digest[:16]}"
+    folder = Path(store.root) / "long_context_peers" / f"genai-int4-last-{resolved.digest[:16]}"
     if not (folder / "genai_config.json").is_file():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        build_genai_int4(resolved.folder, tmp)
+        build_genai_int4(resolved.folder, tmp, extra_options={"prune_lm_head": "true"})
         tmp.rename(folder)
-    return GenaiBenchEngine(folder, "peer", args.threads, headroom, max_pos)
+    return GenaiBenchEngine(folder, "peer", args.threads, headroom, max_pos, arena=False)
 
 
 def run(args) -> dict[str, Any]:

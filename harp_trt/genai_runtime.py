@@ -44,10 +44,11 @@ def import_genai(stage: str = "genai") -> Any:
 
 
 def open_genai_model(folder: str | os.PathLike, threads: int = 0, stage: str = "genai",
-                     provider: str = "cpu") -> Any:
+                     provider: str = "cpu", arena: bool = True) -> Any:
     """``og.Model`` of the genai folder ``folder`` on the CPU, or on ``provider`` ("cuda"); ``threads``
     > 0 sets the intra-op thread count (0 keeps the folder's ``genai_config.json`` setting or
-    genai's default)."""
+    genai's default); ``arena`` False turns ONNX Runtime's CPU memory arena off
+    (``enable_cpu_mem_arena``), so buffers go back to the system after each run."""
     og = import_genai(stage)
     if provider not in ("cpu", "cuda"):
         raise PreconditionError(stage, f"genai provider {provider!r} is not cpu or cuda")
@@ -61,7 +62,11 @@ def open_genai_model(folder: str | os.PathLike, threads: int = 0, stage: str = "
     config.clear_providers()  # CPU
     if provider == "cuda":
         config.append_provider("cuda")
+    session: dict[str, Any] = {}
     if threads:
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": int(threads), "inter_op_num_threads": 1}}}}))
+        session.update(intra_op_num_threads=int(threads), inter_op_num_threads=1)
+    if not arena:
+        session["enable_cpu_mem_arena"] = False
+    if session:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": session}}}))
     return og.Model(config)

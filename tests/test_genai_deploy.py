@@ -182,3 +182,110 @@ def test_build_backend_genai_then_deploy_is_cached(tmp_path, capsys):
                               "--workdir", str(cache), "--json")
     assert code == 0, err
     assert dep["folder"] == str(art) and dep["cached"] and dep["verified"]
+
+
+# ---- --last-logits: the graph returns the last position's logits only (genai's prune_lm_head) -----
+@pytest.mark.parametrize("name", ["top", "int4", "external"])
+def test_last_logits_folder_runs_in_genai(built, name, monkeypatch):
+    """genai runs the edited graph unchanged: its greedy tokens equal our session's on the engine,
+    its prefill logits are [B, 1, V] and equal the all-position folder's last row; external weights
+    stay the engine's file (hard-linked; "external": the top plan's engine built with its weights in
+    model.onnx.data, as every engine above 1 GiB is) and the bench engine reads the folder as "last"."""
+    import onnxruntime_genai as og
+
+    if name == "external" and name not in built:
+        from harp_trt.builders.ort import builder
+        from harp_trt.builders.ort.config import OrtBuildConfig
+
+        monkeypatch.setattr(builder, "EXTERNAL_DATA_THRESHOLD", 0)
+        built[name] = built["root"] / "engine-external"
+        builder.OrtBuilder().build(built["export-top"] / "model.onnx", built[name], OrtBuildConfig(intra_op_threads=2))
+
+    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
+    from harp_trt.builders.genai.config import GenaiConfig
+    from harp_trt.builders.genai.probe import genai_greedy
+    from harp_trt.builders.genai.stage import deploy_genai
+    from harp_trt.errors import PreconditionError
+
+    folder = built["root"] / f"genai-last-{name}"
+    deploy_genai(built[name], folder, GenaiConfig(last_logits=True))
+    report = json.loads((folder / "harp_genai.json").read_text())
+    assert report["logits"] == "last" and report["verify"]["equal"]
+    assert genai_greedy(folder, PROMPT, 24) == _ours(built[name], 24)
+    data = [p for p in folder.iterdir() if p.name.startswith("model.onnx.")]
+    assert len(data) == (name == "external")
+    assert all(p.stat().st_ino == (built[name] / p.name).stat().st_ino for p in data)
+    assert (folder / "model.onnx").stat().st_ino != (built[name] / "model.onnx").stat().st_ino
+
+    _, full = _deploy(built, name)
+    rows = []
+    for f in (folder, full):
+        model = og.Model(str(f))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=16, batch_size=2)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.asarray([PROMPT, PROMPT[::-1]], dtype=np.int32))
+        rows.append(np.asarray(gen.get_output("logits")))
+    assert rows[0].shape == (2, 1, 128) and rows[1].shape == (2, len(PROMPT), 128)
+    np.testing.assert_allclose(rows[0][:, 0], rows[1][:, -1], rtol=0, atol=1e-5)
+
+    import torch
+
+    ids = torch.tensor([PROMPT])
+    engine = GenaiBenchEngine(folder, "harp", 2, 8, CONTEXT)
+    assert engine.prefill_logits == "last"
+    with pytest.raises(PreconditionError, match="every position"):
+        engine.logits(ids)
+    assert GenaiBenchEngine(full, "harp", 2, 8, CONTEXT).logits(ids).shape == (1, len(PROMPT), 128)
+
+
+def _head_graph(chain: list[str]):
+    """hidden [B, S, 8] -> MatMul(W) -> the element-wise ops in ``chain`` -> logits [B, S, 5]."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 5)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.asarray(3.0, np.float32), "cap")]
+    nodes, x = [helper.make_node("MatMul", ["hidden", "W"], ["h0"])], "h0"
+    for i, op in enumerate(chain):
+        out = "logits" if i == len(chain) - 1 else f"h{i + 1}"
+        nodes.append(helper.make_node(op, [x] if op == "Tanh" else [x, "cap"], [out]))
+        x = out
+    if not chain:
+        nodes[0].output[0] = "logits"
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["b", "s", 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 5])], inits,
+                              value_info=[helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["b", "s", 5])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("chain", [[], ["Div", "Tanh", "Mul"]])   # plain head; Gemma2's soft-capping
+def test_last_position_logits_is_the_last_row(chain):
+    import onnx
+    import onnxruntime as ort
+
+    from harp_trt.builders.genai.last_logits import last_position_logits
+
+    model = _head_graph(chain)
+    x = np.random.default_rng(1).standard_normal((2, 6, 8)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"hidden": x})[0]
+    full = run(model)
+    edited = last_position_logits(onnx.ModelProto.FromString(model.SerializeToString()))
+    onnx.checker.check_model(edited, full_check=True)
+    last = run(edited)
+    assert last.shape == (2, 1, 5)
+    np.testing.assert_array_equal(last[:, 0], full[:, -1])
+
+
+def test_last_position_logits_refuses_an_unknown_head():
+    from onnx import TensorProto, helper
+
+    from harp_trt.builders.genai.last_logits import last_position_logits
+    from harp_trt.errors import GraphError
+
+    graph = helper.make_graph([helper.make_node("Concat", ["a", "b"], ["logits"], axis=1)], "g",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, 3]) for n in "ab"],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4, 3])])
+    with pytest.raises(GraphError, match="Concat"):
+        last_position_logits(helper.make_model(graph))

@@ -56,10 +56,11 @@ class _State:
 
 class GenaiBenchEngine(Engine):
     backend = "genai"
-    prefill_logits = "all"   # the graph computes every position's logits (as OrtEngine)
+    prefill_logits = "all"   # the graph computes every position's logits (as OrtEngine), unless it
+    # returns the last position's only (``deploy genai --last-logits``, genai's prune_lm_head): see __init__
 
     def __init__(self, folder: Path, variant: str, threads: int, headroom: int, max_positions: int,
-                 provider: str = "cpu"):
+                 provider: str = "cpu", arena: bool = True):
         self.og = import_genai(STAGE)
         self.folder = Path(folder)
         self.variant = variant
@@ -69,7 +70,8 @@ class GenaiBenchEngine(Engine):
         self.num_layers = int(cfg["decoder"]["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         self.eos = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-        self.model = open_genai_model(self.folder, threads, STAGE, provider)  # "cuda": bench/gpu_*.py
+        self.prefill_logits = _logits_positions(self.folder / cfg["decoder"]["filename"])
+        self.model = open_genai_model(self.folder, threads, STAGE, provider, arena)  # "cuda": bench/gpu_*.py
         self._kv_names: list[str] | None = None
 
     @property
@@ -178,13 +180,24 @@ class GenaiBenchEngine(Engine):
         self.model = None
 
 
+def _logits_positions(graph: Path) -> str:
+    """"last" where the graph's ``logits`` output holds one position, else "all" (read without weights)."""
+    import onnx
+
+    out = next((o for o in onnx.load(str(graph), load_external_data=False).graph.output if o.name == "logits"), None)
+    dims = out.type.tensor_type.shape.dim if out is not None else []
+    return "last" if len(dims) == 3 and dims[1].dim_value == 1 else "all"
+
+
 def _folder(s: Any) -> Path:
     return s.path if isinstance(s, Artifact) else Path(s)
 
 
-def load_genai_pair(plan, source, config) -> EnginePair:
+def load_genai_pair(plan, source, config, arena: bool = True) -> EnginePair:
     """``source``: ``{"dense": folder|Artifact, "harp": folder|Artifact}`` of genai folders. The
-    HARP folder's KV layers, as genai holds them, must be the plan's kept layers."""
+    HARP folder's KV layers, as genai holds them, must be the plan's kept layers. ``arena`` False:
+    the sessions run without ONNX Runtime's CPU arena, so a long prefill's buffers go back to the
+    system when it ends (bench/long_context.py: three batch-4 prefills of 8192 tokens)."""
     from transformers import AutoConfig
 
     from harp_trt.models import load_tokenizer
@@ -198,7 +211,7 @@ def load_genai_pair(plan, source, config) -> EnginePair:
     cfg = AutoConfig.from_pretrained(folders["dense"], trust_remote_code=False)
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
     headroom = max(config.decode_tokens, config.greedy_tokens) + 1
-    engines = {v: GenaiBenchEngine(f, v, config.threads, headroom, max_pos) for v, f in folders.items()}
+    engines = {v: GenaiBenchEngine(f, v, config.threads, headroom, max_pos, arena=arena) for v, f in folders.items()}
     kept = engines["harp"].kv_layers()
     want = sorted(set(range(cfg.num_hidden_layers)) - set(plan.layers))
     if kept != want:

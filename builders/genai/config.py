@@ -17,7 +17,11 @@ class GenaiConfig(StageConfig):
     it: the graph's rotary tables end there). ``link``: hard-link the graph and its weights from
     the engine instead of copying where the filesystem allows. ``verify``: after writing, open the
     folder with ``og.Model`` (where onnxruntime-genai is installed) and check its greedy tokens
-    against our ORT session on the same graph for ``verify_tokens`` steps."""
+    against our ORT session on the same graph for ``verify_tokens`` steps. ``last_logits``: the folder's
+    graph returns the last position's logits only (``last_logits.py``; genai's builder calls it
+    ``prune_lm_head``): a long prompt's prefill skips the LM head over every other position and its
+    ``[B, S, V]`` output, but the folder no longer serves teacher-forced scoring (perplexity, lm-eval).
+    Off by default, as in genai's builder: the folder serves every use."""
 
     VERSION: ClassVar[int] = 1
     context_length: int = option(0, help="longest prompt + new tokens, 0 = the model's max_position_embeddings "
@@ -25,6 +29,9 @@ class GenaiConfig(StageConfig):
     link: bool = option(True, flag="--copy", negate=True, help="copy the graph instead of hard-linking it")
     verify: bool = option(True, flag="--no-verify", negate=True, help=(
         "skip the check that og.Generator's greedy tokens equal ONNX Runtime's on the graph"))
+    last_logits: bool = option(False, flag="--last-logits", help=(
+        "the graph returns only the last position's logits (genai's prune_lm_head): less memory and "
+        "compute at long prompts; the folder then cannot score text (perplexity, lm-eval)"))
     verify_tokens: int = 8
 
     def validate(self) -> None:

@@ -16,6 +16,9 @@ Why the graph runs unchanged (checked with onnxruntime-genai 0.18.0, see tests/t
 * model ``type`` is ``llama``: genai's decoder-only path is the same for every such type, and the
   family's specifics (norm offsets, soft-capping, windows) live inside our graph.
 
+``--last-logits`` writes an edited graph that returns the last position's logits only
+(``last_logits.py``) instead of linking the engine's; its weights are still the engine's file.
+
 A folder is written to a temporary sibling and renamed into place only when complete (and, with
 ``verify``, after genai's greedy tokens matched our ORT session's), so bad input leaves nothing."""
 from __future__ import annotations
@@ -222,8 +225,14 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
     cfg = genai_config_for(info, config)
     graph = info.onnx
     weights = sorted(q for q in info.path.glob(graph.name + EXTERNAL_DATA_SUFFIX + "*") if q.is_file())
-    for f in [graph, *weights, info.path / "engine.json"]:
+    for f in [*([] if config.last_logits else [graph]), *weights, info.path / "engine.json"]:
         _place(f, out / f.name, config.link)
+    if config.last_logits:   # the graph proto edited, its weights still the engine's external file
+        import onnx
+
+        from .last_logits import last_position_logits
+
+        onnx.save(last_position_logits(onnx.load(str(graph), load_external_data=False)), str(out / graph.name))
     tokenizer = [n for n in TOKENIZER_FILES if (info.path / n).is_file()]
     for n in tokenizer:
         shutil.copy2(info.path / n, out / n)
@@ -236,17 +245,19 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
             "pruned_layers": [i for i in range(int(meta["num_layers"])) if i not in info.kv_layers],
             "past_present_share_buffer": info.gqa_kv, "context_length": cfg["model"]["context_length"],
             "quant": (info.spec.get("quant") or {}).get("mode", "none"),
+            "logits": "last" if config.last_logits else "all",
             "kv_bytes_per_token": kv.get("bytes_per_token"),
             "dense_kv_bytes_per_token": kv.get("dense_bytes_per_token")}
     if config.verify:
-        body["verify"] = verify_folder(out, config.verify_tokens)
+        body["verify"] = verify_folder(out, config.verify_tokens, info.onnx)
     (out / REPORT).write_text(json.dumps({"format": "harp-genai/1", **body}, indent=2))
     return body
 
 
-def verify_folder(folder: Path, n_tokens: int) -> dict[str, Any]:
-    """Greedy ``n_tokens`` from ``og.Generator`` on ``folder`` against our ``OrtCausalLM`` on the same
-    graph (``VerificationError`` if they differ); ``{"skipped": reason}`` without onnxruntime-genai."""
+def verify_folder(folder: Path, n_tokens: int, reference: Path | None = None) -> dict[str, Any]:
+    """Greedy ``n_tokens`` from ``og.Generator`` on ``folder`` against our ``OrtCausalLM`` on
+    ``reference`` (the engine's graph; default the folder's own) (``VerificationError`` if they
+    differ); ``{"skipped": reason}`` without onnxruntime-genai."""
     from .probe import genai_greedy, genai_version
 
     if genai_version() is None:
@@ -260,7 +271,7 @@ def verify_folder(folder: Path, n_tokens: int) -> dict[str, Any]:
     vocab = int(cfg["model"]["vocab_size"])
     prompt = [(37 * k + 11) % vocab for k in range(6)]
     got = genai_greedy(folder, prompt, n_tokens)
-    lm = OrtCausalLM(folder / cfg["model"]["decoder"]["filename"], providers=["CPUExecutionProvider"])
+    lm = OrtCausalLM(reference or folder / cfg["model"]["decoder"]["filename"], providers=["CPUExecutionProvider"])
     ref = [int(t) for t in lm.generate(np.asarray([prompt]), max_new_tokens=n_tokens)[0, len(prompt):]]
     if got != ref:
         raise VerificationError(STAGE, f"onnxruntime-genai's greedy tokens {got} differ from ONNX Runtime's {ref}",

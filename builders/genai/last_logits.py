@@ -1,0 +1,79 @@
+"""Last-position logits: the graph variant a genai folder serves with ``--last-logits``.
+
+Our engines compute every position's logits (``[B, S, V]``): teacher-forced scoring (perplexity,
+lm-eval) needs them. A generator reads only the last position's, so at a long prompt the rest is
+waste: 4 x 8192 tokens of SmolLM2's 49152-word vocabulary is 6.4 GB of fp32 logits and the LM head's
+GEMM over every position. onnxruntime-genai's model builder offers the same cut (its ``prune_lm_head``
+extra option: a ``Gather`` of the last position before the LM head, logits ``[B, 1, V]``), and its
+runtime (0.18) takes such a graph: it keeps the last row of whatever the graph returns.
+
+``last_position_logits`` edits the graph proto only (weights stay in their external file, which the
+folder hard-links): one ``Slice`` of the last position along the sequence axis in front of the LM
+head, the GEMM that ends the chain of element-wise ops (Gemma2's soft-capping, casts) feeding
+``logits``. Each position's logits depend on its own hidden state only, so the last row is unchanged
+(tests/test_genai_deploy.py checks it against the all-position graph)."""
+from __future__ import annotations
+
+from typing import Any
+
+from harp_trt.errors import GraphError
+
+__all__ = ["LM_HEAD_OPS", "lm_head_node", "last_position_logits", "LOGITS"]
+
+LOGITS = "logits"
+LM_HEAD_OPS = frozenset({"MatMul", "MatMulNBits", "Gemm", "FusedMatMul"})
+# ops the LM head's output may pass through on its way to ``logits`` (one data input each)
+_ELEMENTWISE = frozenset({"Cast", "Mul", "Div", "Add", "Sub", "Tanh"})
+_MAX_WALK = 8
+
+
+def lm_head_node(graph: Any) -> tuple[Any, list[Any]]:
+    """(the LM-head node, the element-wise nodes between it and ``logits``): the node whose output
+    reaches ``logits`` through element-wise ops only and that multiplies by a weight
+    (``LM_HEAD_OPS``); ``GraphError`` where the chain is anything else."""
+    producer = {o: n for n in graph.node for o in n.output}
+    consts = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    name, chain = LOGITS, []
+    for _ in range(_MAX_WALK):
+        node = producer.get(name)
+        if node is None:
+            break
+        if node.op_type in LM_HEAD_OPS:
+            return node, chain
+        data = [i for i in node.input if i and i not in consts]
+        if node.op_type not in _ELEMENTWISE or len(data) != 1:
+            raise GraphError(f"the {LOGITS} output comes out of a {node.op_type} ({node.name}) with {len(data)} "
+                             "data inputs, not out of an LM-head GEMM and element-wise ops",
+                             "deploy this engine with every position's logits (no --last-logits)")
+        chain.append(node)
+        name = data[0]
+    raise GraphError(f"no LM-head GEMM ({', '.join(sorted(LM_HEAD_OPS))}) found before the graph's {LOGITS} output")
+
+
+def last_position_logits(model: Any) -> Any:
+    """Edit ``model`` (an ``onnx.ModelProto`` loaded without its external data) in place so that
+    ``logits`` is ``[B, 1, V]``: the last position's row of the all-position graph. Returns it."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    if LOGITS not in [o.name for o in graph.output]:
+        raise GraphError(f"the graph has no {LOGITS!r} output")
+    head, chain = lm_head_node(graph)
+    hidden = head.input[0]
+    last = f"{hidden}/last_position"
+    bounds = {"starts": -1, "ends": 2**63 - 1, "axes": 1}   # x[:, -1:]
+    names = {k: f"{last}/{k}" for k in bounds}
+    graph.initializer.extend(helper.make_tensor(names[k], TensorProto.INT64, [1], [v]) for k, v in bounds.items())
+    graph.node.insert(list(graph.node).index(head),
+                      helper.make_node("Slice", [hidden, *names.values()], [last], name=f"{last}/Slice"))
+    head.input[0] = last
+    # the tensors from the head to ``logits`` now hold one position: drop their recorded shapes
+    changed = {o for n in (head, *chain) for o in n.output}
+    keep = [v for v in graph.value_info if v.name not in changed]
+    del graph.value_info[:]
+    graph.value_info.extend(keep)
+    dims = next(o for o in graph.output if o.name == LOGITS).type.tensor_type.shape.dim
+    if len(dims) == 3:
+        dims[1].Clear()
+        dims[1].dim_value = 1
+    return model
