@@ -46,18 +46,18 @@ def prefill_ideal(d, pruned, seq: int, logits: str) -> dict[str, float]:
     return {"dense_flops": dense, "harp_flops": harp, "ideal": dense / harp}
 
 
-def capacity_allocator(runtime: str, engine, step: int):
+def capacity_allocator(runtime: str, engine, sequences: int = 1):
     """``alloc(tokens) -> bytes``: a KV cache for ``tokens`` positions allocated by the runtime and
     freed. llama.cpp: a one-sequence context of that many cells (its logged KV size); genai: a
-    generator of ``tokens / step`` sequences of ``max_length`` = ``step`` after its first forward
-    (the present buffers it holds; needs ``past_present_share_buffer``, else None); ORT: the
-    engine's ``StaticCache`` (K and V buffers of every KV layer) of that capacity."""
+    generator of ``sequences`` sequences of ``max_length`` = ``tokens / sequences`` after its first
+    forward (the present buffers it holds; needs ``past_present_share_buffer``, else LookupError);
+    ORT: the engine's ``StaticCache`` (K and V buffers of every KV layer) of that capacity."""
     if runtime == "llamacpp":
         return lambda n: engine.kv_allocation(n)[0]
     if runtime == "genai":
         def alloc(n):
-            nbytes, positions = engine.kv_allocation(n // step, step)
-            if positions != step:
+            nbytes, positions = engine.kv_allocation(sequences, n // sequences)
+            if positions != n // sequences:
                 raise LookupError("genai does not allocate max_length ahead (no past_present_share_buffer)")
             return nbytes
         return alloc
@@ -80,12 +80,18 @@ def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: f
     budget, step = args.kv_budget_bytes, args.capacity_step
     out: dict[str, Any] = {"budget_bytes": budget, "step_tokens": step, "ideal": L / (L - P),
                            "per_layer": True}
+    sequences = 1
     if runtime == "genai":
-        # sequences of ``step`` tokens: long enough that the budget needs at most GENAI_MAX_SEQUENCES
-        # of the engine with the fewest bytes per token (coarser steps, a coarser ratio)
-        need = -(-budget // int(GENAI_MAX_SEQUENCES * least_bytes_per_token))
-        step = min(max(step, -(-need // step) * step), pair.dense.max_positions)
-        out["step_tokens"] = step
+        # a genai sequence holds at most the model's context, a generator at most GENAI_MAX_SEQUENCES:
+        # the fewest sequences whose max_length stays within the context up to twice the budget (the
+        # search's largest probe) hold the cache, each growing by ``step`` positions
+        most = 2 * budget / least_bytes_per_token
+        sequences = max(1, -(-int(most) // pair.dense.max_positions))
+        if sequences > GENAI_MAX_SEQUENCES:
+            return {**out, "ratio": None, "why": f"{budget} bytes need more than {GENAI_MAX_SEQUENCES} "
+                    f"sequences of {pair.dense.max_positions} positions (genai's generator limit)"}
+        step *= sequences
+        out.update(step_tokens=step, sequences=sequences)
     if runtime == "llamacpp":
         # llama.cpp rounds a context up to whole blocks of cells (256 in 0.3.x): a finer step fits
         # no more tokens, and the ratio's granularity is that block
@@ -93,7 +99,7 @@ def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: f
         out["step_tokens"] = step
     try:
         for v, e in pair.engines().items():
-            out[v] = largest_fit(capacity_allocator(runtime, e, step), budget, step)
+            out[v] = largest_fit(capacity_allocator(runtime, e, sequences), budget, step)
     except LookupError as exc:
         return {**out, "per_layer": False, "ratio": None, "why": str(exc)}
     d, h = out["dense"]["tokens"], out["harp"]["tokens"]

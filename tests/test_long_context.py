@@ -99,6 +99,9 @@ def test_kv_capacity_measured(result):
         assert cap["per_layer"] and cap["ideal"] == ideal and cap["budget_bytes"] == 2**20, name
         assert 0 < cap["dense"]["bytes"] <= 2**20 and 0 < cap["harp"]["bytes"] <= 2**20
         assert cap["ratio"] >= ideal * (1 - CAPACITY_TOL), (name, cap)
+    # genai: the fewest sequences whose max_length stays within the 1024-position context up to twice
+    # the budget (2 MiB / 512 B per HARP token = 4096 tokens: 4 sequences), each growing 256 positions
+    assert (res["runtimes"]["genai"]["kv_capacity"]["sequences"], res["runtimes"]["genai"]["kv_capacity"]["step_tokens"]) == (4, 1024)
 
 
 def test_ideals_match_flops(result):
