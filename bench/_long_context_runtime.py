@@ -84,13 +84,13 @@ def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: f
     if runtime == "genai":
         # a genai sequence holds at most the model's context, a generator at most GENAI_MAX_SEQUENCES:
         # the fewest sequences whose max_length stays within the context up to twice the budget (the
-        # search's largest probe) hold the cache, each growing by ``step`` positions
+        # search's largest probe) hold the cache, each growing by step / sequences positions (at least 1)
         most = 2 * budget / least_bytes_per_token
         sequences = max(1, -(-int(most) // pair.dense.max_positions))
         if sequences > GENAI_MAX_SEQUENCES:
             return {**out, "ratio": None, "why": f"{budget} bytes need more than {GENAI_MAX_SEQUENCES} "
                     f"sequences of {pair.dense.max_positions} positions (genai's generator limit)"}
-        step *= sequences
+        step = -(-step // sequences) * sequences
         out.update(step_tokens=step, sequences=sequences)
     if runtime == "llamacpp":
         # llama.cpp rounds a context up to whole blocks of cells (256 in 0.3.x): a finer step fits
