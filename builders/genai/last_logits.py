@@ -56,7 +56,8 @@ def last_position_logits(model: Any) -> Any:
     from onnx import TensorProto, helper
 
     graph = model.graph
-    if LOGITS not in [o.name for o in graph.output]:
+    out = next((o for o in graph.output if o.name == LOGITS), None)
+    if out is None:
         raise GraphError(f"the graph has no {LOGITS!r} output")
     head, chain = lm_head_node(graph)
     hidden = head.input[0]
@@ -72,7 +73,7 @@ def last_position_logits(model: Any) -> Any:
     keep = [v for v in graph.value_info if v.name not in changed]
     del graph.value_info[:]
     graph.value_info.extend(keep)
-    dims = next(o for o in graph.output if o.name == LOGITS).type.tensor_type.shape.dim
+    dims = out.type.tensor_type.shape.dim
     if len(dims) == 3:
         dims[1].Clear()
         dims[1].dim_value = 1

@@ -249,15 +249,15 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
             "kv_bytes_per_token": kv.get("bytes_per_token"),
             "dense_kv_bytes_per_token": kv.get("dense_bytes_per_token")}
     if config.verify:
-        body["verify"] = verify_folder(out, config.verify_tokens, info.onnx)
+        body["verify"] = verify_folder(out, config.verify_tokens, graph)
     (out / REPORT).write_text(json.dumps({"format": "harp-genai/1", **body}, indent=2))
     return body
 
 
-def verify_folder(folder: Path, n_tokens: int, reference: Path | None = None) -> dict[str, Any]:
+def verify_folder(folder: Path, n_tokens: int, reference: Path) -> dict[str, Any]:
     """Greedy ``n_tokens`` from ``og.Generator`` on ``folder`` against our ``OrtCausalLM`` on
-    ``reference`` (the engine's graph; default the folder's own) (``VerificationError`` if they
-    differ); ``{"skipped": reason}`` without onnxruntime-genai."""
+    ``reference`` (the engine's graph) (``VerificationError`` if they differ); ``{"skipped": reason}``
+    without onnxruntime-genai."""
     from .probe import genai_greedy, genai_version
 
     if genai_version() is None:
@@ -271,7 +271,7 @@ def verify_folder(folder: Path, n_tokens: int, reference: Path | None = None) ->
     vocab = int(cfg["model"]["vocab_size"])
     prompt = [(37 * k + 11) % vocab for k in range(6)]
     got = genai_greedy(folder, prompt, n_tokens)
-    lm = OrtCausalLM(reference or folder / cfg["model"]["decoder"]["filename"], providers=["CPUExecutionProvider"])
+    lm = OrtCausalLM(reference, providers=["CPUExecutionProvider"])
     ref = [int(t) for t in lm.generate(np.asarray([prompt]), max_new_tokens=n_tokens)[0, len(prompt):]]
     if got != ref:
         raise VerificationError(STAGE, f"onnxruntime-genai's greedy tokens {got} differ from ONNX Runtime's {ref}",
