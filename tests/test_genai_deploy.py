@@ -239,6 +239,20 @@ def test_last_logits_folder_runs_in_genai(built, name, monkeypatch):
     assert GenaiBenchEngine(full, "harp", 2, 8, CONTEXT).logits(ids).shape == (1, len(PROMPT), 128)
 
 
+def test_deploy_genai_last_logits_flag(built, tmp_path, capsys):
+    """`harp-trt deploy genai --last-logits --json` as a user runs it: the folder's graph returns one
+    position and the JSON says so."""
+    import onnx
+
+    out = tmp_path / "genai"
+    code, dep, err = run_json(capsys, "deploy", "genai", "--artifact", str(built["top"]), "--out", str(out),
+                              "--last-logits", "--json")
+    assert code == 0, err
+    assert dep["logits"] == "last" and dep["verified"]
+    logits = next(o for o in onnx.load(str(out / "model.onnx")).graph.output if o.name == "logits")
+    assert logits.type.tensor_type.shape.dim[1].dim_value == 1
+
+
 def _head_graph(chain: list[str]):
     """hidden [B, S, 8] -> MatMul(W) -> the element-wise ops in ``chain`` -> logits [B, S, 5]."""
     from onnx import TensorProto, helper, numpy_helper

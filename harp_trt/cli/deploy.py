@@ -142,6 +142,7 @@ def run_genai(args) -> dict:
     return {"folder": r["folder"], "cached": r["cached"], "artifact": r["artifact"]["path"],
             "kv_layers": r["kv_layers"], "pruned_layers": r["pruned_layers"], "quant": r["quant"],
             "past_present_share_buffer": r["past_present_share_buffer"], "context_length": r["context_length"],
+            "logits": r.get("logits", "all"),   # folders written before --last-logits hold every position's
             "verified": bool((r.get("verify") or {}).get("equal")), "seconds": round(time.perf_counter() - t0, 3)}
 
 
