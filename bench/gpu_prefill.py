@@ -155,7 +155,7 @@ def _random_cache(model, batch: int, context: int, device, dtype):
     layers = []
     for layer in model.model.layers:
         if isinstance(layer.self_attn, HarpAttention):
-            layers.append(no_kv_layer())
+            layers.append(no_kv_layer(cache))
             continue
         k = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)
         v = torch.randn(batch, kv, context, hd, device=device, dtype=dtype)

@@ -164,7 +164,7 @@ def _strip_cache(cache, pruned: list[int]) -> None:
         if i < len(layers):
             if not holds_no_kv(layers[i]):
                 raise RuntimeError(f"cache already holds keys for pruned layer {i}")
-            layers[i] = no_kv_layer()
+            layers[i] = no_kv_layer(cache)
 
 
 def _install_cache_hook(model: nn.Module, family: FamilySpec) -> None:

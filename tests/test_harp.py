@@ -126,11 +126,11 @@ def test_layer_out_of_range():
         apply_harp(make_tiny("llama"), {4: 1.0})
 
 
-@pytest.mark.parametrize("slot", ["no_kv_layer", "NoKVLayer"])
-def test_pruned_layer_0_slot_defers_to_first_kept_layer(slot):
-    """The cache slot of a pruned layer 0 (``DummyLayer``, or ``hf_compat.NoKVLayer`` where
-    transformers < 5.24 has none: the GPU host runs 5.17) holds nothing, and the cache's length
-    and mask sizes are those of the first kept layer (not 0, which would restart positions)."""
+def test_pruned_layer_0_slot_defers_to_first_kept_layer():
+    """The cache slot of a pruned layer 0 holds nothing, and the cache's length and mask sizes are
+    those of the first kept layer (not 0, which would restart positions): through ``Cache``, which
+    in transformers 5.17/5.24 skips the slot and in 5.25 asks it directly, and through the slot
+    itself, so the answer holds whichever release is installed."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     from harp_trt import hf_compat
@@ -140,10 +140,12 @@ def test_pruned_layer_0_slot_defers_to_first_kept_layer(slot):
     kept.lazy_initialization(k, k)
     kept.keys, kept.values = k, k
     cache = DynamicCache()
-    pruned = getattr(hf_compat, slot)()
+    pruned = hf_compat.no_kv_layer(cache)
     cache.layers = [pruned, kept]
     assert hf_compat.holds_no_kv(pruned) and not hf_compat.holds_no_kv(kept)
     assert cache.get_seq_length() == 5 and cache.get_mask_sizes(1, 0) == (6, 0)
+    assert pruned.get_seq_length() == 5 and pruned.get_mask_sizes(1) == (6, 0)
+    assert hf_compat.no_kv_layer(DynamicCache()).get_seq_length() == 0  # a cache with no kept layer
     cache.reset()  # every slot takes the whole-cache edits
-    with pytest.raises((RuntimeError, NotImplementedError)):
+    with pytest.raises(RuntimeError, match="keeps no KV cache"):
         pruned.update(k, k)

@@ -104,7 +104,7 @@ class _FlatKV(nn.Module):
         cache = DynamicCache()
         # plain DynamicLayers everywhere: sliding-window layers keep the whole past too (the mask
         # applies the window), so every present has the same [B, kv, P+S, hd] layout
-        cache.layers = [no_kv_layer() for _ in range(self.num_layers)]  # DummyLayer, or its 5.17 stand-in
+        cache.layers = [no_kv_layer(cache) for _ in range(self.num_layers)]  # pruned slots, kept ones replaced below
         for j, i in enumerate(self.kv_layers):
             k, v = past[2 * j], past[2 * j + 1]
             layer = DynamicLayer()
