@@ -120,6 +120,18 @@ def shape_check(model: str, layers: int = 8) -> dict:
             "harp_params": sum(p.numel() for p in harp.parameters()), "layers_pruned": layers}
 
 
+def ceiling(layers: int, pruned: int) -> float:
+    """The bound on any HARP speed-up: if a layer's cost is its attention plus its MLP and layers
+    add up, removing the attention of ``pruned`` of ``layers`` layers leaves at least (L-P)/L of
+    the work, so no step gets faster than L/(L-P). A figure above it is a measurement bug."""
+    return round(layers / (layers - pruned), 4)
+
+
+def _flag_ceiling(out: dict, speedups: dict, n_layers: int, pruned: int) -> None:
+    out["speedup_ceiling"] = ceiling(n_layers, pruned)
+    out["above_ceiling"] = sorted(k for k, v in speedups.items() if v > out["speedup_ceiling"])
+
+
 def _prefill_summary(out: dict, rows: list[dict]) -> None:
     out["prefill"] = {}
     for r in rows:
@@ -227,6 +239,13 @@ def run(args) -> dict:
         else:
             dense_model, harp_model, attn = build_models(args.shape, args.layers, device, dtype)
             latency_figures(out, {"dense": dense_model, "harp": harp_model}, args, device, dtype, vocab, spent)
+        speedups = dict(out.get("prefill_speedup", {}))
+        if "tokens_per_s" in out.get("decode", {}):
+            tps = out["decode"]["tokens_per_s"]
+            # decode compares tokens/s at each model's own largest batch: KV capacity, not a step's
+            # speed-up, and so not bound by the ceiling; the per-sequence step ratio is
+            out["decode"]["throughput_ratio"] = round(tps["harp"] / tps["dense"], 4)
+        _flag_ceiling(out, speedups, n, args.layers)
     else:
         out["skipped"] += ["prefill", "decode"]
     out["attention"] = attn

@@ -217,7 +217,9 @@ def time_decode(models: dict, batches: dict, context: int, steps: int, device, d
                      "ms_per_step": dt / steps * 1e3, "tokens_per_s": b * steps / dt,
                      "kv_bytes_per_token": kv_bytes_per_token(m, torch.finfo(dtype).bits // 8)})
         print(f"decode {v:>5} batch {b:>4} ({kind}): {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
-        del cache
+        # every reference to this batch's KV goes before the next is allocated: ``kw`` held the
+        # dense cache while the HARP batch, sized from free memory, was allocated (OOM on an H200)
+        del cache, kw, tok
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any
 
 __all__ = ["cache_kwarg", "no_kv_layer", "holds_no_kv", "PrunedSlot"]
@@ -36,8 +37,9 @@ except ImportError:  # 5.17: no DummyLayer
 class PrunedSlot(_Base):
     """The cache slot of a layer pruned by HARP: no K/V, whole-cache edits are no-ops, and the
     sequence-length and mask questions are answered by the first kept layer of ``cache`` (0 / the
-    query length while the cache has none). Holds the cache itself, not a weak reference, so a
-    ``deepcopy`` of the cache copies the slot's link with it."""
+    query length while the cache has none). The link is a weak reference: a strong one would make
+    every cache with a pruned slot a reference cycle, whose K/V (gigabytes at 7B) only the cyclic
+    garbage collector frees; a ``deepcopy`` of the cache links the copied slot to the copied cache."""
 
     supports_early_init = False
     is_compileable = True
@@ -46,7 +48,15 @@ class PrunedSlot(_Base):
     def __init__(self, cache: Any = None):
         self.is_initialized = True
         self.keys = self.values = None
-        self.cache = cache
+        self._cache = None if cache is None else weakref.ref(cache)
+
+    @property
+    def cache(self) -> Any:
+        return None if self._cache is None else self._cache()
+
+    def __deepcopy__(self, memo: dict) -> "PrunedSlot":
+        cache = self.cache  # deepcopy registers the copied cache in ``memo`` before its layers
+        return PrunedSlot(None if cache is None else memo.get(id(cache), cache))
 
     def _kept(self):
         for layer in getattr(self.cache, "layers", ()) or ():

@@ -1,6 +1,8 @@
 """HARP in PyTorch (harp_trt.harp) against independent re-implementations, all four families."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -146,6 +148,30 @@ def test_pruned_layer_0_slot_defers_to_first_kept_layer():
     assert cache.get_seq_length() == 5 and cache.get_mask_sizes(1, 0) == (6, 0)
     assert pruned.get_seq_length() == 5 and pruned.get_mask_sizes(1) == (6, 0)
     assert hf_compat.no_kv_layer(DynamicCache()).get_seq_length() == 0  # a cache with no kept layer
+    copied = copy.deepcopy(cache)  # the copied slot answers from the copied cache
+    copied.layers[1].keys = copied.layers[1].values = torch.zeros(1, 2, 7, 4)
+    assert copied.layers[0].get_seq_length() == 7 and pruned.get_seq_length() == 5
     cache.reset()  # every slot takes the whole-cache edits
     with pytest.raises(RuntimeError, match="keeps no KV cache"):
         pruned.update(k, k)
+
+
+def test_cache_with_pruned_slot_is_freed_without_the_cycle_collector():
+    """A cache whose pruned slots link back to it is freed when its last reference goes, not only
+    by the cyclic garbage collector: a 7B decode batch's KV must not outlive its ``del``."""
+    import gc
+    import weakref
+
+    from transformers.cache_utils import DynamicCache
+
+    from harp_trt import hf_compat
+
+    gc.disable()
+    try:
+        cache = DynamicCache()
+        cache.layers = [hf_compat.no_kv_layer(cache)]
+        alive = weakref.ref(cache)
+        del cache
+        assert alive() is None
+    finally:
+        gc.enable()
