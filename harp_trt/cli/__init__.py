@@ -2,7 +2,8 @@
 ``COMMANDS`` (a lazy registry: an unknown command gets a "did you mean"); each defines ``NAME``,
 ``HELP``, ``add_arguments(parser)`` and ``run(args) -> dict``. A flag that sets a stage config's field
 is generated from the field (``harp_trt.cli._options``). The dict is the command's
-figures: rendered as a table normally, or as one JSON object on stdout's last line with ``--json``.
+figures: rendered for a person (by the module's own ``render(result, console)`` where it has one, build's
+summary; else as tables), or as one JSON object on stdout's last line with ``--json``.
 
 A ``HarpError`` is printed in one or two lines and the process exits with its code (2 for bad
 input); nothing else is caught, so real bugs keep their traceback."""
@@ -44,12 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def emit(result: dict[str, Any], as_json: bool) -> None:
-    from .render import render
+def emit(result: dict[str, Any], as_json: bool, module: Any = None) -> None:
+    """``result`` as one JSON line, or for a person: the command module's own ``render(result,
+    console)`` where it has one (build's summary), else the generic tables (``render.render``)."""
+    from .render import make_console, render
 
     if as_json:
         clean = {k: v for k, v in result.items() if not k.startswith("_")}
         sys.stdout.write(json.dumps(clean, default=str) + "\n")
+    elif callable(getattr(module, "render", None)):
+        module.render(result, make_console())
     else:
         render(result)
 
@@ -67,6 +72,30 @@ def _quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
+
+
+# (logger, start of a message) that is noise to a harp-trt user and dropped at its logger: torch's ONNX
+# exporter warns once per torchvision op it cannot register when torchvision is not installed, and
+# harp-trt's models use none of them ("torchvision is not installed. Skipping torchvision::nms", x4)
+NOISE = (("torch.onnx._internal.exporter._registration", "torchvision is not installed"),)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _drop_noise() -> None:
+    """Attach a filter for each ``NOISE`` entry to its logger (once): those records only, the
+    logger's other warnings pass."""
+    for name, prefix in NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_DropMessages(prefix))
 
 
 def _terminate_as_interrupt() -> None:
@@ -99,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.verbose:
         _quiet_libraries()
+    _drop_noise()
     _terminate_as_interrupt()
     try:
         result = args._module.run(args)
@@ -108,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"harp-trt {args.command}: interrupted; no artifact was written", file=sys.stderr)
         return 130
-    emit(result, args.json)
+    emit(result, args.json, args._module)
     return int(result.get("exit_code", 0)) if isinstance(result, dict) else 0
 
 

@@ -138,7 +138,7 @@ def progress_bar(enabled: bool = True) -> Iterator[tuple]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, log_path=False)  # no "_common.py:153" column: the caller is always this file
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as prog:
         tasks: dict[int, int] = {}

@@ -81,8 +81,7 @@ def run(args) -> dict:
                                                "seconds": round(r.seconds, 3), "peak_rss_so_far": r.peak_rss}
                                                for r in res.records},
            "all_cached": all(r.artifact.cached for r in res.records),
-           "seconds": round(time.perf_counter() - t0, 3), "notes": res.notes, "preflight": res.preflight,
-           "_tables": {"stages": [r.row() for r in res.records]}, "_hide": ["stages"]}
+           "seconds": round(time.perf_counter() - t0, 3), "notes": res.notes, "preflight": res.preflight}
     engine = res.artifact("build")
     if engine is not None:
         out["engine"] = str(engine.path)
@@ -99,6 +98,13 @@ def run(args) -> dict:
     if bench is not None:
         out["bench"] = bench.manifest.get("summary", {})
     return out
+
+
+def render(result: dict, console) -> None:
+    """The summary a person reads (``harp_trt.cli._summary``); ``--json`` prints ``result`` instead."""
+    from ._summary import render_build
+
+    render_build(result, console)
 
 
 def _stage_config(stage: str, args):
