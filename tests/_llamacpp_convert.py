@@ -32,6 +32,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import wheelhouse
+
 __all__ = ["fetch_converter", "convert_hf_folder", "LLAMA3_VOCAB"]
 
 LLAMA3_VOCAB = 128256  # the only vocabulary size conversion/deci.py DeciModel.set_vocab sends to get_vocab_base
@@ -74,9 +76,10 @@ def fetch_converter(cache: Path, version: str | None = None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".llamacpp-sdist-") as tmp:
+        wheelhouse.require(f"llama-cpp-python=={version}")
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         "--disable-pip-version-check", "-q", f"llama-cpp-python=={version}", "-d", tmp],
-                       check=True, stdin=subprocess.DEVNULL)
+                       check=True, stdin=subprocess.DEVNULL, env=wheelhouse.pip_env())
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
         unpacked = Path(tmp) / "tree"

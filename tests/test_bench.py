@@ -337,7 +337,6 @@ def test_bad_batch_sizes_exit_2(setup, capsys, value, message):
 def ort_engines(setup):
     import shutil
 
-    pytest.importorskip("onnxruntime")
     from harp_trt.models import load_model
     from harp_trt.export.export import export_dense
     from harp_trt.rewrite.stage import rewrite_onnx
