@@ -39,10 +39,6 @@ class StageRecord:
     seconds: float
     peak_rss: int = 0   # the process's peak resident bytes so far, when the stage ended
 
-    def row(self) -> dict[str, Any]:
-        return {"stage": self.stage, "status": "cached" if self.artifact.cached else "built",
-                "seconds": round(self.seconds, 2), "artifact": str(self.artifact.path)}
-
 
 @dataclass
 class BuildResult:
