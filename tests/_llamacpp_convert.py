@@ -76,11 +76,9 @@ def fetch_converter(cache: Path, version: str | None = None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".llamacpp-sdist-") as tmp:
-        wheelhouse.require(f"llama-cpp-python=={version}")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "--disable-pip-version-check", "-q", f"llama-cpp-python=={version}", "-d", tmp],
-                       check=True, stdin=subprocess.DEVNULL, env=wheelhouse.pip_env())
-        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        # read from the wheelhouse as it lies (pip would prepare the sdist's metadata, which needs
+        # its build requirements from an index the run does not reach)
+        sdist = wheelhouse.require(f"llama-cpp-python=={version}")
         prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
         unpacked = Path(tmp) / "tree"
         with tarfile.open(sdist) as tar:

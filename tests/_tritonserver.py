@@ -57,10 +57,7 @@ def fetch_server(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=root))
     try:
-        wheelhouse.require(PYTRITON)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp / "wheel"), PYTRITON],
-                       check=True, env=wheelhouse.pip_env())
-        (whl,) = glob.glob(str(tmp / "wheel" / "nvidia_pytriton-*.whl"))
+        whl = wheelhouse.require(PYTRITON)
         tree = tmp / "tree"
         with zipfile.ZipFile(whl) as z:
             z.extractall(tree)
