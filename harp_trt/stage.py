@@ -2,10 +2,11 @@
 postconditions whose errors name the stage (after onnx-ir's ``PassBase``).
 
 ``Stage.execute`` adds caching: it derives the artifact key from the stage version, the code
-version (the source of every repository module the stage imports and the versions of the libraries
-that shape its output, ``harp_trt.codekey``), the config, the upstream artifact keys and any content
-digests the stage declares, returns the cached artifact when the key exists, and otherwise runs
-the stage into a temp folder that is renamed on success. ``Stage.write_to`` runs it the same way into
+version (the code, comments and docstrings aside, of every repository module the stage can run, and
+the installed distributions that code imports, ``harp_trt.codekey``), the config, the upstream
+artifact keys and any content digests the stage declares (the model's: ``harp_trt.models.weight_digest``),
+returns the cached artifact when the key exists, and otherwise runs the stage into a temp folder
+that is renamed on success. ``Stage.write_to`` runs it the same way into
 a folder of the caller's choice, outside the cache (``--out``)."""
 from __future__ import annotations
 
@@ -60,16 +61,16 @@ class Stage(Generic[C]):
 
     @classmethod
     def code_key(cls) -> CodeKey:
-        """The repository modules this stage's module imports (transitively, function bodies and
-        lazy registry entries included) and the versions of the libraries among them that shape an
-        artifact (``harp_trt.codekey``); computed once per process."""
+        """The repository modules this stage's module can run (transitively: imports in the code
+        that runs, function bodies a caller names, lazy registry entries) and the installed
+        distributions that code imports (``harp_trt.codekey``); computed once per process."""
         return code_key((cls.__module__, *cls.code))
 
     @classmethod
     def code_version(cls) -> str:
-        """sha256[:16] of ``code_key()``'s sources and library versions: part of every key, so an
+        """sha256[:16] of ``code_key()``'s code and library versions: part of every key, so an
         artifact written by other code, or by other library versions, is never served from the
-        cache (``harp_trt.__version__`` alone would be)."""
+        cache (``harp_trt.__version__`` alone would be), while a comment edit serves it still."""
         return cls.code_key().digest
 
     def key_material(self, config: C, inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Content-addressed artifact store: ``<root>/<stage>-<sha256[:16]>/{manifest.json, ...}``.
 
 The key hashes the stage name and version, its config, the upstream artifact keys and the model's
-*weight digest* (never a path). Artifacts are written into a temporary folder under a per-key file
+digest (``harp_trt.models.weight_digest``: weights, config, tokenizer, chat template, generation
+config; never a path). Artifacts are written into a temporary folder under a per-key file
 lock and renamed into place, so an interrupted or failed run leaves nothing half-written."""
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ a library version is part of the key."""
 from __future__ import annotations
 
 import dis
+import inspect
 import json
 import os
 import shutil
@@ -78,18 +79,25 @@ def test_every_module_a_stage_imports_is_in_its_key(stage):
     assert cls.code_version() == key.digest and len(key.digest) == 16
 
 
-def _bytecode_imports(code: types.CodeType, nested: bool):
-    """(module, level, fromlist) of every IMPORT_NAME in ``code`` (and nested code objects)."""
+def _bytecode_imports(code: types.CodeType, skip: frozenset[str] = frozenset()):
+    """(module, level, fromlist) of every IMPORT_NAME in ``code`` and its nested code objects,
+    leaving out the bodies of the module's functions named in ``skip`` (a function's code object
+    sits in its module's constants: optimized, new locals, and a name; a class body has neither flag)."""
     consts = []
     for ins in dis.get_instructions(code):
         if ins.opname == "IMPORT_NAME":
             level, fromlist = consts[-2:] if len(consts) >= 2 else (0, None)
             yield ins.argval, level, fromlist or ()
         consts = consts + [ins.argval] if ins.opname == "LOAD_CONST" else []
-    if nested:
-        for c in code.co_consts:
-            if isinstance(c, types.CodeType):
-                yield from _bytecode_imports(c, nested)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType) and not (c.co_flags & inspect.CO_NEWLOCALS and c.co_name in skip):
+            yield from _bytecode_imports(c)
+
+
+def _functions_of(code: types.CodeType) -> set[str]:
+    """The names of a module's top-level functions, from its bytecode."""
+    return {c.co_name for c in code.co_consts if isinstance(c, types.CodeType) and c.co_flags & inspect.CO_NEWLOCALS
+            and not c.co_name.startswith("<")}
 
 
 def _module_of(name: str) -> bool:
@@ -99,21 +107,26 @@ def _module_of(name: str) -> bool:
 @pytest.mark.parametrize("stage", sorted(STAGE_MODULES))
 def test_function_level_imports_are_in_the_key(stage):
     """Oracle 2, for imports inside functions (which an import alone does not run): compile every
-    module in the closure and resolve each ``IMPORT_NAME`` of its bytecode; every repository module
-    named is in the key. A package reached only as a parent runs its module-level code only."""
+    module in the closure and resolve each ``IMPORT_NAME`` of its bytecode, outside the bodies of
+    the functions the closure says never run (codekey rule 1: its ``functions``); every repository
+    module named is in the key, every other module's top-level name among its libraries' modules."""
     closure = import_closure((STAGE_MODULES[stage],))
-    missing = {}
+    missing, libraries = {}, {}
     for name, path in closure.modules.items():
         is_pkg = path.name == "__init__.py"
         package = name if is_pkg else name.rpartition(".")[0]
         code = compile(path.read_bytes(), str(path), "exec")
-        for mod, level, fromlist in _bytecode_imports(code, nested=name not in closure.parents):
+        skip = frozenset(_functions_of(code) - closure.functions[name])
+        for mod, level, fromlist in _bytecode_imports(code, skip):
             if level:
                 parts = package.split(".")
                 mod = ".".join(parts[:len(parts) - level + 1] + ([mod] if mod else []))
+            elif not _module_of(mod.split(".")[0]) and mod.split(".")[0] not in closure.external:
+                libraries[mod] = name
             wanted = [m for m in [mod, *(f"{mod}.{f}" for f in fromlist if f != "*")] if _module_of(m)]
             missing.update({m: name for m in wanted if m not in closure.modules})
     assert not missing, f"{stage}: imported (module -> by) but not in its key: {missing}"
+    assert not libraries, f"{stage}: imported (library -> by) but not in its key: {libraries}"
 
 
 def test_the_named_gaps_are_closed_and_the_rules_stay_out_of_the_export():
@@ -224,7 +237,8 @@ def test_the_scan_rules_on_a_small_package(tmp_path):
     codekey.clear_cache()
     closure = import_closure(("pkg.sub.stage",), tmp_path)
     assert set(closure.modules) == {"pkg", "pkg.sub", "pkg.sub.stage", "pkg.util", "pkg.late", "pkg.entry"}
-    assert closure.parents == {"pkg", "pkg.sub"} and closure.external == {"torch", "onnx", "pathlib"}
+    assert closure.whole == {"pkg.sub.stage"} and closure.external == {"torch", "onnx", "pathlib"}
+    assert closure.functions["pkg"] == frozenset() and closure.functions["pkg.sub.stage"] == {"run"}
     assert closure.data == {tmp_path / "pkg/assets/model.txt"}
     assert "pkg.lazy" in import_closure(("pkg.user",), tmp_path).modules   # a name taken from pkg
     key = code_key(("pkg.sub.stage",), tmp_path)
