@@ -28,7 +28,8 @@ from .errors import GraphError, PreconditionError
 __all__ = ["tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
-           "copy_tokenizer", "tokenizer_files", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS", "file_digest",
+           "copy_tokenizer", "tokenizer_files", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS",
+           "LEGACY_SPECIAL_TOKENS_KEY", "file_digest",
            "read_export_meta", "check_plan_weights"]
 
 EXPORT_META_KEY = "harp_trt.export"
@@ -101,28 +102,55 @@ def kv_layers_of_names(names: Iterable[str], direction: str = "past") -> list[in
                    and k.kind == "key"})
 
 
-# ``tokenizer_class`` values transformers 5 writes that transformers 4.x cannot import ("Tokenizer class
-# TokenizersBackend does not exist"), and the 4.x class that reads the same ``tokenizer.json`` into the
-# same ids. The consumers pin 4.x: TensorRT-LLM 1.2 (requirements.txt: transformers==4.57.1) and the
-# Triton TensorRT-LLM image's preprocessing/postprocessing models (AutoTokenizer.from_pretrained).
-# tests/test_tokenizer_portable.py loads every shipped folder under both and compares token ids.
+# What transformers 5 writes into ``tokenizer_config.json`` that the consumers' transformers 4.x cannot
+# read, rewritten so that both read the same tokenizer. The consumers pin 4.x: TensorRT-LLM 1.2
+# (requirements.txt: transformers==4.57.1) and the Triton TensorRT-LLM image's preprocessing /
+# postprocessing models (AutoTokenizer.from_pretrained). tests/test_tokenizer_portable.py loads every
+# shipped folder under 4.56.2, 4.57.1 and 5 and compares ids, special ids and chat-template output.
+#
+# 1. ``tokenizer_class``: 4.x cannot import the 5.x names ("Tokenizer class TokenizersBackend does not
+#    exist"); the 4.x class that reads the same ``tokenizer.json`` into the same ids replaces them.
 PORTABLE_TOKENIZER_CLASS = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+# 2. added special tokens: 5.x saves them as a list under ``extra_special_tokens``
+#    (``PreTrainedTokenizerBase.save_pretrained``). In 4.x that key means something else, a dict of
+#    named model-specific tokens: ``PreTrainedTokenizerBase.__init__`` hands it to
+#    ``SpecialTokensMixin._set_model_specific_special_tokens``, which calls ``.keys()`` on it
+#    ("'list' object has no attribute 'keys'"; 4.56.2 and 4.57.1, tokenization_utils_base.py; where
+#    protobuf is missing, 4.x reports an ImportError from its slow-tokenizer fallback instead), so
+#    every chat tokenizer (``<|im_start|>`` / ``<|im_end|>``) fails to load. The list goes back under its 4.x name,
+#    ``additional_special_tokens``, which 5.x still reads and renames on load
+#    (``PreTrainedTokenizerBase.__init__`` / ``_from_pretrained``: "Convert deprecated
+#    additional_special_tokens to extra_special_tokens"). A dict stays: both versions read that form.
+LEGACY_SPECIAL_TOKENS_KEY = "additional_special_tokens"
+
+
+def _portable_config(cfg: dict[str, Any], has_tokenizer_json: bool) -> dict[str, Any]:
+    """``cfg`` (a ``tokenizer_config.json``) as transformers 4.x and 5 both load it: the class only
+    where ``tokenizer.json`` holds the whole pipeline, the special-token list whatever the class (a
+    5.x-saved ``Qwen2Tokenizer`` carries it too)."""
+    out = dict(cfg)
+    new = PORTABLE_TOKENIZER_CLASS.get(out.get("tokenizer_class"))
+    if new is not None and has_tokenizer_json:
+        out["tokenizer_class"] = new
+    if isinstance(out.get("extra_special_tokens"), list):
+        # 5.x reads only this list when both keys are present, so it replaces any older list
+        out[LEGACY_SPECIAL_TOKENS_KEY] = out.pop("extra_special_tokens")
+    return out
 
 
 def make_tokenizer_portable(folder: Path) -> bool:
     """Rewrite ``folder``'s ``tokenizer_config.json`` so that transformers 4.x and 5 both load it
-    (``PORTABLE_TOKENIZER_CLASS``); only where a ``tokenizer.json`` holds the whole pipeline.
-    Returns whether the file changed."""
+    into the same tokenizer (the class, ``PORTABLE_TOKENIZER_CLASS``; the added special tokens,
+    ``LEGACY_SPECIAL_TOKENS_KEY``). Returns whether the file changed."""
     folder = Path(folder)
     cfg_path = folder / "tokenizer_config.json"
-    if not cfg_path.is_file() or not (folder / "tokenizer.json").is_file():
+    if not cfg_path.is_file():
         return False
     cfg = json.loads(cfg_path.read_text())
-    new = PORTABLE_TOKENIZER_CLASS.get(cfg.get("tokenizer_class"))
-    if new is None:
+    new = _portable_config(cfg, (folder / "tokenizer.json").is_file())
+    if new == cfg:
         return False
-    cfg["tokenizer_class"] = new
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    cfg_path.write_text(json.dumps(new, indent=2, ensure_ascii=False) + "\n")
     return True
 
 
@@ -199,6 +227,8 @@ def check_plan_weights(plan_digest: str, weights_digest: str | None, stage: str,
     """Refuse to combine a plan with weights it was not calibrated on. ``weights_digest`` None
     (a graph that records no digest) passes: the caller checks what the graph does record."""
     if weights_digest and weights_digest != plan_digest:
-        raise PreconditionError(stage, f"{what} (weights {weights_digest[:12]}...) is not the model the plan "
-                                       f"was calibrated on (weights {plan_digest[:12]}...)",
-                                hint or "pass --model with the plan's weights, or calibrate this model first")
+        raise PreconditionError(stage, f"{what} (digest {weights_digest[:12]}...) is not the model the plan "
+                                       f"was calibrated on (digest {plan_digest[:12]}...): the digest covers the "
+                                       f"weights, config, tokenizer, chat template and generation config",
+                                hint or "pass --model with the plan's model, or calibrate this model first (a plan "
+                                        "written before harp-trt's digest covered the tokenizer needs calibrating again)")

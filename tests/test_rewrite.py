@@ -241,7 +241,7 @@ def test_bad_inputs_are_typed_errors(exports, tmp_path):
     stage = RewriteStage()
     inputs = {"export": export, "model": resolved}
     other = _plan(resolved, "llama", (1,), (0.5,)).to_dict() | {"model_digest": "0" * 64}
-    with pytest.raises(PreconditionError, match=r"\[rewrite\] the graph's model \(weights [0-9a-f]{12}\.\.\.\) is not the model the plan was calibrated on \(weights 000000000000\.\.\.\)"):
+    with pytest.raises(PreconditionError, match=r"\[rewrite\] the graph's model \(digest [0-9a-f]{12}\.\.\.\) is not the model the plan was calibrated on \(digest 000000000000\.\.\.\)"):
         stage.execute(store, RewriteConfig(verify=False), {**inputs, "plan": Plan.from_dict(other)})
     deeper = _plan(resolved, "llama", (4,), (0.5,), num_layers=6)
     with pytest.raises(PreconditionError, match=r"plan is for a 6-layer model but the graph has 4 layers"):
@@ -300,7 +300,7 @@ def test_cli_model_and_onnx_paths(exports, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     Plan.from_dict(Plan.load(plan_path).to_dict() | {"model_digest": "f" * 64}).save(bad)
     assert main(["rewrite", "--model", str(resolved.folder), "--plan", str(bad), "--workdir", str(store.root)]) == 2
-    assert "is not the model the plan was calibrated on (weights ffffffffffff...)" in capsys.readouterr().err
+    assert "is not the model the plan was calibrated on (digest ffffffffffff...)" in capsys.readouterr().err
 
 
 def test_every_layer_pruned(exports, tmp_path):

@@ -124,6 +124,8 @@ def test_llama_decilm_and_overrides(artifacts, tmp_path):
     client = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(client)
     assert client.DEFAULTS["decoupled"] is True
+    for words in _docker_runs((tmp_path / "repo" / "README.md").read_text()):  # build and serve see the engine
+        assert "/engines/harp-llama:/engines/harp-llama" in _parse_docker_run(words)[0]["-v"]
     arrays = client.request_arrays("hi", 7, stream=True)
     ens = {t.name: t for t in cfgs["ensemble"].input}
     for name, a in arrays.items():  # every client tensor is an ensemble input of that rank (+ batch)
@@ -231,10 +233,13 @@ def test_engine_without_our_window_list_is_refused(artifacts, tmp_path):
 
 
 def test_v1_batching_is_refused():
+    """V1 maps to BatchingType::kSTATIC, which the 1.x executor refuses at model load
+    (Executor::Impl::createModel): refused before anything is written, naming the executor's error."""
     from harp_trt.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="batching_strategy must be 'inflight_fused_batching'"):
+    with pytest.raises(ConfigError, match="batching_strategy must be 'inflight_fused_batching'") as e:
         TritonRepoConfig(batching_strategy="V1").validate()
+    assert "Static batching type is deprecated" in str(e.value)
 
 
 # ---- the Triton image: release table, TensorRT-LLM version, docker run -----------------------
@@ -267,32 +272,85 @@ def _parse_docker_run(words: list[str]) -> tuple[dict[str, list[str]], str, list
     return opts, words[i], words[i + 1:]
 
 
-def test_docker_run_lines_parse_as_docker_arguments(tmp_path):
-    """Every VAR=value sits behind -e; the command after the image is tritonserver itself (a tp=2
-    Qwen2 engine: orchestrator mode and window shares both need an environment variable)."""
-    from harp_trt.builders.triton.readme import docker_run
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """(artifact, report, README) of a tp=2 Qwen2 engine route, engine not built: orchestrator mode and
+    window shares both need an environment variable, and the engine spans two GPUs."""
     from harp_trt.models import ResolvedModel
 
-    folder = save_tiny("qwen2", tmp_path / "qwen2")
-    art = TrtllmCheckpointStage().execute(ArtifactStore(tmp_path / "cache"), TrtllmCheckpointConfig(
+    root = tmp_path_factory.mktemp("tp2")
+    folder = save_tiny("qwen2", root / "qwen2")
+    art = TrtllmCheckpointStage().execute(ArtifactStore(root / "cache"), TrtllmCheckpointConfig(
         **BUILD, tp_size=2, verify=False, build="never"), {
         "plan": _plan("qwen2", str(folder)), "model": ResolvedModel(str(folder), folder, "", "folder")})
-    report = write_repository(art.path, tmp_path / "repo")
-    runs = _docker_runs((tmp_path / "repo" / "README.md").read_text())
+    report = write_repository(art.path, root / "repo")
+    return art, report, (root / "repo" / "README.md").read_text()
+
+
+def test_docker_run_lines_parse_as_docker_arguments(tp2):
+    """Every VAR=value sits behind -e and the command after the image is the program itself: the
+    README's two runs (build the engine, start the server) and docker_run on its own."""
+    from harp_trt.builders.triton.readme import docker_run
+
+    art, report, readme = tp2
+    runs = _docker_runs(readme)
     runs.append(_docker_runs("```bash\n" + docker_run("img:1", "tritonserver --model-repository=/models",
                                                         gpus=False) + "\n```")[0])
-    assert len(runs) == 2
+    assert len(runs) == 3
     for words in runs:
         opts, image, command = _parse_docker_run(words)
-        assert command[0] == "tritonserver" and command[1:] == ["--model-repository=/models"]
+        assert command[0] in ("bash", "mpirun", "tritonserver"), command
         assert not any("=" in w and not w.startswith("-") for w in command), command
         for name, values in opts.items():  # VAR=value only as the value of -e
             assert name == "-e" or not any(re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", v) for v in values), (name, values)
-    opts, image, _ = _parse_docker_run(runs[0])
+    assert _parse_docker_run(runs[2])[2] == ["tritonserver", "--model-repository=/models"]
+    assert "--gpus" not in _parse_docker_run(runs[2])[0]
+    opts, image, _ = _parse_docker_run(runs[1])
     assert image == report["image"] == "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"
     shares = art.manifest["launch"]["kv_runtime"]["shares_env"]
-    assert sorted(opts["-e"]) == sorted(["TRTLLM_ORCHESTRATOR=1", shares])
-    assert opts["--gpus"] == ["all"] and f"{art.path}:{art.path}" in opts["-v"]
+    assert sorted(opts["-e"]) == sorted(["TRTLLM_ORCHESTRATOR=1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1", shares])
+    assert opts["--gpus"] == ["2"] and f"{art.path}:{art.path}" in opts["-v"] and '$(pwd):/models' in opts["-v"]
+
+
+def test_readme_builds_the_engine_in_the_image_before_serving(tp2):
+    """An unbuilt engine leaves the tensorrt_llm model unloadable (the executor parses
+    ``<gpt_model_path>/config.json``): the README's first run builds it in the serving image, with the
+    artifact's own build_engine.sh writing exactly where gpt_model_path points, on the engine's GPUs."""
+    art, report, readme = tp2
+    assert report["engine_built"] is False and "The engine is not built yet" in readme
+    assert readme.index("## Build the engine") < readme.index("## Start the server")
+    build, serve = _docker_runs(readme)
+    opts, image, command = _parse_docker_run(build)
+    assert image == report["image"] and opts["--gpus"] == ["2"] and "-p" not in opts
+    assert command == ["bash", str(art.path / "build_engine.sh"), report["engine_dir"]]
+    assert report["engine_dir"] == string_params(parse_model_config(
+        art.path.parent.parent / "repo" / "tensorrt_llm" / "config.pbtxt"))["gpt_model_path"]
+    assert (art.path / "build_engine.sh").read_text().count('OUT="${1:-$HERE/engine}"') == 1  # its argument: the output
+    assert f"{art.path}:{art.path}" in opts["-v"]  # the script, the checkpoint and the engine folder
+    assert _parse_docker_run(serve)[1] == image  # built and served by one TensorRT-LLM
+
+
+def test_server_starts_as_trtllms_launcher_starts_it(tp2, artifacts, tmp_path):
+    """The flags TensorRT-LLM's launch_triton_server.py passes (get_cmd, add_multi_model_config, and
+    the orchestrator environment of its __main__), for tp=2 and tp=1, in the README and in
+    launch_command: before, the README ran a bare ``tritonserver --model-repository=/models``."""
+    from harp_trt.builders.triton.readme import launch_command
+    from harp_trt.builders.triton.releases import TRITON_TRTLLM
+
+    _, _, readme = tp2
+    _, _, command = _parse_docker_run(_docker_runs(readme)[1])
+    shm = "--backend-config=python,shm-region-prefix-name=prefix0_"
+    assert command == ["mpirun", "--allow-run-as-root", "-n", "1", "tritonserver", "--model-repository=/models",
+                       "--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
+                       "--cuda-memory-pool-byte-size=0:0", "--cuda-memory-pool-byte-size=1:0",
+                       "--disable-auto-complete-config", shm]
+    assert launch_command(2) == (command, {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"})
+    assert sum(a.startswith("--cuda-memory-pool-byte-size=") for a in launch_command(4)[0]) == 4
+    assert all(r > "24.06" for r in TRITON_TRTLLM)  # add_multi_model_config adds the pools only after 24.06
+    write_repository(artifacts["qwen2"].path, tmp_path / "repo1")  # tp=1: one server, no MPI, no pools
+    opts, _, command = _parse_docker_run(_docker_runs((tmp_path / "repo1" / "README.md").read_text())[1])
+    assert command == ["tritonserver", "--model-repository=/models", "--disable-auto-complete-config", shm]
+    assert opts["--gpus"] == ["1"] and not any(e.startswith("TRTLLM_ORCHESTRATOR") for e in opts["-e"])
 
 
 def test_release_table_is_data_with_a_citation_per_row():

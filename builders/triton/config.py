@@ -52,7 +52,7 @@ class TritonRepoConfig(StageConfig):
         "tokenizer folder to copy (default: the artifact's hf/ or the plan's model folder)"))
     kv_cache_free_gpu_mem_fraction: float = option(0.9, group=LLM, help="(default %(default)s)")
     batching_strategy: str = option("inflight_fused_batching", group=LLM, choices=("inflight_fused_batching",),
-                                    help="(default %(default)s; V1 is gone from 1.x executors)")
+                                    help="(default %(default)s; 1.x executors refuse V1 at model load)")
     batch_scheduler_policy: str = option("guaranteed_no_evict", group=LLM,
                                          choices=("guaranteed_no_evict", "max_utilization"),
                                          help="(default %(default)s)")
@@ -91,9 +91,13 @@ class TritonRepoConfig(StageConfig):
             raise ConfigError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1], got "
                               f"{self.kv_cache_free_gpu_mem_fraction!r}")
         if self.batching_strategy != "inflight_fused_batching":
-            # V1 (static batching) is gone from the 1.x executor (executor/types.h BatchingType)
+            # V1 would load as BatchingType::kSTATIC (the backend's ModelInstanceState::getBatchingTypeFromParams),
+            # which the 1.x executor refuses when it creates the model: cpp/tensorrt_llm/executor/executorImpl.cpp
+            # Executor::Impl::createModel throws "Static batching type is deprecated ..." (docs/trtllm-contract.md,
+            # row tb-batching)
             raise ConfigError(f"batching_strategy must be 'inflight_fused_batching', got {self.batching_strategy!r}",
-                              "TensorRT-LLM 1.x executors run in-flight batching only")
+                              "TensorRT-LLM 1.x refuses V1 (static batching) when it loads the model (\"Static "
+                              "batching type is deprecated\"): use inflight_fused_batching")
         if self.serving not in ("python", "onnx"):
             raise ConfigError(f"serving must be 'python' (text in/out, generation in the server) or 'onnx' "
                               f"(Triton's onnxruntime backend), got {self.serving!r}")

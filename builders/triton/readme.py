@@ -3,23 +3,32 @@
 ``docker_run`` writes every environment variable as a ``-e VAR=value`` option of ``docker run``:
 whatever follows the image is the container's command, so a ``VAR=value`` there would be run as a
 program (``docs/trtllm-contract.md``, row triton-docker-env). The image comes from the release
-table (``releases.py``): the README names the release and, for TensorRT-LLM, the version it carries."""
+table (``releases.py``): the README names the release and, for TensorRT-LLM, the version it carries.
+
+A TensorRT-LLM repository's README gives two ``docker run`` commands: one that builds the engine in
+that image (``build_engine.sh``; until it has run, the ``tensorrt_llm`` model cannot load), and one that
+starts the server as TensorRT-LLM's own launcher does (``launch_command``)."""
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import Any
 
 from .releases import ngc_image
 
-__all__ = ["docker_run", "readme_llm", "readme_onnx", "readme_trtllm"]
+__all__ = ["docker_run", "launch_command", "readme_llm", "readme_onnx", "readme_trtllm"]
 
 
-def docker_run(image: str, command: str, *, gpus: bool, env: dict[str, str] | None = None,
-               mounts: tuple[tuple[str, str], ...] = (('"$(pwd)"', "/models"),), shm: str | None = None) -> str:
+def docker_run(image: str, command: str, *, gpus: bool | int, env: dict[str, str] | None = None,
+               mounts: tuple[tuple[str, str], ...] = (('"$(pwd)"', "/models"),), shm: str | None = None,
+               ports: bool = True) -> str:
     """A ``docker run`` command (continued over lines) that starts ``command`` in ``image``.
-    Mount sources are shell words as given (``"$(pwd)"``); env values are quoted."""
-    opts = ["docker run --rm" + (" --gpus all" if gpus else "") + (f" --shm-size={shm}" if shm else "")
-            + " -p 8000:8000 -p 8001:8001 -p 8002:8002"]
+    ``gpus``: True = all, an int = that many (``--gpus N``: a bare value is the count, docker CLI
+    ``opts/gpus.go``: ``GpuOpts.Set``). Mount sources are shell words as given (``"$(pwd)"``); env
+    values are quoted."""
+    gpu = "" if gpus is False else f" --gpus {'all' if gpus is True else int(gpus)}"
+    opts = ["docker run --rm" + gpu + (f" --shm-size={shm}" if shm else "")
+            + (" -p 8000:8000 -p 8001:8001 -p 8002:8002" if ports else "")]
     if env:
         opts.append(" ".join(f"-e {k}={shlex.quote(v)}" for k, v in env.items()))
     opts.append(" ".join(f"-v {src}:{dst}" for src, dst in mounts) + f" {image}")
@@ -122,6 +131,59 @@ Outputs: {', '.join(f'`{n}`' for n in s['outputs'])}
 """
 
 
+def launch_command(world: int, repo: str = "/models") -> tuple[list[str], dict[str, str]]:
+    """The tritonserver command and environment for an engine of ``world`` ranks, as TensorRT-LLM's
+    launcher builds them (TensorRT-LLM ``triton_backend/scripts/launch_triton_server.py``, read at
+    0b06796b; ``docs/trtllm-contract.md``, row triton-launch). Written out rather than calling the script: it
+    starts tritonserver with ``subprocess.Popen`` and returns, which would end the container.
+
+    * every rank's server gets ``--disable-auto-complete-config`` and a python-backend shared-memory
+      prefix of its own (``get_cmd``);
+    * one rank (``world`` 1): tritonserver alone, as ``--no-mpi`` runs it;
+    * more (orchestrator mode, the script's ``--multi-model``): one tritonserver under
+      ``mpirun --allow-run-as-root -n 1`` with ``TRTLLM_ORCHESTRATOR=1`` and
+      ``TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1`` (``__main__``), so the backend spawns one worker per rank
+      (``ModelInstanceState::getParallelConfigFromParams``); and, for Triton releases after 24.06 (every
+      release in ``releases.TRITON_TRTLLM``), ``--pinned-memory-pool-byte-size=0``,
+      ``--enable-peer-access=false`` and ``--cuda-memory-pool-byte-size=<gpu>:0`` for every GPU the
+      container sees (``add_multi_model_config``; the README's container sees exactly ``world``)."""
+    server = ["tritonserver", f"--model-repository={repo}"]
+    if world <= 1:
+        return [*server, "--disable-auto-complete-config", "--backend-config=python,shm-region-prefix-name=prefix0_"], {}
+    pools = ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
+             *(f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(world))]
+    cmd = ["mpirun", "--allow-run-as-root", "-n", "1", *server, *pools, "--disable-auto-complete-config",
+           "--backend-config=python,shm-region-prefix-name=prefix0_"]
+    return cmd, {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
+
+
+def _trtllm_runs(info, s: dict[str, Any], env: dict[str, str]) -> tuple[str, str]:
+    """(build, serve): the ``docker run`` that builds the engine where ``gpt_model_path`` points, and
+    the one that starts the server; both see exactly the engine's GPUs and the same paths."""
+    world = int(s["world_size"] or 1)
+    engine_dir = str(s["engine_dir"])
+    mounts = [(f'"{info.path}"', f'"{info.path}"')]
+    if not Path(engine_dir).is_relative_to(info.path):
+        mounts.append((f'"{engine_dir}"', f'"{engine_dir}"'))
+    build = docker_run(s["image"], shlex.join(["bash", str(info.path / "build_engine.sh"), engine_dir]),
+                       gpus=world, mounts=tuple(mounts), ports=False)
+    cmd, launch_env = launch_command(world)
+    serve = docker_run(s["image"], shlex.join(cmd), gpus=world, env={**launch_env, **env}, shm="2g",
+                       mounts=(('"$(pwd)"', "/models"), *mounts))
+    return build, serve
+
+
+def _launch_text(world: int) -> str:
+    if world <= 1:
+        return ("one tritonserver, started as TensorRT-LLM's `triton_backend/scripts/launch_triton_server.py` starts "
+                "it (`get_cmd`: `--disable-auto-complete-config`, a python-backend shared-memory prefix)")
+    return (f"orchestrator mode, as TensorRT-LLM's `triton_backend/scripts/launch_triton_server.py --multi-model` "
+            f"starts it: one tritonserver under `mpirun -n 1` with `TRTLLM_ORCHESTRATOR=1`, and the backend spawns "
+            f"the engine's {world} ranks itself; Triton's pinned and per-GPU CUDA memory pools are 0 and peer access "
+            f"is off (`add_multi_model_config`), `--disable-auto-complete-config` (`get_cmd`). The container sees "
+            f"exactly the engine's {world} GPUs (`--gpus {world}`), the ones the pool flags name")
+
+
 def readme_trtllm(config, info, s: dict[str, Any]) -> str:
     v = s["template_values"]
     world = int(s["world_size"] or 1)
@@ -129,18 +191,17 @@ def readme_trtllm(config, info, s: dict[str, Any]) -> str:
                "layers attend over one token, so their KV cache holds one block)."
                if v["max_attention_window_size"] else
                "No per-layer attention windows (DeciLM linear layers carry no KV cache at all).")
-    engine = ("The engine is built." if s["engine_built"] else
-              f"The engine is not built yet: run `bash {info.path / 'build_engine.sh'}` inside the container "
-              "first (it writes the engine where `gpt_model_path` points).")
     kv = ((info.manifest.get("launch") or {}).get("kv_runtime") or {})
     shares = kv.get("shares_env")
-    env = dict([shares.split("=", 1)]) if shares else {}
-    if world > 1:
-        env["TRTLLM_ORCHESTRATOR"] = "1"  # the backend spawns its MPI workers itself
-    run = docker_run(s["image"], "tritonserver --model-repository=/models", gpus=True, env=env, shm="2g",
-                     mounts=(('"$(pwd)"', "/models"), (f'"{info.path}"', f'"{info.path}"')))
+    build, serve = _trtllm_runs(info, s, dict([shares.split("=", 1)]) if shares else {})
+    if s["engine_built"]:
+        engine = f"The engine is built (`{s['engine_dir']}`); to build it again, in the same image:"
+    else:
+        engine = ("The engine is not built yet, and until it is the `tensorrt_llm` model fails to load. Build it "
+                  "first, in the image that will serve it (`build_engine.sh` runs `trtllm-build` on the checkpoint "
+                  f"and writes `{s['engine_dir']}`, where `gpt_model_path` points):")
     if shares:
-        windows += (f" The KV pool is split between window sizes by `{shares}` (set in the command below): "
+        windows += (f" The KV pool is split between window sizes by `{shares}` (set in the server command below): "
                     "without it TensorRT-LLM 1.2 gives each window size an equal share "
                     "(`BaseKVCacheManager::calculateMaxNumBlocks`), and the full-attention layers lose half the cache.")
     return f"""# Triton model repository: TensorRT-LLM ({s['architecture']})
@@ -157,26 +218,35 @@ client.py        sends a prompt to the ensemble and prints the reply
 harp_triton.json the values of the template keys and where everything came from
 ```
 
-{engine}
 {windows}
 Batching: `{v['batching_strategy']}`, max batch size {v['triton_max_batch_size']},
 `kv_cache_free_gpu_mem_fraction` {v['kv_cache_free_gpu_mem_fraction']}, decoupled (streaming) mode
 {'on' if v['decoupled_mode'] else 'off'}.
 
-## Start the server
-
 The checkpoint targets **TensorRT-LLM {s['tensorrt_llm_version']}**; Triton {s['triton_release']}'s image
 `{s['image']}` carries it ({s['image_source']}). Use this container for `build_engine.sh` and for
 serving (an engine runs only with the TensorRT-LLM version that built it; another release:
 `harp-trt deploy triton --triton-release YY.MM`, refused when its TensorRT-LLM differs). The engine
-and this repository must be visible inside the container at the paths in the configs, so mount the
-artifact at its own path:
+and this repository must be visible inside the container at the paths in the configs, so the
+artifact is mounted at its own path.
+
+## Build the engine
+
+{engine}
 
 ```bash
-{run}
+{build}
 ```
 
-{'' if world == 1 else f'The engine spans {world} GPUs: orchestrator mode (TRTLLM_ORCHESTRATOR=1) lets the backend start its MPI workers itself. '}If the engine lives elsewhere in the container, rewrite with `--engine-dir PATH`.
+## Start the server
+
+Run from this folder (it is mounted as `/models`): {_launch_text(world)}.
+
+```bash
+{serve}
+```
+
+If the engine lives elsewhere, rewrite with `--engine-dir PATH`: both commands then mount that path from the host at the same path.
 
 ## Call it
 
