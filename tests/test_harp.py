@@ -14,37 +14,59 @@ from harp_trt.hf_compat import holds_no_kv
 TOL = 1e-5  # fp32, same math in a different order
 
 
-def _expected_layer(family, layer, h, alpha):
-    """h + alpha * o_proj(repeat_kv(v_proj(norm(h)))) (Gemma2: alpha after the post-attn norm), then
-    the MLP half, with repeat_kv written as an explicit per-head loop over the ORIGINAL weights."""
-    attn = layer.self_attn
+# How each family's decoder layer is built, read off transformers' modeling code (modeling_llama.py,
+# modeling_mistral.py, modeling_qwen2.py: ``LlamaDecoderLayer.forward``; modeling_gemma2.py:
+# ``Gemma2DecoderLayer.forward``, ``Gemma2RMSNorm``), written here and not taken from ``FamilySpec``:
+#   "pre-norm"  h += attn(input_ln(h));            h += mlp(post_attention_ln(h))        RMSNorm gain w
+#   "sandwich"  h += post_attention_ln(attn(...)); h += post_ff_ln(mlp(pre_ff_ln(h)))    RMSNorm gain 1 + w
+# HARP's alpha scales the attention block's contribution to the residual: o_proj(repeat_kv(v_proj(x)))
+# for the pre-norm families, the post-attention norm's output for Gemma2 (README, the formula at the top).
+LAYOUT = {"llama": ("pre-norm", 0.0), "mistral": ("pre-norm", 0.0), "qwen2": ("pre-norm", 0.0),
+          "gemma2": ("sandwich", 1.0)}
+
+
+def _rms(x, norm, gain_offset):
+    """RMSNorm by hand: x / sqrt(mean(x^2) + eps) * (gain_offset + w)."""
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (gain_offset + norm.weight)
+
+
+def _expected_layer(family: str, layer, h, alpha):
+    """One decoder layer with a HARP-pruned attention block, from the ORIGINAL module weights:
+    repeat_kv as an explicit per-head loop, every projection, norm and the gated MLP by hand."""
+    from transformers.activations import ACT2FN
+
+    layout, offset = LAYOUT[family]
+    attn, mlp = layer.self_attn, layer.mlp
     cfg = attn.config
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.head_dim
-    x = layer.input_layernorm(h)
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = _rms(h, layer.input_layernorm, offset)
     v = x @ attn.v_proj.weight.T + (attn.v_proj.bias if attn.v_proj.bias is not None else 0)
     blocks = [v[..., (i // (heads // kv)) * d: (i // (heads // kv) + 1) * d] for i in range(heads)]
-    o = torch.cat(blocks, -1) @ attn.o_proj.weight.T
-    if attn.o_proj.bias is not None:
-        o = o + attn.o_proj.bias
-    if family.alpha_after_post_attn_norm:
-        h = h + alpha * layer.post_attention_layernorm(o)
-    else:
+    o = torch.cat(blocks, -1) @ attn.o_proj.weight.T + (attn.o_proj.bias if attn.o_proj.bias is not None else 0)
+    act = ACT2FN[cfg.hidden_activation if layout == "sandwich" else cfg.hidden_act]
+
+    def gated_mlp(y):
+        return (act(y @ mlp.gate_proj.weight.T) * (y @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+
+    if layout == "pre-norm":
         h = h + alpha * o
-    return family.mlp_residual(layer, h)
+        return h + gated_mlp(_rms(h, layer.post_attention_layernorm, offset))
+    h = h + alpha * _rms(o, layer.post_attention_layernorm, offset)
+    return h + _rms(gated_mlp(_rms(h, layer.pre_feedforward_layernorm, offset)), layer.post_feedforward_layernorm, offset)
 
 
 @torch.inference_mode()
 def test_pruned_layer_equals_formula(family):
     dense = make_tiny(family)
-    fam = family_of(dense.config)
     h = torch.randn(2, 7, dense.config.hidden_size)
-    expected = {l: _expected_layer(fam, fam.layers(dense)[l], h, a) for l, a in {1: 0.3, 3: 1.0}.items()}
+    layers = dense.model.layers
+    expected = {l: _expected_layer(family, layers[l], h, a) for l, a in {1: 0.3, 3: 1.0}.items()}
     harp = apply_harp(make_tiny(family), {1: 0.3, 3: 1.0})
-    rot = fam.decoder(harp).rotary_emb(h, torch.arange(7)[None])
+    rot = harp.model.rotary_emb(h, torch.arange(7)[None])
     for l, exp in expected.items():
-        got = fam.layers(harp)[l](h, attention_mask=None, position_embeddings=rot)
-        assert (got - exp).abs().max() < TOL, f"layer {l}"
+        got = harp.model.layers[l](h, attention_mask=None, position_embeddings=rot)
+        assert (got - exp).abs().max() < TOL, f"layer {l}: max |diff| {(got - exp).abs().max():.3g}"
 
 
 @torch.inference_mode()

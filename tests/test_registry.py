@@ -2,7 +2,11 @@
 and the CLI reads (defaults from light config modules, so ``harp-trt --help`` imports no framework)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -49,14 +53,106 @@ def test_help_is_fast():
     assert seconds < 1.5, f"harp-trt --help took {seconds:.2f} s"
 
 
+@pytest.fixture(scope="module")
+def fresh_code_versions() -> dict[str, str]:
+    """Every registered stage's code version as a fresh interpreter computes it."""
+    code = ("import json\nfrom harp_trt.registry import STAGES\n"
+            "print(json.dumps({n: STAGES.get(n).stage_class().code_version() for n in STAGES.names()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _recomputed_key(stage: str, material: dict) -> str:
+    """``<stage>-<sha256[:16]>`` of the stage name and its material as canonical JSON (sorted keys,
+    no spaces), as harp_trt/store.py documents the key; written out here, not called."""
+    text = json.dumps({"stage": stage, **material}, sort_keys=True, separators=(",", ":"))
+    return f"{stage}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _another_value(stage: str, field: str, value, tmp_path):
+    """A different value of a config field's type (validity aside: the key hashes whatever is set)."""
+    if (stage, field) == ("bench", "task_dir"):  # hashed by content: a folder with a task in it
+        (tmp_path / "task.yaml").write_text("task: x\n")
+        return str(tmp_path)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, tuple):
+        return value + (value[-1],) if value else (7,)
+    if value is None:
+        return 7
+    pytest.fail(f"{stage}.{field}: the test has no other value for a {type(value).__name__}")
+
+
+# config fields the key leaves out on purpose, with why (bench/stage/config.py: BenchConfig.key_material)
+NOT_IN_KEY = {("bench", "eval_data"): "a path: the eval wheel it names is pinned"}
+
+
 @pytest.mark.parametrize("name", STAGES.names())
-def test_stage_entries_resolve(name):
+def test_stage_entries_resolve(name, fresh_code_versions):
     spec = STAGES.get(name)
     assert spec.phase in PHASES
     cls = spec.stage_class()
     assert issubclass(cls, Stage) and cls.name == name   # the registry name is the artifact's stage name
     assert issubclass(spec.config_class(), StageConfig)
-    assert len(cls.code_version()) == 16
+    # the code version: 16 hex digits of sha256, the same in another process (nothing in it is an
+    # address, a time or a path), and its own: no other stage's code has the same
+    version = cls.code_version()
+    assert re.fullmatch(r"[0-9a-f]{16}", version), version
+    assert version == cls.code_version() == fresh_code_versions[name]
+    assert list(fresh_code_versions.values()).count(version) == 1, fresh_code_versions
+
+
+@pytest.mark.parametrize("name", STAGES.names())
+def test_stage_key_hashes_every_config_field(name, tmp_path):
+    """A stage's key is the documented hash of its material; the same config (rebuilt from its own
+    dict) keys the same, and changing any one field of the config changes the key."""
+    from harp_trt.store import ArtifactStore
+
+    spec = STAGES.get(name)
+    stage, config = spec.stage_class()(), spec.config_class()()
+    store = ArtifactStore(tmp_path / "store")
+
+    def key(cfg) -> str:
+        material = Stage.key_material(stage, cfg, {})  # the base material (stages add their inputs' digests)
+        assert material["config"] == cfg.key_material() and material["code"] == type(stage).code_version()
+        return store.make_key(name, material)
+
+    base = key(config)
+    assert base == _recomputed_key(name, Stage.key_material(stage, config, {}))
+    assert key(type(config).from_dict(config.to_dict())) == base
+    for field in dataclasses.fields(config):
+        if (name, field.name) in NOT_IN_KEY:
+            continue
+        changed = copy.copy(config)
+        object.__setattr__(changed, field.name, _another_value(name, field.name, getattr(config, field.name), tmp_path))
+        assert key(changed) != base, f"{name}: changing {field.name} leaves the key {base}"
+
+
+def test_a_real_stage_key_is_its_documented_hash(tmp_path):
+    """``Stage.key`` of the ORT build (the base material: stage version, code version, config,
+    upstream keys) equals the hash written out here, and follows the upstream artifact's key."""
+    from harp_trt.builders.ort.builder import OrtBuildStage
+    from harp_trt.builders.ort.config import OrtBuildConfig
+    from harp_trt.store import Artifact, ArtifactStore
+
+    store, stage, config = ArtifactStore(tmp_path), OrtBuildStage(), OrtBuildConfig(quant="int4")
+    upstream = Artifact("export-0123456789abcdef", tmp_path / "export-0123456789abcdef", {"stage": "export"})
+    material = {"stage_version": stage.version, "code": OrtBuildStage.code_version(),
+                "config": {"config": "OrtBuildConfig", "version": OrtBuildConfig.VERSION,
+                           **{f.name: (list(v) if isinstance(v := getattr(config, f.name), tuple) else v)
+                              for f in dataclasses.fields(config)}},
+                "upstream": {"onnx": upstream.key}}
+    got = stage.key(store, config, {"onnx": upstream})
+    assert got == _recomputed_key("build-ort", material)
+    other = Artifact("export-fedcba9876543210", upstream.path, upstream.manifest)
+    assert stage.key(store, config, {"onnx": upstream}) == got
+    assert stage.key(store, config, {"onnx": other}) != got
+    assert stage.key(store, OrtBuildConfig(quant="int8"), {"onnx": upstream}) != got
 
 
 def test_config_modules_are_light():
