@@ -93,8 +93,8 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
         out["per_engine"][n] = {"tokens_per_s": batch * 1e3 / float(np.median(every[n])),
                                 "itl": latency_stats(every[n]), "kv_bytes": int(nbytes),
                                 "kv_tokens": int(slots) if slots else batch * context}
-    out["speedup"] = paired_speedup(rounds["dense"], rounds["harp"], seed)
-    out["peer_ratio"] = {n: paired_speedup(rounds["dense"], rounds[n], seed)
+    out["speedup"] = paired_speedup(rounds["dense"], rounds["harp"])
+    out["peer_ratio"] = {n: paired_speedup(rounds["dense"], rounds[n])
                          for n in names if n not in ("dense", "harp")}
     del live
     gc.collect()
@@ -119,7 +119,7 @@ def measure_prefill(engines: dict[str, Any], vocab: int, seq: int, repeats: int,
             del state
     return {"seq_len": seq, "per_engine": {n: {"seconds": float(np.median(v)) / 1e3, "ms": latency_stats(v)}
                                            for n, v in ms.items()},
-            "speedup": paired_speedup(ms["dense"], ms["harp"], seed)}
+            "speedup": paired_speedup(ms["dense"], ms["harp"])}
 
 
 def largest_fit(alloc: Callable[[int], int], budget: int, step: int) -> dict[str, int]:

@@ -241,7 +241,7 @@ def _measure(plan: Plan, pair, inp: BenchInputs, config: BenchConfig, out_dir: P
                            config.decode_context, pair.dense.prefill_logits,
                            dtype_bytes=2 if config.dtype != "float32" else 4,
                            kv_dtype_bytes=pair.dense.kv_dtype_bytes)
-    speed_rows = speedup_rows(lat_rows, paired_speedups(samples, config.seed), ideal, config)
+    speed_rows = speedup_rows(lat_rows, paired_speedups(samples), ideal, config)
     serving = serving_figures(samples, config.batch_sizes)
 
     acc_rows, ppl, agree, task_info = [], {}, {}, {}

@@ -90,7 +90,7 @@ def summarise_bench(plan, pair, config, machine, spd, lat, acc, cache, ppl, agre
              serving) -> dict[str, Any]:
     import polars as pl
 
-    from .latency import BOOTSTRAP_RESAMPLES
+    from .latency import CI_METHOD
 
     def by(measure):
         return {str(r["seq_len"]): r for r in spd.filter(pl.col("measure") == measure).iter_rows(named=True)}
@@ -112,8 +112,7 @@ def summarise_bench(plan, pair, config, machine, spd, lat, acc, cache, ppl, agre
         "layers": list(plan.layers), "alphas": list(plan.alphas), "machine": machine["cpu"],
         "threads": machine["threads"], "repeats": config.repeats, "warmup": config.warmup,
         "speedups": speedups,
-        "speedup_ci": f"95 % percentile bootstrap ({BOOTSTRAP_RESAMPLES} resamples, seed {config.seed}) of the "
-                      f"geometric mean of per-repeat dense/HARP ratios",
+        "speedup_ci": CI_METHOD,
         "prefill_speedup": {k: r["speedup"] for k, r in pre.items()},
         "prefill_ideal": {k: r["ideal_speedup"] for k, r in pre.items()},
         "prefill_ms": {k: {"dense": r["dense_median_ms"], "harp": r["harp_median_ms"]} for k, r in pre.items()},
