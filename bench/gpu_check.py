@@ -120,15 +120,12 @@ def shape_check(model: str, layers: int = 8) -> dict:
             "harp_params": sum(p.numel() for p in harp.parameters()), "layers_pruned": layers}
 
 
-def ceiling(layers: int, pruned: int) -> float:
-    """The bound on any HARP speed-up: if a layer's cost is its attention plus its MLP and layers
-    add up, removing the attention of ``pruned`` of ``layers`` layers leaves at least (L-P)/L of
-    the work, so no step gets faster than L/(L-P). A figure above it is a measurement bug."""
-    return round(layers / (layers - pruned), 4)
-
-
 def _flag_ceiling(out: dict, speedups: dict, n_layers: int, pruned: int) -> None:
-    out["speedup_ceiling"] = ceiling(n_layers, pruned)
+    """L / (L - P) beside the speed-ups (``bench/stage/flops.py``: no step gets faster than that);
+    the names of any speed-up above it, a measurement bug to find."""
+    from harp_trt.bench.stage.flops import speedup_ceiling
+
+    out["speedup_ceiling"] = round(speedup_ceiling(n_layers, pruned), 4)
     out["above_ceiling"] = sorted(k for k, v in speedups.items() if v > out["speedup_ceiling"])
 
 

@@ -124,6 +124,9 @@ def test_speedup_table_uses_the_flop_count(bench_art, setup):
         assert r["pairs"] == cfg.repeats == len(dense) == len(harp)
         assert r["speedup"] == pytest.approx(float(np.exp(np.mean(np.log(dense / harp)))), rel=1e-9)
         assert r["speedup_ci95_low"] <= r["speedup"] <= r["speedup_ci95_high"]
+        # the ceiling: 4 layers, 2 pruned -> 4 / 2; flagged only when the whole interval lies above it
+        assert r["ceiling"] == 4 / (4 - len(PLAN_LAYERS)) == 2.0
+        assert r["above_ceiling"] == (r["speedup_ci95_low"] > 2.0)
         from scipy import stats  # the interval recomputed: Student-t on the log ratios
 
         logs = np.log(dense / harp)

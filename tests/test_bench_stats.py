@@ -120,6 +120,27 @@ def _pairs(rng, n, ratio, noise, drift=0.0):
     return dense, harp
 
 
+def test_ceiling_bounds_every_ideal_and_flags_only_whole_intervals_above_it():
+    """L / (L - P) for SmolLM2's 30 layers at P = 8 is 1.3636; the FLOP and byte ideals never exceed
+    it (they keep the MLPs, V.O and the LM head); a row is flagged only when its lower bound is above."""
+    from harp_trt.bench.stage.flops import above_ceiling, ideal_speedups, speedup_ceiling
+    from harp_trt.dims import ModelDims
+
+    assert speedup_ceiling(30, 8) == pytest.approx(30 / 22) and speedup_ceiling(30, 0) == 1.0
+    assert speedup_ceiling(4, 4) == float("inf")
+    with pytest.raises(ValueError):
+        speedup_ceiling(4, 5)
+    d = ModelDims(hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, num_layers=30, vocab=49152)
+    ideal = ideal_speedups(d, {l: 1.0 for l in range(22, 30)}, [512, 8192], 8192)
+    assert ideal["ceiling"] == pytest.approx(30 / 22)
+    for v in (*(p["ideal"] for p in ideal["prefill"].values()), ideal["decode"]["ideal"],
+              ideal["decode_bytes"]["ideal"], ideal["ttft"]["ideal"]):
+        assert 1.0 < v < ideal["ceiling"]
+    assert not above_ceiling(1.30, 30 / 22) and not above_ceiling(30 / 22, 30 / 22)
+    assert above_ceiling(1.442, 30 / 22)  # genai's 8192 x 4 interval [1.442, 1.472] would be flagged
+    assert not above_ceiling(None, 30 / 22)
+
+
 def test_t_quantile_matches_scipy():
     from scipy import stats
 

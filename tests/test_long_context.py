@@ -74,7 +74,9 @@ def test_every_field(result):
                 assert e["itl"]["p50"] <= e["itl"]["p90"] <= e["itl"]["p99"]
             s = m["speedup"]
             assert s["pairs"] == 2 and s["speedup_ci95_low"] <= s["speedup"] <= s["speedup_ci95_high"]
+            assert m["ceiling"] == pytest.approx(1 / KEPT) and m["above_ceiling"] == (s["speedup_ci95_low"] > m["ceiling"])
         (p,) = r["prefill"]
+        assert p["ceiling"] == pytest.approx(1 / KEPT)
         assert p["seq_len"] == 32 and p["per_engine"]["harp"]["seconds"] > 0 and p["speedup"]["pairs"] == 3
         assert r["peak_rss_bytes"] > 0
 

@@ -19,7 +19,12 @@ computes logits for (``logits="last"`` or ``"all"``). Sliding-window layers atte
 ``window`` keys. A prefill of S tokens sums the per-token work over T = 1..S.
 
 Decode on CPUs and GPUs is bound by memory traffic rather than FLOPs, so a second ideal is given
-for it: bytes read per token = weights + the KV cache at that context."""
+for it: bytes read per token = weights + the KV cache at that context.
+
+Above both sits the ceiling (``speedup_ceiling``): if a layer's cost is its attention plus its MLP
+and layers add up, removing the attention of P of L layers leaves at least (L-P)/L of the work, so
+no step can be faster than L/(L-P), whatever the shape, context or engine. A speed-up whose interval
+lies wholly above it is a measurement bug to find, never a result: rows carry ``above_ceiling``."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -27,11 +32,23 @@ from typing import Any, Mapping
 from harp_trt.dims import ModelDims
 from harp_trt.kvcache import kv_cache_bytes
 
-__all__ = ["SOFTMAX_FLOPS_PER_SCORE", "layer_flops_per_token", "flops_per_token",
+__all__ = ["SOFTMAX_FLOPS_PER_SCORE", "speedup_ceiling", "above_ceiling", "layer_flops_per_token", "flops_per_token",
            "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
 
 # max-subtract, exp, sum and divide per score element
 SOFTMAX_FLOPS_PER_SCORE = 4
+
+
+def speedup_ceiling(num_layers: int, pruned: int) -> float:
+    """L / (L - P): the bound on any HARP speed-up (module docstring); inf when every layer is pruned."""
+    if not 0 <= pruned <= num_layers or num_layers < 1:
+        raise ValueError(f"pruned layers must lie in 0..{num_layers}, got {pruned}")
+    return float("inf") if pruned == num_layers else num_layers / (num_layers - pruned)
+
+
+def above_ceiling(ci_low: float | None, ceiling: float) -> bool:
+    """Whether an interval's lower bound lies above the ceiling (a flag, with a margin of 1e-9)."""
+    return ci_low is not None and ci_low > ceiling * (1 + 1e-9)
 
 
 def _keys_sum(seq: int, window: int | None) -> int:
@@ -120,7 +137,8 @@ def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_c
                    kv_dtype_bytes: int | None = None) -> dict[str, Any]:
     """Dense / HARP work ratios: ``prefill`` per sequence length, ``ttft`` (the prefill of
     ``decode_context`` tokens), ``decode`` (FLOPs) and
-    ``decode_bytes`` (memory traffic) at ``decode_context``, plus the raw counts, and
+    ``decode_bytes`` (memory traffic) at ``decode_context``, plus the raw counts, ``ceiling``
+    (L / (L - P), above every ideal), and
     ``kv_bytes_per_token``: the counted cache bytes one token adds (``kv_bytes_per_token``), dense
     and HARP, to set beside what an engine's runtime allocates."""
     prefill = {}
@@ -133,7 +151,7 @@ def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_c
     kvb = kv_dtype_bytes or dtype_bytes
     bd = decode_bytes_per_token(d, decode_context, None, dtype_bytes, kvb)
     bh = decode_bytes_per_token(d, decode_context, pruned, dtype_bytes, kvb)
-    return {"prefill": prefill,
+    return {"prefill": prefill, "ceiling": speedup_ceiling(d.num_layers, len(pruned)),
             "ttft": {"dense_flops": td, "harp_flops": th, "ideal": td / th},
             "decode": {"dense_flops": dd, "harp_flops": dh, "ideal": dd / dh},
             "decode_bytes": {"dense_bytes": bd, "harp_bytes": bh, "ideal": bd / bh},

@@ -63,6 +63,8 @@ def plot_latency(speedup: pl.DataFrame, path: Path, title: str, summary: dict[st
         b.errorbar(x, pre["speedup"].to_list(), yerr=_ci_err(pre), fmt="o-", capsize=3,
                    label="measured (95% CI)")
         b.plot(x, pre["ideal_speedup"].to_list(), "k--", label="ideal (FLOPs)")
+        if "ceiling" in pre.columns:
+            b.axhline(pre["ceiling"][0], color="red", lw=0.8, ls=":", label="ceiling L/(L-P)")
         b.axhline(1.0, color="grey", lw=0.8)
         b.set_xscale("log", base=2)
     a.set_xlabel("prompt tokens")
@@ -160,7 +162,11 @@ def write_report(path: Path, summary: dict[str, Any], speedup: pl.DataFrame, lat
         "",
         "`ideal_speedup` is the dense / HARP ratio of FLOPs (`bench/stage/flops.py`); for decode "
         "`ideal_speedup_bytes` is the ratio of bytes read per token (weights + KV cache). "
-        "`realised` = (speed-up - 1) / (ideal - 1): the share of the possible gain the engine delivers.",
+        "`realised` = (speed-up - 1) / (ideal - 1): the share of the possible gain the engine delivers. "
+        f"`ceiling` = L / (L - P) = {s.get('speedup_ceiling') or float('nan'):.4f} bounds every speed-up (attention "
+        "removed from P of L layers cannot make a step faster); `above_ceiling` flags an interval wholly above "
+        "it, a measurement to investigate, not a gain"
+        + (f" (flagged here: {', '.join(s['above_ceiling'])})." if s.get("above_ceiling") else " (none here)."),
         "",
         "`speedup` is the geometric mean of the per-repeat dense/HARP time ratios of the interleaved pairs "
         f"(`pairs` of them); `speedup_ci95_low`/`_high` bound it: {s.get('speedup_ci', 'no interval')}. "

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import BenchConfig
+from .flops import above_ceiling
 
 __all__ = ["speedup_rows", "write_tables", "summarise_bench", "label"]
 
@@ -30,7 +31,8 @@ def write_tables(out_dir: Path, samples: list[dict], lat_rows: list[dict], speed
     spd = pl.DataFrame(speed_rows, schema={
         "measure": pl.String, "seq_len": pl.Int64, "batch_size": pl.Int64, "dense_median_ms": pl.Float64,
         "harp_median_ms": pl.Float64, "speedup": pl.Float64, "speedup_ci95_low": pl.Float64,
-        "speedup_ci95_high": pl.Float64, "pairs": pl.Int64, "ideal_speedup": pl.Float64,
+        "speedup_ci95_high": pl.Float64, "pairs": pl.Int64, "ceiling": pl.Float64, "above_ceiling": pl.Boolean,
+        "ideal_speedup": pl.Float64,
         "ideal_speedup_bytes": pl.Float64, "realised": pl.Float64, "dense_gflops": pl.Float64,
         "harp_gflops": pl.Float64})
     pl.DataFrame(samples, schema={"measure": pl.String, "variant": pl.String, "seq_len": pl.Int64,
@@ -72,6 +74,7 @@ def speedup_rows(lat_rows: list[dict], pairs: dict[tuple, dict], ideal: dict[str
         speed = ci["speedup"]
         out.append({"measure": "throughput" if measure == "request" else measure, "seq_len": seq,
                     "batch_size": batch, "dense_median_ms": d, "harp_median_ms": h, **ci,
+                    "ceiling": ideal["ceiling"], "above_ceiling": above_ceiling(ci["speedup_ci95_low"], ideal["ceiling"]),
                     "ideal_speedup": idl, "ideal_speedup_bytes": bytes_ideal,
                     "realised": (speed - 1) / (idl - 1) if idl and idl > 1 else None,
                     "dense_gflops": flops["dense_flops"] / 1e9 if flops else None,
@@ -101,7 +104,7 @@ def summarise_bench(plan, pair, config, machine, spd, lat, acc, cache, ppl, agre
     tps = {r["variant"]: r["tokens_per_s"] for r in lat.filter((pl.col("measure") == "decode")
                                                                & (pl.col("batch_size") == 1)).iter_rows(named=True)}
     kv = {v: c["kv_bytes_per_token"] for v, c in cache.items()}
-    ci_keys = ("speedup", "speedup_ci95_low", "speedup_ci95_high", "pairs")
+    ci_keys = ("speedup", "speedup_ci95_low", "speedup_ci95_high", "pairs", "ceiling", "above_ceiling")
     speedups = {label(r["measure"], r["seq_len"], r["batch_size"]): {k: r[k] for k in ci_keys}
                 for r in spd.iter_rows(named=True)}
     tasks = {}
@@ -113,6 +116,8 @@ def summarise_bench(plan, pair, config, machine, spd, lat, acc, cache, ppl, agre
         "threads": machine["threads"], "repeats": config.repeats, "warmup": config.warmup,
         "speedups": speedups,
         "speedup_ci": CI_METHOD,
+        "speedup_ceiling": next(iter(speedups.values()), {}).get("ceiling"),
+        "above_ceiling": sorted(k for k, r in speedups.items() if r.get("above_ceiling")),
         "prefill_speedup": {k: r["speedup"] for k, r in pre.items()},
         "prefill_ideal": {k: r["ideal_speedup"] for k, r in pre.items()},
         "prefill_ms": {k: {"dense": r["dense_median_ms"], "harp": r["harp_median_ms"]} for k, r in pre.items()},
