@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harp_trt.errors import ConfigError, HarpError  # noqa: E402
+from harp_trt.machine import describe  # noqa: E402
 
 __all__ = ["main", "parse_args", "run", "parse_bytes", "RUNTIMES"]
 
@@ -250,7 +251,7 @@ def run(args) -> dict[str, Any]:
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
                                                    "quant", "kv_type", "threads", "peer", "seed", "shape")},
-        "machine": {"cpus": os.cpu_count(), "load_avg_start": load_before},
+        "machine": {**describe(args.threads or None), "cpus": os.cpu_count(), "load_avg_start": load_before},
         "runtimes": {}}
     headroom = args.warmup + args.repeats * args.decode_steps + 2
     for runtime in args.runtimes:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,19 +60,12 @@ class BenchInputs:
 
 
 def machine_fingerprint(threads: int) -> dict[str, Any]:
+    """``harp_trt.machine.describe`` with the threads the engines ran (torch's default when 0)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads or torch.get_num_threads(),
-            "system": platform.system()}
+    from harp_trt.machine import describe
 
+    return describe(threads or torch.get_num_threads())
 
 
 def _versions() -> dict[str, str]:

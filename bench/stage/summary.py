@@ -112,7 +112,7 @@ def summarise_bench(plan, pair, config, machine, spd, lat, acc, cache, ppl, agre
         tasks.setdefault(r["task"], {})[r["metric"]] = {"dense": r["dense"], "harp": r["harp"], "delta": r["delta"]}
     return {
         "model": plan.model_ref, "model_digest": plan.model_digest, "engine": pair.backend,
-        "layers": list(plan.layers), "alphas": list(plan.alphas), "machine": machine["cpu"],
+        "layers": list(plan.layers), "alphas": list(plan.alphas), "machine": machine["cpu"], "cpu_features": machine["cpu_features"],
         "threads": machine["threads"], "repeats": config.repeats, "warmup": config.warmup,
         "speedups": speedups,
         "speedup_ci": CI_METHOD,
