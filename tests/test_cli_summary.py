@@ -101,7 +101,7 @@ def test_alpha_search_printed_as_text_without_matplotlib(built):
     out, _, res = built
     calib = Path(res["stages"]["calibrate"]["artifact"])
     assert not (calib / "alpha_search.png").exists()
-    assert "alpha_search.png not written (matplotlib is not installed" in " ".join(out.split())
+    assert "alpha_search.png not written (matplotlib is not installed: pip install -e '.[plots]')" in " ".join(out.split())
     trace = pl.read_parquet(calib / "search_trace.parquet")
     for layer, alpha in zip(res["layers"], res["alphas"]):
         ppl = trace.filter(pl.col("layer") == layer).sort("alpha")["ppl"].to_list()

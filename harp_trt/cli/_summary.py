@@ -207,8 +207,9 @@ def _facts(result: dict[str, Any], calib: str | None) -> Table:
         if png.is_file():
             t.add_row("figure", Text(str(png)))
         elif len(_search_trace(calib).get((result.get("layers") or [None])[0], ())) > 1:
-            t.add_row("figure", "alpha_search.png not written (matplotlib is not installed: pip install -e "
-                                "'.[plots]'); the search is the text under \"pruned layers\"")
+            # Text, not a markup string: rich would read "[plots]" as a style tag and drop it
+            t.add_row("figure", Text("alpha_search.png not written (matplotlib is not installed: pip install -e "
+                                     "'.[plots]'); the search is the text under \"pruned layers\""))
     if result.get("engine"):
         t.add_row("engine", Text(str(result["engine"])))
     return t
