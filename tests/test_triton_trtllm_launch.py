@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -18,17 +17,6 @@ import pytest
 import _tritonserver
 from conftest import TEST_CACHE
 from test_triton_trtllm import _docker_runs, _parse_docker_run, tp2  # noqa: F401 (tp2: the fixture)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sk in socks:
-            sk.bind(("127.0.0.1", 0))
-        return [sk.getsockname()[1] for sk in socks]
-    finally:
-        for sk in socks:
-            sk.close()
 
 
 def test_a_real_tritonserver_takes_the_readme_server_flags(tp2, tmp_path):
@@ -43,7 +31,7 @@ def test_a_real_tritonserver_takes_the_readme_server_flags(tp2, tmp_path):
     home = _tritonserver.fetch_server(TEST_CACHE)
     ts = home / "pytriton" / "tritonserver"
     (tmp_path / "models").mkdir()
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = _tritonserver._ports(3)
     argv = [str(ts / "bin" / "tritonserver"), *[a.replace("=/models", f"={tmp_path / 'models'}") for a in command[5:]],
             f"--backend-directory={ts / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http}",
             "--grpc-address=127.0.0.1", f"--grpc-port={grpc}", f"--metrics-port={metrics}", "--allow-metrics=false",
