@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 
 
 def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+    from harp_trt.memory import peak_rss_bytes  # the one reading of getrusage (KiB on Linux) into bytes
+
+    return peak_rss_bytes() / 1e9
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -104,6 +103,7 @@ def _rewrite_and_verify(args: tuple) -> dict:
     src, out, plan_dict, model_folder, rtol, decode_steps, greedy_steps = args
     import onnx
 
+    from harp_trt.memory import peak_rss_bytes
     from harp_trt.plan import Plan
     from harp_trt.rewrite.stage import rewrite_onnx
     from harp_trt.verify import VerifyConfig, verify_rewrite
@@ -128,7 +128,7 @@ def _rewrite_and_verify(args: tuple) -> dict:
         "tolerance": ver.tolerance, "rtol": rtol, "decode_steps": decode_steps, "greedy_steps": greedy_steps,
         "pad": ver.pad,
         "rewrite_s": round(t1 - t0, 2), "verify_s": round(t2 - t1, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak_rss_bytes() / 2 ** 20, 1),
     }
 
 

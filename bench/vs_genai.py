@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
@@ -115,6 +114,12 @@ def _engines(args, store):
     return res.plan, dense.path, harp.path, genai_dir, facts
 
 
+def _peak_rss_bytes() -> int:
+    from harp_trt.memory import peak_rss_bytes  # the one reading of getrusage into bytes
+
+    return peak_rss_bytes()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
            "plan": {"layers": list(plan.layers), "alphas": list(plan.alphas)}, "repeats": args.repeats,
            "decode_tokens": args.decode_tokens, "decode_context": DECODE_CONTEXT,
            "versions": {"onnxruntime_genai": genai_version()}, "genai": facts,
-           "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+           "peak_rss_gb": round(_peak_rss_bytes() / 1e9, 2)}
     print(json.dumps(out))
     return 0
 
