@@ -49,7 +49,9 @@ def _graph_bytes(folder: Path) -> int:
 
 
 def _byte_ideal(dense: Path, harp: Path, context: int) -> dict:
-    spec = {k: json.loads((f / "engine.json").read_text()) for k, f in (("dense", dense), ("harp", harp))}
+    from harp_trt.engine_spec import read_engine_spec
+
+    spec = {k: read_engine_spec(f) for k, f in (("dense", dense), ("harp", harp))}
     out = {}
     for k, f in (("dense", dense), ("harp", harp)):
         out[k] = {"weight_bytes": _graph_bytes(f), "kv_bytes": spec[k]["kv"]["bytes_per_token"] * context}

@@ -410,16 +410,19 @@ def _export_meta(session) -> dict:
 
 
 def _read_engine_json(folder: Path) -> dict:
-    f = folder / "engine.json"
-    if not f.is_file():
-        raise GraphError(STAGE, f"{folder} has no engine.json", "build one with `harp-trt build` (harp_trt.builders.ort)")
+    from .engine_spec import ENGINE_JSON, is_engine, read_engine_spec
+
+    if not is_engine(folder):
+        raise GraphError(STAGE, f"{folder} has no {ENGINE_JSON}", "build one with `harp-trt build` (harp_trt.builders.ort)")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise GraphError(STAGE, f"{f} is not valid JSON: {e}", "rebuild the engine") from None
+        return read_engine_spec(folder)
+    except ValueError as e:
+        raise GraphError(STAGE, str(e), "rebuild the engine") from None
 
 
 def _model_file_of(folder: Path) -> str:
-    if (folder / "engine.json").is_file():
+    from .engine_spec import is_engine
+
+    if is_engine(folder):
         return _read_engine_json(folder).get("model", "model.onnx")
     return "model.onnx"

@@ -4,7 +4,6 @@ the HARP (rewritten) one, in one process. A folder is a ``harp_trt.builders.ort`
 tokenizer and ``config.json``."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from harp_trt.engine_spec import is_engine, read_engine_spec
 from harp_trt.errors import PreconditionError
 from harp_trt.ort_session import StaticCache
 from harp_trt.store import Artifact
@@ -106,7 +106,7 @@ def load_ort_pair(plan, source, config) -> EnginePair:
     threads = config.threads or None
     engines = {}
     for v, f in folders.items():
-        if (f / "engine.json").is_file():
+        if is_engine(f):
             sess = OrtCausalLM.from_engine(f, intra_op_threads=threads)
         else:
             sess = OrtCausalLM(f / "model.onnx", intra_op_threads=threads)
@@ -119,7 +119,7 @@ def load_ort_pair(plan, source, config) -> EnginePair:
     tok = load_tokenizer(folders["dense"])
     info = {v: {"folder": str(f), "threads": engines[v].session.intra_op_threads,
                 "providers": engines[v].session.providers,
-                "engine": json.loads((f / "engine.json").read_text()) if (f / "engine.json").is_file() else None}
+                "engine": read_engine_spec(f) if is_engine(f) else None}
             for v, f in folders.items()}
     log.info("ort engines: dense %s, harp %s", folders["dense"], folders["harp"])
     return EnginePair("ort", engines["dense"], engines["harp"], tok, ModelDims.from_config(cfg),

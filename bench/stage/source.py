@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from harp_trt.config import digest_of
+from harp_trt.engine_spec import ENGINE_JSON
 from harp_trt.errors import HarpError, PreconditionError
 from harp_trt.onnx_io import MODEL_FILE, check_plan_weights, file_digest, read_export_meta
 from harp_trt.plan import Plan
@@ -67,7 +68,7 @@ def _engine_identity(folder: Path) -> tuple[str | None, list[int] | None]:
         except ValueError:
             return None
 
-    manifest, engine, plan = read("manifest.json"), read("engine.json"), read("plan.json")
+    manifest, engine, plan = read("manifest.json"), read(ENGINE_JSON), read("plan.json")
     digest = None
     for d in (manifest, engine):
         if d is not None and digest is None:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from harp_trt.engine_spec import ENGINE_JSON, engine_json, is_engine, read_engine_spec
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError, VerificationError
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, MODEL_FILE, TOKENIZER_FILES, kv_layers_of_names,
                               present_name, read_export_meta)
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 STAGE = "genai"
 GENAI_CONFIG = "genai_config.json"
 REPORT = "harp_genai.json"
-ENGINE_FORMAT = "harp-engine/1"  # harp_trt.builders.ort.builder.ENGINE_FORMAT (not imported: that loads onnxruntime)
 _META_FIELDS = ("num_layers", "num_heads", "kv_heads", "head_dim", "hidden_size", "vocab_size", "kv_layers")
 _HINT = "pass an ORT engine folder (or its cache key) written by `harp-trt build` (the build-ort artifact)"
 
@@ -89,16 +89,13 @@ def inspect_engine(ref: str | os.PathLike, store=None) -> EngineInfo:
         raise _fail(f"no artifact folder at {ref}")
     p = p.resolve()
     manifest = json.loads((p / MANIFEST).read_text()) if (p / MANIFEST).is_file() else {}
-    spec_file = p / "engine.json"
-    if not spec_file.is_file():
+    if not is_engine(p):
         what = f"a {manifest['stage']!r} artifact" if manifest.get("stage") else "not an ORT engine folder"
-        raise _fail(f"{p.name} is {what}: no engine.json")
+        raise _fail(f"{p.name} is {what}: no {ENGINE_JSON}")
     try:
-        spec = json.loads(spec_file.read_text())
-    except ValueError:
-        raise _fail(f"{spec_file} is not valid JSON", "rebuild the engine") from None
-    if not isinstance(spec, dict) or spec.get("format") != ENGINE_FORMAT:
-        raise _fail(f"{spec_file} is not a harp-trt engine description (format {ENGINE_FORMAT!r})")
+        spec = read_engine_spec(p)
+    except ValueError as e:
+        raise _fail(str(e), "rebuild the engine") from None
     onnx_path = p / spec.get("model", MODEL_FILE)
     if not onnx_path.is_file():
         raise _fail(f"engine {p.name} has no {onnx_path.name}", "rebuild the engine")
@@ -225,7 +222,7 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
     cfg = genai_config_for(info, config)
     graph = info.onnx
     weights = sorted(q for q in info.path.glob(graph.name + EXTERNAL_DATA_SUFFIX + "*") if q.is_file())
-    for f in [*([] if config.last_logits else [graph]), *weights, info.path / "engine.json"]:
+    for f in [*([] if config.last_logits else [graph]), *weights, engine_json(info.path)]:
         _place(f, out / f.name, config.link)
     if config.last_logits:   # the graph proto edited, its weights still the engine's external file
         import onnx

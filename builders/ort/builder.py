@@ -16,13 +16,13 @@ L layers pruned has (L-P)/L of the dense figure. The built engine is checked aga
 graph (prefill + one decode step, with left padding) before it is published."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from harp_trt.engine_spec import ENGINE_FORMAT, ENGINE_JSON, write_engine_spec
 from harp_trt.errors import GraphError, PreconditionError, VerificationError
 from harp_trt.extras import require
 from harp_trt.kvcache import kv_cache_bytes
@@ -38,8 +38,6 @@ __all__ = ["OrtBuilder", "OrtBuildStage", "ENGINE_JSON", "ENGINE_FORMAT"]
 log = logging.getLogger(__name__)
 
 STAGE = "build-ort"
-ENGINE_JSON = "engine.json"
-ENGINE_FORMAT = "harp-engine/1"
 
 
 class OrtBuilder:
@@ -115,7 +113,7 @@ class OrtBuilder:
             "source": {"onnx": str(src), "export_meta": meta.get("format")},
             "tokenizer_files": copied, "versions": {"onnxruntime": ort.__version__},
         }
-        (out / ENGINE_JSON).write_text(json.dumps(spec, indent=2))
+        write_engine_spec(out, spec)
         log.info("engine %s: attention on GQA for %d layers, KV %d B/token (dense %d)", out,
                  len(report.matched), spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"])
         return spec

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from harp_trt import engine_spec
 from harp_trt.errors import PreconditionError
 from harp_trt.store import MANIFEST
 
@@ -44,7 +45,7 @@ def inspect_artifact(ref: str | os.PathLike, store=None) -> ArtifactInfo:
     p = p.resolve()
     manifest = json.loads((p / MANIFEST).read_text()) if (p / MANIFEST).is_file() else {}
     stage = manifest.get("stage")
-    engine_json = p / "engine.json"
+    engine_json = engine_spec.engine_json(p)
     valid = ", ".join(ONNX_STAGES + TRTLLM_STAGES)
     if stage in TRTLLM_STAGES:
         return ArtifactInfo("trtllm", p, stage, manifest)

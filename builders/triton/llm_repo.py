@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from harp_trt.engine_spec import write_engine_spec
 from harp_trt.errors import ConfigError
 from harp_trt.onnx_io import parse_kv_name, tokenizer_files
 
@@ -88,7 +89,7 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
         files.append(loc)
     spec = dict(engine or {})
     spec["model"] = onnx_path.name
-    (edir / "engine.json").write_text(json.dumps(spec, indent=2))
+    write_engine_spec(edir, spec)
     tok = tokenizer_files(source)
     if not tok:
         raise ConfigError(f"{source} has no tokenizer files: the text-in/text-out model needs them",

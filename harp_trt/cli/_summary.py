@@ -51,7 +51,9 @@ def next_command(result: dict[str, Any]) -> str | None:
     """``harp-trt generate --artifact ENGINE --prompt ...`` when the build's engine is one
     ``generate`` runs (a folder with ``engine.json``), else None."""
     engine = result.get("engine")
-    if not engine or not (Path(engine) / "engine.json").is_file():
+    from ..engine_spec import is_engine
+
+    if not engine or not is_engine(engine):
         return None
     return f"harp-trt generate --artifact {shlex.quote(engine)} --prompt {_dq(GENERATE_PROMPT)}"
 

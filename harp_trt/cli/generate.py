@@ -28,11 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _engine_dir(ref: str, workdir):
     from pathlib import Path
 
+    from ..engine_spec import is_engine
     from ..errors import CacheError, GraphError
     from ..store import ArtifactStore
 
     p = Path(ref).expanduser()
-    if (p / "engine.json").is_file():
+    if is_engine(p):
         return p
     if p.exists():
         raise GraphError("generate", f"{p} has no engine.json", "pass an engine folder built by the ORT builder")
@@ -41,7 +42,7 @@ def _engine_dir(ref: str, workdir):
     except CacheError:
         raise GraphError("generate", f"no engine folder or cached artifact {ref!r}",
                          "build one (harp_trt.builders.ort) and pass its folder, or see `harp-trt cache ls`") from None
-    if not (art.path / "engine.json").is_file():
+    if not is_engine(art.path):
         raise GraphError("generate", f"artifact {art.key} is a {art.manifest.get('stage')} artifact, not an engine")
     return art.path
 

@@ -61,13 +61,14 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
+        from harp_trt.engine_spec import is_engine, read_engine_spec
         from harp_trt.ort_session import OrtCausalLM
         from harp_trt.serving import BatchedGenerator
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
         engine = Path(args["model_repository"]) / args["model_version"] / params.get("engine_dir", "engine")
-        spec = json.loads((engine / "engine.json").read_text()) if (engine / "engine.json").is_file() else {}
+        spec = read_engine_spec(engine) if is_engine(engine) else {}
         threads = int(params.get("intra_op_threads") or 0) or spec.get("intra_op_threads") or None
         providers = [p for p in params.get("providers", "").split(",") if p] or None
         self.lm = OrtCausalLM(engine / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)

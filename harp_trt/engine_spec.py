@@ -1,0 +1,49 @@
+"""The engine contract: the file that makes a folder a harp-trt engine, and its format.
+
+An engine folder (written by ``harp_trt.builders.ort``, read by ``generate``, the bench, the genai and
+Triton deployments and the served Triton model) holds the graph, its tokenizer and ``engine.json``,
+whose ``"format"`` is ``ENGINE_FORMAT``; ``builders/ort/builder.py``'s docstring lists its fields.
+This module owns the file name, the format string and how the file is read and written, as
+``harp_trt.onnx_io`` owns the ONNX I/O names (``tests/test_house.py`` checks no other module spells
+them). Light: json and pathlib only, so the Triton model and the CLI import it freely."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENGINE_JSON", "ENGINE_FORMAT", "is_engine", "engine_json", "read_engine_spec", "write_engine_spec"]
+
+ENGINE_JSON = "engine.json"
+ENGINE_FORMAT = "harp-engine/1"
+
+
+def engine_json(folder: str | Path) -> Path:
+    """The path of ``folder``'s engine description (which may not exist)."""
+    return Path(folder) / ENGINE_JSON
+
+
+def is_engine(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an engine description (its format is checked when it is read)."""
+    return engine_json(folder).is_file()
+
+
+def read_engine_spec(folder: str | Path) -> dict[str, Any]:
+    """``folder``'s ``engine.json`` as a dict. Raises ``FileNotFoundError`` when there is none and
+    ``ValueError`` when it is not JSON or not of ``ENGINE_FORMAT``; callers turn these into their
+    stage's typed error."""
+    f = engine_json(folder)
+    try:
+        spec = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict) or spec.get("format") != ENGINE_FORMAT:
+        raise ValueError(f"{f} is not a harp-trt engine description (format {ENGINE_FORMAT!r})")
+    return spec
+
+
+def write_engine_spec(folder: str | Path, spec: dict[str, Any]) -> Path:
+    """Write ``spec`` (its ``"format"`` set to ``ENGINE_FORMAT``) as ``folder``'s ``engine.json``."""
+    f = engine_json(folder)
+    f.write_text(json.dumps({**spec, "format": ENGINE_FORMAT}, indent=2))
+    return f
