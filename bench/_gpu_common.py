@@ -29,10 +29,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
                  max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
-# two-sided 95 % Student t quantiles by degrees of freedom
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 25: 2.060, 30: 2.042}
 
 
 def ci95(xs: list[float]) -> tuple[float, float, float]:
@@ -41,8 +37,9 @@ def ci95(xs: list[float]) -> tuple[float, float, float]:
     mean = statistics.fmean(xs)
     if n < 2:
         return mean, float("nan"), mean
-    df = n - 1
-    t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
+    from harp_trt.stats import t_quantile  # exact (the table it replaces rounded down between its rows)
+
+    t = t_quantile(0.975, n - 1)
     return mean, t * statistics.stdev(xs) / math.sqrt(n), statistics.median(xs)
 
 

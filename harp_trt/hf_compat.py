@@ -73,7 +73,7 @@ class PrunedSlot(_Base):
         return (query_length, 0) if kept is None else kept.get_mask_sizes(query_length, *args)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if key_states is None and value_states is None:  # as DummyLayer: DDP rebuilds caches so
+        if key_states is None and value_states is None:  # as DummyLayer: DDP rebuilds caches with these
             return None, None
         raise RuntimeError("a layer pruned by HARP keeps no KV cache: nothing may be written to it")
 
@@ -104,7 +104,7 @@ def no_kv_layer(cache: Any = None) -> PrunedSlot:
 
 def holds_no_kv_by_design(layer: Any) -> bool:
     """Whether ``layer`` is a slot that never holds K/V (ours or transformers' ``DummyLayer``)."""
-    return isinstance(layer, PrunedSlot) or type(layer).__name__ == "DummyLayer"
+    return isinstance(layer, PrunedSlot) or (_Base is not object and isinstance(layer, _Base))
 
 
 def holds_no_kv(layer: Any) -> bool:

@@ -144,7 +144,7 @@ def test_ceiling_bounds_every_ideal_and_flags_only_whole_intervals_above_it():
 def test_t_quantile_matches_scipy():
     from scipy import stats
 
-    from harp_trt.bench.stage.latency import t_quantile
+    from harp_trt.stats import t_quantile
 
     for df in [1, 2, 3, 4, 5, 7, 10, 30, 100, 1000]:
         for p in (0.9, 0.975, 0.995):

@@ -29,10 +29,12 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from harp_trt.stats import t_quantile
+
 from .engines import EnginePair
 
 __all__ = ["LatencySettings", "random_ids", "measure_prefill", "measure_generation", "quantiles", "summarise",
-           "latency_stats", "paired_speedup", "paired_speedups", "serving_figures", "t_quantile", "CI_METHOD"]
+           "latency_stats", "paired_speedup", "paired_speedups", "serving_figures", "CI_METHOD"]
 
 log = logging.getLogger(__name__)
 
@@ -188,39 +190,6 @@ def latency_stats(values: Iterable[float], unit: str = "ms") -> dict[str, object
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
     return {"unit": unit, "avg": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
             "min": float(a.min()), "max": float(a.max()), "std": float(a.std()), "n": int(a.size)}
-
-
-def _t_central_mass(t: float, df: int) -> float:
-    """P(|T| < t) for Student's t with integer ``df`` (Abramowitz & Stegun 26.7.3 and 26.7.4: finite
-    sums in theta = atan(t / sqrt(df)))."""
-    theta = np.arctan(t / np.sqrt(df))
-    c2, term, total = np.cos(theta) ** 2, 1.0, 1.0
-    if df % 2:  # odd: (2 / pi) (theta + sin cos (1 + 2/3 c2 + 2.4/(3.5) c2^2 + ...)), df - 3 powers
-        if df == 1:
-            return float(2 * theta / np.pi)
-        for k in range(1, (df - 1) // 2):
-            term *= c2 * (2 * k) / (2 * k + 1)
-            total += term
-        return float(2 / np.pi * (theta + np.sin(theta) * np.cos(theta) * total))
-    for k in range(1, df // 2):  # even: sin (1 + 1/2 c2 + 1.3/(2.4) c2^2 + ...), df - 2 powers
-        term *= c2 * (2 * k - 1) / (2 * k)
-        total += term
-    return float(np.sin(theta) * total)
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The p-quantile of Student's t with integer ``df`` degrees of freedom, p in (0.5, 1): the root
-    of the exact distribution function (``_t_central_mass``) by bisection, to 1e-12. No scipy in the
-    base install; ``tests/test_bench_stats.py`` checks it against scipy."""
-    if not 0.5 < p < 1 or df < 1 or int(df) != df:
-        raise ValueError(f"t_quantile needs 0.5 < p < 1 and an integer df >= 1, got p={p}, df={df}")
-    target, lo, hi = 2 * p - 1, 0.0, 1.0
-    while _t_central_mass(hi, int(df)) < target:
-        hi *= 2
-    while hi - lo > 1e-12 * max(1.0, hi):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_central_mass(mid, int(df)) < target else (lo, mid)
-    return (lo + hi) / 2
 
 
 def paired_speedup(dense_ms: Iterable[float], harp_ms: Iterable[float]) -> dict[str, float | int | str]:
