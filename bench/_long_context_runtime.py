@@ -13,7 +13,7 @@ from harp_trt.memory import peak_rss_bytes
 
 from ._long_context_measure import largest_fit, measure_decode, measure_prefill, prompt_length
 
-__all__ = ["measure_runtime", "element_bytes", "decode_ideal", "prefill_ideal", "capacity_allocator"]
+__all__ = ["measure_runtime", "element_bytes", "pruned_form", "decode_ideal", "prefill_ideal", "capacity_allocator"]
 
 log = logging.getLogger("long_context")
 
@@ -42,19 +42,27 @@ def _ceiling(m: dict[str, Any], num_layers: int, pruned: int) -> None:
                     m["speedup"]["speedup_ci95_low"], m["speedup"]["speedup_ci95_high"], m["ceiling"])
 
 
-def decode_ideal(d, pruned, context: int, batch: int, wb: float, kvb: float) -> dict[str, float]:
+def pruned_form(runtime: str) -> str:
+    """How the runtime's HARP engine stores a pruned layer (``flops.PRUNED_FORMS``): llama.cpp's deci
+    GGUF holds one folded h x h matrix (``builders/gguf/writer.py``), the ONNX graphs V and kv x h O."""
+    return "folded" if runtime == "llamacpp" else "vo"
+
+
+def decode_ideal(d, pruned, context: int, batch: int, wb: float, kvb: float, form: str = "vo") -> dict[str, float]:
     """Bytes one decode step reads at ``context`` for ``batch`` sequences: the weights once plus each
-    sequence's KV (``flops.decode_bytes_per_token``; batch 1 is exactly its figure)."""
+    sequence's KV (``flops.decode_bytes_per_token``; batch 1 is exactly its figure), a pruned layer
+    counted as the runtime stores it (``form``)."""
     def step(p):
-        weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb)
-        return weights + batch * (flops.decode_bytes_per_token(d, context, p, wb, kvb) - weights)
+        weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb, form)
+        return weights + batch * (flops.decode_bytes_per_token(d, context, p, wb, kvb, form) - weights)
     dense, harp = step(None), step(pruned)
-    return {"dense_bytes": dense, "harp_bytes": harp, "ideal": dense / harp}
+    return {"dense_bytes": dense, "harp_bytes": harp, "ideal": dense / harp, "pruned_form": form}
 
 
-def prefill_ideal(d, pruned, seq: int, logits: str) -> dict[str, float]:
-    dense, harp = flops.prefill_flops(d, seq, None, logits), flops.prefill_flops(d, seq, pruned, logits)
-    return {"dense_flops": dense, "harp_flops": harp, "ideal": dense / harp}
+def prefill_ideal(d, pruned, seq: int, logits: str, form: str = "vo") -> dict[str, float]:
+    dense = flops.prefill_flops(d, seq, None, logits, form)
+    harp = flops.prefill_flops(d, seq, pruned, logits, form)
+    return {"dense_flops": dense, "harp_flops": harp, "ideal": dense / harp, "pruned_form": form}
 
 
 def capacity_allocator(runtime: str, engine, sequences: int = 1):
@@ -169,7 +177,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
     for c in args.contexts:
         for b in args.batches:
             m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed)
-            m["ideal"] = decode_ideal(d, pair.pruned, c, b, wb, kvb)
+            m["ideal"] = decode_ideal(d, pair.pruned, c, b, wb, kvb, pruned_form(runtime))
             m["fraction_of_ideal"] = m["speedup"]["speedup"] / m["ideal"]["ideal"]
             _ceiling(m, d.num_layers, len(pair.pruned))
             out["decode"].append(m)
@@ -179,7 +187,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
                      m["ideal"]["ideal"])
     for s in args.prefill_lens:
         m = measure_prefill(pair.engines(), d.vocab, s, args.prefill_repeats, min(args.warmup, 1), args.seed)
-        m["ideal"] = prefill_ideal(d, pair.pruned, s, pair.dense.prefill_logits)
+        m["ideal"] = prefill_ideal(d, pair.pruned, s, pair.dense.prefill_logits, pruned_form(runtime))
         _ceiling(m, d.num_layers, len(pair.pruned))
         out["prefill"].append(m)
         log.info("%s prefill %d: speed-up %.3f, ideal %.3f", runtime, s, m["speedup"]["speedup"], m["ideal"]["ideal"])

@@ -34,6 +34,13 @@ def test_ideal_speedup_hand_counted():
     harp_params = 64 * 128 + 4 * 3 * 64 * 128 + 3 * (64 * 64 + 2 * 64 * 32 + 64 * 64) + 2 * 64 * 32
     assert ideal["decode_bytes"]["dense_bytes"] == 4 * (dense_params + 4 * 2 * 32 * 9)
     assert ideal["decode_bytes"]["harp_bytes"] == 4 * (harp_params + 3 * 2 * 32 * 9)
+    # llama.cpp's deci GGUF stores the pruned layer as one h x h matrix (64*64), not V + O (2*64*32)
+    from harp_trt.bench.stage.flops import decode_bytes_per_token
+    folded_params = harp_params - 2 * 64 * 32 + 64 * 64
+    assert decode_bytes_per_token(d, 9, {3: 1.0}, 2, 2, "folded") == 2 * (folded_params + 3 * 2 * 32 * 9)
+    assert prefill_flops(d, 3, {3: 1.0}, pruned_form="folded") == 3 * 222816 + (2 * 64 * 64 + 49152) * 3 + 16384
+    with pytest.raises(ValueError, match="pruned_form"):
+        decode_bytes_per_token(d, 9, {3: 1.0}, pruned_form="hxh")
 
 
 def test_sliding_window_caps_keys():

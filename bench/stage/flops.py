@@ -9,7 +9,12 @@ q = heads x head_dim, kv = kv_heads x head_dim, I = MLP width, T = keys the toke
     kept layer     Q proj 2hq + K,V proj 2*2h*kv + scores 2qT + softmax c*heads*T + AV 2qT
                    + O proj 2qh + MLP 3*2hI
     pruned layer   V proj 2h*kv + folded V.O 2*kv*h + MLP 3*2hI        (HARP, Eq. 4-5)
+      "folded"     one h x h matrix 2h*h + MLP 3*2hI                   (llama.cpp's deci linear attention)
     alpha = 0      MLP only
+
+``pruned_form`` says which of the two a runtime executes: ``"vo"`` (our ONNX graphs, onnxruntime-genai:
+the V and the kv x h O GEMMs) or ``"folded"`` (the GGUF's one h x h matrix, ``builders/gguf/writer.py``),
+so each runtime's ideal counts the work it does.
 
 The pruned layer has no softmax, no RoPE and no scores: its attention is the per-token linear map
 V.O, and O folds over the repeated KV heads into a kv x h matrix (``harp_trt.rewrite.fold``), so
@@ -33,10 +38,18 @@ from harp_trt.dims import ModelDims
 from harp_trt.kvcache import kv_cache_bytes
 
 __all__ = ["SOFTMAX_FLOPS_PER_SCORE", "speedup_ceiling", "above_ceiling", "layer_flops_per_token", "flops_per_token",
-           "prefill_flops", "decode_flops", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
+           "prefill_flops", "decode_flops", "PRUNED_FORMS", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
 
 # max-subtract, exp, sum and divide per score element
 SOFTMAX_FLOPS_PER_SCORE = 4
+PRUNED_FORMS = ("vo", "folded")   # a pruned layer as V and kv x h O, or as one h x h matrix
+
+
+def _pruned_params(d: ModelDims, form: str) -> int:
+    """Parameters of a pruned (alpha > 0) layer's attention as ``form`` stores them."""
+    if form not in PRUNED_FORMS:
+        raise ValueError(f"pruned_form must be one of {PRUNED_FORMS}, got {form!r}")
+    return 2 * d.hidden * d.kv_dim if form == "vo" else d.hidden * d.hidden
 
 
 def speedup_ceiling(num_layers: int, pruned: int) -> float:
@@ -58,7 +71,7 @@ def _keys_sum(seq: int, window: int | None) -> int:
     return window * (window + 1) // 2 + (seq - window) * window
 
 
-def _linear_parts(d: ModelDims, layer: int, alpha: float | None) -> tuple[int, int]:
+def _linear_parts(d: ModelDims, layer: int, alpha: float | None, pruned_form: str = "vo") -> tuple[int, int]:
     """(FLOPs per token independent of T, FLOPs per attended key) of one layer.
     ``alpha`` None = kept layer."""
     mlp = 3 * 2 * d.hidden * d.intermediate
@@ -68,7 +81,7 @@ def _linear_parts(d: ModelDims, layer: int, alpha: float | None) -> tuple[int, i
         return proj + mlp, per_key
     if alpha == 0.0:
         return mlp, 0
-    return 2 * d.hidden * d.kv_dim + 2 * d.kv_dim * d.hidden + mlp, 0
+    return 2 * _pruned_params(d, pruned_form) + mlp, 0
 
 
 def layer_flops_per_token(d: ModelDims, layer: int, keys: int, alpha: float | None = None) -> int:
@@ -86,12 +99,12 @@ def flops_per_token(d: ModelDims, keys: int, pruned: Mapping[int, float] | None 
 
 
 def prefill_flops(d: ModelDims, seq: int, pruned: Mapping[int, float] | None = None,
-                  logits: str = "last") -> int:
+                  logits: str = "last", pruned_form: str = "vo") -> int:
     """FLOPs of a causal prefill of ``seq`` tokens; ``logits`` = "last" | "all" | "none"."""
     pruned = pruned or {}
     total = 0
     for i in range(d.num_layers):
-        fixed, per_key = _linear_parts(d, i, pruned.get(i))
+        fixed, per_key = _linear_parts(d, i, pruned.get(i), pruned_form)
         total += fixed * seq + per_key * _keys_sum(seq, d.window(i))
     n_logits = {"last": 1, "all": seq, "none": 0}[logits]
     return total + n_logits * 2 * d.hidden * d.vocab
@@ -109,9 +122,11 @@ def kv_bytes_per_token(d: ModelDims, pruned: Mapping[int, float] | None = None, 
 
 
 def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, float] | None = None,
-                           dtype_bytes: int = 4, kv_dtype_bytes: int | None = None) -> int:
+                           dtype_bytes: float = 4, kv_dtype_bytes: float | None = None,
+                           pruned_form: str = "vo") -> float:
     """Bytes read by one decode step: every weight once (the embedding row is negligible) plus
-    the KV cache of ``context`` tokens. Pruned layers read V and the folded kv x h O only.
+    the KV cache of ``context`` tokens. Pruned layers read V and the folded kv x h O only
+    (``pruned_form="vo"``), or one h x h matrix (``"folded"``).
     ``kv_dtype_bytes``: the cache's element size where it differs from the weights' (llama.cpp
     keeps an f16 cache next to f32 weights)."""
     pruned = pruned or {}
@@ -122,7 +137,7 @@ def decode_bytes_per_token(d: ModelDims, context: int, pruned: Mapping[int, floa
         if a is None:
             params += d.hidden * d.q_dim + 2 * d.hidden * d.kv_dim + d.q_dim * d.hidden
         elif a != 0.0:
-            params += 2 * d.hidden * d.kv_dim
+            params += _pruned_params(d, pruned_form)
     cache = 0
     for i in range(d.num_layers):
         if i not in pruned:
