@@ -7,7 +7,7 @@ import platform
 
 import harp_trt
 
-__all__ = ["library_versions", "TRTLLM_VERSION"]
+__all__ = ["library_versions", "TRTLLM_VERSION", "source_commit", "provenance"]
 
 # The TensorRT-LLM our checkpoints and launch files are written for (docs/trtllm-contract.md reads its
 # 1.2 source). An engine is built and served by one version: the trtllm manifest and every launch file
@@ -26,3 +26,39 @@ def library_versions(packages: tuple[str, ...] = DEFAULT_PACKAGES) -> dict[str, 
         except md.PackageNotFoundError:
             pass
     return out
+
+
+def source_commit() -> str | None:
+    """The checkout's commit (with ``-dirty`` when tracked files differ from it), or None outside a
+    git checkout: what a committed result JSON names as the code it was measured with."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(harp_trt.__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def provenance(argv: list[str], packages: tuple[str, ...] = DEFAULT_PACKAGES) -> dict[str, object]:
+    """Where a benchmark figure comes from: commit, UTC date, the command line (the script relative to
+    the checkout) and library versions."""
+    import shlex
+    import sys
+    import time
+    from pathlib import Path
+
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(Path(harp_trt.__file__).resolve().parents[1])
+    except ValueError:
+        pass
+    return {"commit": source_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "python " + shlex.join([str(script), *argv]), "versions": library_versions(packages)}
