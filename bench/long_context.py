@@ -102,7 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-budget", default="2GiB", help="KV budget the capacity is measured in")
     p.add_argument("--capacity-step", type=int, default=256, help="token granularity of the capacity search")
     p.add_argument("--peer", default="", choices=["", "genai-int4"], help="add onnxruntime-genai's own int4 model")
-    p.add_argument("--threads", type=int, default=0, help="runtime threads (0 = the runtime's default)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of every engine of the run, peers included (default: every core; 0 = each "
+                        "runtime's own default, which differ: genai's gave a speed-up above the ceiling)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="independent process runs; the summary gives each figure's median, spread and whether "
+                        "a claim holds in every run (default 3)")
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "harp-trt"), help="artifact cache")
     p.add_argument("--out", default="long_context_out", help="folder for the JSON and the plot")
     p.add_argument("--seed", type=int, default=0)
@@ -117,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0.0 <= a.alpha <= 1.0:
         raise ConfigError(f"--alpha must lie in [0, 1], got {a.alpha}")
     a.prefill_repeats = a.prefill_repeats or a.repeats
-    for name in ("decode_steps", "repeats", "prefill_repeats", "capacity_step"):
+    for name in ("decode_steps", "repeats", "prefill_repeats", "capacity_step", "runs"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0 or a.threads < 0:
@@ -219,23 +224,33 @@ def load_pair(runtime: str, plan, sources, args, headroom: int):
     return pair
 
 
-def load_peer(args, resolved, store, max_pos: int, headroom: int):
+def peer_folder(resolved, store) -> Path:
     """onnxruntime-genai's own int4 model of the plan's model (its builder, with the last position's
-    logits only: ``prune_lm_head``, what a long-prompt user of it picks), cached by model digest. It
-    runs without the CPU arena, as our genai folders do here."""
+    logits only: ``prune_lm_head``, what a long-prompt user of it picks), built once, cached by model digest."""
     from harp_trt.bench.genai_engine import build_genai_int4
-    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
 
     folder = Path(store.root) / "long_context_peers" / f"genai-int4-last-{resolved.digest[:16]}"
     if not (folder / "genai_config.json").is_file():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         build_genai_int4(resolved.folder, tmp, extra_options={"prune_lm_head": "true"})
         tmp.rename(folder)
-    return GenaiBenchEngine(folder, "peer", args.threads, headroom, max_pos, arena=False)
+    return folder
 
 
-def run(args) -> dict[str, Any]:
+def load_peer(args, resolved, store, max_pos: int, headroom: int):
+    """The genai peer (``peer_folder``), run without the CPU arena as our genai folders are here."""
+    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
+
+    return GenaiBenchEngine(peer_folder(resolved, store), "peer", args.threads, headroom, max_pos, arena=False)
+
+
+PACKAGES = ("torch", "numpy", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "transformers")
+
+
+def run(args, argv: list[str]) -> dict[str, Any]:
+    """One run: every runtime's figures in this process."""
     from harp_trt.store import ArtifactStore
+    from harp_trt.versions import provenance
 
     from harp_trt.bench._long_context_runtime import measure_runtime
     from harp_trt.bench._long_context_plot import write_plot
@@ -245,12 +260,13 @@ def run(args) -> dict[str, Any]:
     plan, resolved, calib_art = make_plan(args, store)
     L, P = plan.num_layers, len(plan.layers)
     out: dict[str, Any] = {
-        "issue": 21, "model": resolved.ref, "model_digest": resolved.digest,
+        "issue": 31, "provenance": provenance(argv, PACKAGES), "model": resolved.ref, "model_digest": resolved.digest,
         "plan": {"layers": list(plan.layers), "alphas": list(plan.alphas), "num_layers": L, "pruned": P,
                  "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
-                                                   "quant", "kv_type", "threads", "peer", "seed", "shape")},
+                                                   "quant", "kv_type", "threads", "peer", "seed", "shape")}
+        | {"threads_equal": args.threads > 0},
         "machine": {**describe(args.threads or None), "cpus": os.cpu_count(), "load_avg_start": load_before},
         "runtimes": {}}
     headroom = args.warmup + args.repeats * args.decode_steps + 2
@@ -279,10 +295,35 @@ def run(args) -> dict[str, Any]:
     return out
 
 
+def run_many(args, argv: list[str]) -> dict[str, Any]:
+    """``--runs N``: the engines built here once, then N independent processes of one run each
+    (``bench/_long_context_runs.py``), and their summary: medians, spreads, claims in every run."""
+    from harp_trt.store import ArtifactStore
+    from harp_trt.versions import provenance
+
+    from harp_trt.bench._long_context_runs import run_processes, summarize
+
+    store = ArtifactStore(Path(args.workdir))
+    plan, resolved, calib_art = make_plan(args, store)
+    for runtime in args.runtimes:
+        build_sources(runtime, plan, resolved, calib_art, store, args)
+    if args.peer:
+        peer_folder(resolved, store)
+    out_dir = Path(args.out)
+    runs = run_processes(Path(__file__).resolve(), argv, args.runs, out_dir)
+    out = {"issue": 31, "provenance": provenance(argv, PACKAGES), "runs": runs, "summary": summarize(runs)}
+    tmp = out_dir / "long_context.json.tmp"
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(out_dir / "long_context.json")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        out = run(parse_args(argv))
+        args = parse_args(argv)
+        out = run(args, argv) if args.runs == 1 else run_many(args, argv)
     except HarpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,8 @@ RUNTIME_FIELDS = {"engines", "weight_bytes_per_param", "kv_bytes_per_element", "
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def runs(tmp_path_factory):
+    """``--runs 2``: two independent processes of one run each, and their summary."""
     import contextlib
     import io
 
@@ -46,16 +47,69 @@ def result(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["--model", str(model), "--corpus", str(corpus), "--workdir", str(d / "cache"),
-                     "--out", str(d / "out"), *ARGS])
+                     "--out", str(d / "out"), *ARGS, "--runs", "2"])
     assert code == 0
     res = json.loads(out.getvalue().strip().splitlines()[-1])
     assert res == json.loads((d / "out" / "long_context.json").read_text())
+    for k in (1, 2):
+        assert res["runs"][k - 1] == json.loads((d / "out" / f"run{k}" / "long_context.json").read_text())
     return res, model
+
+
+@pytest.fixture(scope="module")
+def result(runs):
+    """The first run's JSON."""
+    return runs[0]["runs"][0], runs[1]
+
+
+def test_runs_are_independent_processes_and_summarised(runs):
+    """Each run is its own process (its own command line, ``--runs 1``), and the summary's medians,
+    spreads and every-run claims are those of the runs' rows."""
+    import statistics
+
+    res, _ = runs
+    assert res["issue"] == 31 and "--runs 2" in res["provenance"]["command"]
+    for r in res["runs"]:
+        assert r["provenance"]["command"].endswith(f"--out {r['provenance']['command'].split('--out ')[-1]}")
+        assert "--runs 1" in r["provenance"]["command"] and r["settings"]["threads"] == 1
+        assert r["settings"]["threads_equal"] is True
+    s = res["summary"]
+    assert s["runs"] == 2 and list(s["runtimes"]) == ["ort", "genai", "llamacpp"]
+    for name, rt in s["runtimes"].items():
+        for i, point in enumerate(rt["decode"]):
+            rows = [r["runtimes"][name]["decode"][i] for r in res["runs"]]
+            sp = [m["speedup"]["speedup"] for m in rows]
+            assert (point["context"], point["batch"]) == (rows[0]["context"], rows[0]["batch"])
+            assert point["speedup_median"] == statistics.median(sp)
+            assert (point["speedup_min"], point["speedup_max"]) == (min(sp), max(sp))
+            assert point["lower_above_1_every_run"] == all(m["speedup"]["speedup_ci95_low"] > 1 for m in rows)
+            assert point["fraction_ge_0_9_every_run"] == all(x / point["ideal"] >= 0.9 for x in sp)
+            assert point["above_ceiling_runs"] == [k + 1 for k, m in enumerate(rows) if m["above_ceiling"]]
+        (p,) = rt["prefill"]
+        assert p["seq_len"] == 32 and p["runs"] == 2
+
+
+def test_summary_claims_hold_in_every_run_only():
+    """A claim true in one run and false in the other is false; the median is the runs' median."""
+    from harp_trt.bench._long_context_runs import point_summary
+
+    def row(s, lo, hi):
+        return {"speedup": {"speedup": s, "speedup_ci95_low": lo, "speedup_ci95_high": hi},
+                "ideal": {"ideal": 1.3}, "ceiling": 1.36, "above_ceiling": lo > 1.36}
+    p = point_summary([row(1.29, 1.27, 1.31), row(1.10, 0.98, 1.2), row(1.40, 1.37, 1.42)])
+    assert p["speedup_median"] == 1.29 and (p["speedup_min"], p["speedup_max"]) == (1.10, 1.40)
+    assert p["lower_above_1_every_run"] is False and p["fraction_ge_0_9_every_run"] is False
+    assert p["above_ceiling_runs"] == [3] and p["median_above_ceiling"] is False
+    q = point_summary([row(1.25, 1.2, 1.3), row(1.28, 1.22, 1.31)])
+    assert q["lower_above_1_every_run"] and q["fraction_ge_0_9_every_run"] and q["above_ceiling_runs"] == []
 
 
 def test_every_field(result):
     res, _ = result
-    assert {"issue", "note", "model", "plan", "settings", "machine", "runtimes", "plot", "plot_note"} <= set(res)
+    assert {"issue", "provenance", "note", "model", "plan", "settings", "machine", "runtimes", "plot",
+            "plot_note"} <= set(res)
+    assert {"commit", "date", "command", "versions"} <= set(res["provenance"])
+    assert {"onnxruntime", "onnxruntime-genai", "llama_cpp_python"} <= set(res["provenance"]["versions"])
     load = res["machine"]["load_avg_start"][0]
     assert res["note"].startswith("quiet machine" if load <= 0.5 else "busy machine") and f"{load:.2f}" in res["note"]
     assert res["plan"]["layers"] == list(PRUNED) and res["plan"]["alphas"] == [0.5, 0.5]
@@ -119,11 +173,14 @@ def test_ideals_match_flops(result):
     for name, r in res["runtimes"].items():
         wb, kvb = r["weight_bytes_per_param"], r["kv_bytes_per_element"]
         assert (wb, kvb) == ((2, 2) if name == "llamacpp" else (4, 4))
+        # llama.cpp's deci GGUF stores a pruned layer as one folded h x h matrix, the ONNX graphs V and O
+        form = "folded" if name == "llamacpp" else "vo"
         for m in r["decode"]:
             c, b = m["context"], m["batch"]
+            assert m["ideal"]["pruned_form"] == form
             for v, p in (("dense", None), ("harp", pruned)):
-                one = flops.decode_bytes_per_token(d, c, p, wb, kvb)
-                weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb)
+                one = flops.decode_bytes_per_token(d, c, p, wb, kvb, form)
+                weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb, form)
                 assert m["ideal"][f"{v}_bytes"] == weights + b * (one - weights)
                 if b == 1:
                     assert m["ideal"][f"{v}_bytes"] == one
@@ -132,8 +189,8 @@ def test_ideals_match_flops(result):
         logits = "all" if name == "ort" else "last"
         assert r["prefill_logits"] == logits
         (p,) = r["prefill"]
-        assert p["ideal"]["dense_flops"] == flops.prefill_flops(d, 32, None, logits)
-        assert p["ideal"]["harp_flops"] == flops.prefill_flops(d, 32, pruned, logits)
+        assert p["ideal"]["dense_flops"] == flops.prefill_flops(d, 32, None, logits, form)
+        assert p["ideal"]["harp_flops"] == flops.prefill_flops(d, 32, pruned, logits, form)
         kv = r["kv_bytes_per_token"]["counted"]
         assert kv == {"dense": flops.kv_bytes_per_token(d, None, kvb), "harp": flops.kv_bytes_per_token(d, pruned, kvb)}
 

@@ -16,7 +16,7 @@ from test_calibrate_cli import write_corpus
 import llama_cpp  # noqa: F401  (the test extra installs it: a missing runtime fails, never skips)
 
 SHORT = ["--contexts", "24", "--batches", "1", "--prefill-lens", "none", "--decode-steps", "2", "--repeats", "2",
-         "--warmup", "1", "--capacity-step", "256", "--threads", "1", "--calib-tokens", "256"]
+         "--warmup", "1", "--capacity-step", "256", "--threads", "1", "--calib-tokens", "256", "--runs", "1"]
 
 
 def _run(argv: list[str]) -> dict:
