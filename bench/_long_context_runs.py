@@ -10,9 +10,11 @@ in ``above_ceiling_runs``: a measurement to investigate, never a gain."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,28 @@ __all__ = ["run_processes", "summarize", "point_summary", "CLAIM_FRACTION"]
 CLAIM_FRACTION = 0.9   # "at least this share of the ideal speed-up", the issue's bar
 
 
-def run_processes(script: Path, argv: list[str], runs: int, out_dir: Path) -> list[dict[str, Any]]:
+SETTLE_S = 150        # the longest wait for the load average to fall before a run
+
+
+def settle(quiet: float, most_s: float = SETTLE_S) -> float:
+    """Wait until the 1-minute load average is at most ``quiet`` (the engine builds' and the previous
+    run's threads decay from it in about a minute and a half), at most ``most_s``; seconds waited."""
+    t = time.perf_counter()
+    while os.getloadavg()[0] > quiet and time.perf_counter() - t < most_s:
+        time.sleep(5)
+    return time.perf_counter() - t
+
+
+def run_processes(script: Path, argv: list[str], runs: int, out_dir: Path, quiet: float = 0.5,
+                  settle_s: float = SETTLE_S) -> list[dict[str, Any]]:
     """``runs`` processes of ``script argv --runs 1 --out out_dir/runK``, one after another (stderr
-    passes through); each run's JSON. A failed run stops the measurement (HarpError)."""
+    passes through), each after ``settle(quiet, settle_s)``; each run's JSON. A failed run stops the
+    measurement (HarpError)."""
     from harp_trt.errors import HarpError
 
     results = []
     for k in range(1, runs + 1):
+        settle(quiet, settle_s)
         folder = out_dir / f"run{k}"
         cmd = [sys.executable, str(script), *argv, "--runs", "1", "--out", str(folder)]
         done = subprocess.run(cmd, stdout=subprocess.DEVNULL)

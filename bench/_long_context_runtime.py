@@ -98,7 +98,9 @@ GENAI_MAX_SEQUENCES = 32   # onnxruntime-genai 0.18's Generator: "batch_size (64
 def _capacity(runtime: str, pair, args, L: int, P: int, least_bytes_per_token: float) -> dict[str, Any]:
     budget, step = args.kv_budget_bytes, args.capacity_step
     out: dict[str, Any] = {"budget_bytes": budget, "step_tokens": step, "ideal": L / (L - P),
-                           "per_layer": True}
+                           "per_layer": True,
+                           "what": "KV positions whose buffers, as the runtime sizes them, fit the budget: no memory "
+                                   "cap, nothing else counted (an expectation; capacity_under_cap is measured)"}
     sequences = 1
     if runtime == "genai":
         # a genai sequence holds at most the model's context, a generator at most GENAI_MAX_SEQUENCES:
@@ -157,7 +159,8 @@ def _check_contexts(pair, args) -> None:
 
     prompt_length(min(args.contexts), args.warmup, args.repeats, args.decode_steps)  # before any work
     # the per-token KV figure decodes one token after its prompt
-    longest = max([max(args.contexts), _kv_probe_tokens(args) + 1, *args.prefill_lens])
+    longest = max([max(args.contexts), _kv_probe_tokens(args) + 1, *args.prefill_lens,
+                   getattr(args, "cap_context", 0)])
     if longest > pair.max_positions:
         raise ConfigError(f"contexts up to {max(args.contexts)} (or a prefill of {max(args.prefill_lens, default=0)}) "
                           f"exceed the model's {pair.max_positions} positions", "give shorter --contexts / --prefill-lens")

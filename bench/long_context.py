@@ -57,11 +57,11 @@ def machine_note(load_before: float, load_after: float) -> str:
             "noise only" + ("" if state == "quiet" else ", not the other jobs' load"))
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--kv-budget") -> int:
     """``2GiB``, ``512MiB``, ``64KiB`` or a plain byte count."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*", text)
     if not m:
-        raise ConfigError(f"--kv-budget takes a size like 2GiB, 512MiB or a byte count, got {text!r}")
+        raise ConfigError(f"{flag} takes a size like 2GiB, 512MiB or a byte count, got {text!r}")
     scale = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
     return int(float(m.group(1)) * scale)
 
@@ -101,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps / prefills first")
     p.add_argument("--kv-budget", default="2GiB", help="KV budget the capacity is measured in")
     p.add_argument("--capacity-step", type=int, default=256, help="token granularity of the capacity search")
+    p.add_argument("--memory-cap", default="auto",
+                   help="ORT and llama.cpp: sequences decoded inside this address-space cap (RLIMIT_AS, child "
+                        "processes: bench/_long_context_capacity.py); auto = dense base + 10.5 dense sequences at "
+                        "--cap-context, none = skip (default auto)")
+    p.add_argument("--cap-context", type=int, default=0, help="context of the capped capacity (default: the longest "
+                                                              "of --contexts)")
     p.add_argument("--peer", default="", choices=["", "genai-int4"], help="add onnxruntime-genai's own int4 model")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of every engine of the run, peers included (default: every core; 0 = each "
@@ -108,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3,
                    help="independent process runs; the summary gives each figure's median, spread and whether "
                         "a claim holds in every run (default 3)")
+    p.add_argument("--settle", type=float, default=150,
+                   help="--runs > 1: seconds at most to wait before each run for the 1-minute load average to "
+                        f"fall to {QUIET_LOAD} (the builds' and the previous run's threads; default 150)")
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "harp-trt"), help="artifact cache")
     p.add_argument("--out", default="long_context_out", help="folder for the JSON and the plot")
     p.add_argument("--seed", type=int, default=0)
@@ -125,9 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("decode_steps", "repeats", "prefill_repeats", "capacity_step", "runs"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0 or a.threads < 0:
-        raise ConfigError("--warmup and --threads must be >= 0")
+    if a.warmup < 0 or a.threads < 0 or a.settle < 0:
+        raise ConfigError("--warmup, --threads and --settle must be >= 0")
     a.kv_budget_bytes = parse_bytes(a.kv_budget)
+    a.memory_cap_bytes = None if a.memory_cap in ("auto", "none") else parse_bytes(a.memory_cap, "--memory-cap")
+    if a.cap_context < 0:
+        raise ConfigError(f"--cap-context must be >= 0, got {a.cap_context}")
     a.runtimes = list(RUNTIMES) if a.runtime == "all" else [a.runtime]
     return a
 
@@ -244,6 +256,22 @@ def load_peer(args, resolved, store, max_pos: int, headroom: int):
     return GenaiBenchEngine(peer_folder(resolved, store), "peer", args.threads, headroom, max_pos, arena=False)
 
 
+def capacity_under_cap(runtime: str, sources, args, L: int, P: int) -> dict[str, Any] | None:
+    """Dense and HARP sequences at ``--cap-context`` decoded inside one ``--memory-cap``, each try a
+    child process under RLIMIT_AS (``bench/_long_context_capacity.py``); None where the runtime has no
+    capped probe (genai) or ``--memory-cap none``. The engines are the files this run timed."""
+    from harp_trt.bench._long_context_capacity import RUNTIMES as CAPPED, measure_capacity
+    from harp_trt.bench.stage.engine_llamacpp import gguf_path
+    from harp_trt.bench.stage.engine_ort import engine_folder
+
+    if args.memory_cap == "none" or runtime not in CAPPED:
+        return None
+    path = gguf_path if runtime == "llamacpp" else engine_folder
+    return measure_capacity(runtime, {v: path(sources[v]) for v in ("dense", "harp")},
+                            args.cap_context or max(args.contexts), args.memory_cap_bytes, args.threads,
+                            ideal=L / (L - P))
+
+
 PACKAGES = ("torch", "numpy", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "transformers")
 
 
@@ -265,7 +293,8 @@ def run(args, argv: list[str]) -> dict[str, Any]:
                  "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
-                                                   "quant", "kv_type", "threads", "peer", "seed", "shape")}
+                                                   "quant", "kv_type", "threads", "peer", "seed", "shape",
+                                                   "memory_cap", "cap_context")}
         | {"threads_equal": args.threads > 0},
         "machine": {**describe(args.threads or None), "cpus": os.cpu_count(), "load_avg_start": load_before},
         "runtimes": {}}
@@ -283,6 +312,9 @@ def run(args, argv: list[str]) -> dict[str, Any]:
             pair.close()
             for e in peers.values():
                 e.close()
+        capped = capacity_under_cap(runtime, sources, args, L, P)
+        if capped:
+            out["runtimes"][runtime]["capacity_under_cap"] = capped
         out["runtimes"][runtime]["seconds"] = round(time.perf_counter() - t, 1)
     out["machine"]["load_avg_end"] = list(os.getloadavg())
     out["note"] = machine_note(out["machine"]["load_avg_start"][0], out["machine"]["load_avg_end"][0])
@@ -310,7 +342,7 @@ def run_many(args, argv: list[str]) -> dict[str, Any]:
     if args.peer:
         peer_folder(resolved, store)
     out_dir = Path(args.out)
-    runs = run_processes(Path(__file__).resolve(), argv, args.runs, out_dir)
+    runs = run_processes(Path(__file__).resolve(), argv, args.runs, out_dir, QUIET_LOAD, args.settle)
     out = {"issue": 31, "provenance": provenance(argv, PACKAGES), "runs": runs, "summary": summarize(runs)}
     tmp = out_dir / "long_context.json.tmp"
     tmp.write_text(json.dumps(out, indent=1, default=str))

@@ -69,7 +69,77 @@ def deps_newest(d: dict[str, Any]) -> str:
             f"{differs or 'equal to the pins'} | {beyond or 'none'} |\n")
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest}
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "**no**"
+
+
+def _speedup(p: dict[str, Any]) -> str:
+    """Median [min, max] of the runs, flagged where a run's interval or the median lies above the ceiling."""
+    text = f"{p['speedup_median']:.3f} [{p['speedup_min']:.3f}, {p['speedup_max']:.3f}]"
+    if p["above_ceiling_runs"] or p["median_above_ceiling"]:
+        runs = ", ".join(map(str, p["above_ceiling_runs"]))
+        text += " **ABOVE CEILING" + (f" (run {runs})" if runs else " (median)") + "**"
+    return text
+
+
+def _point(runtime: str, what: str, engines: str, p: dict[str, Any], ideal_of: str) -> str:
+    runs = ", ".join(f"[{r['ci95_low']:.3f}, {r['ci95_high']:.3f}]" for r in p["per_run"])
+    return (f"| {runtime} | {what} | {engines} | {_speedup(p)} | {runs} | {p['ideal']:.3f} {ideal_of} "
+            f"({p['pruned_form']}) | {p['ceiling']:.3f} | {p['fraction_median']:.2f} [{p['fraction_min']:.2f}] | "
+            f"{_yes(p['lower_above_1_every_run'])}, {_yes(p['fraction_ge_0_9_every_run'])} |")
+
+
+def _capacity_rows(d: dict[str, Any]) -> list[str]:
+    rows = []
+    for rt in d["summary"]["runtimes"]:
+        per_run = [r["runtimes"][rt].get("capacity_under_cap") for r in d["runs"]]
+        if not any(per_run):
+            continue
+        c = next(x for x in per_run if x)
+        seqs = "; ".join(f"{x['dense']['batch']} / {x['harp']['batch']} ({x['ratio']:.3f})" for x in per_run if x)
+        split = c["dense"]["rss_split"] or {}
+        rows.append(f"| {rt} | {c['context']} | {c['cap_bytes'] / 2**30:.2f} GiB | {seqs} | {c['ideal']:.3f} | "
+                    f"{min(x['fraction_of_ideal'] or 0 for x in per_run if x):.2f} | {c['granularity']:.3f} | "
+                    f"{split.get('weights_runtime', 0) / 2**20:.0f} / {split.get('kv', 0) / 2**20:.0f} / "
+                    f"{split.get('activations', 0) / 2**20:.0f} MiB |")
+    if rows:
+        rows[:0] = ["", "| runtime | context | memory cap (RLIMIT_AS) | dense / HARP sequences (HARP / dense), each run "
+                        "| ideal L/(L-P) | worst run / ideal | one dense sequence = | dense RSS: weights+runtime / "
+                        "KV / activations (run 1) |", "|---|---|---|---|---|---|---|---|"]
+    return rows
+
+
+def long_context(d: dict[str, Any]) -> str:
+    """``bench/long_context.py --runs N``'s JSON: per runtime and point the runs' median speed-up with
+    their spread and each run's 95 % interval, the ideal as the runtime stores a pruned layer, the
+    ceiling L/(L-P) (a figure above it flagged), the claims that hold in every run, then the capacity
+    inside a memory cap and where the figures come from."""
+    s, first = d["summary"], d["runs"][0]
+    rows = [f"| runtime | point | dense / HARP, median | HARP speed-up, median [min, max] of {s['runs']} runs | "
+            "each run's 95 % interval | ideal | ceiling | median / ideal [worst run] | every run: low > 1, >= 90 % "
+            "of ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    for rt, r in s["runtimes"].items():
+        for p in r["decode"]:
+            tps = p["tokens_per_s_median"]
+            peers = "".join(f", {k} {v:.3f} x ours" for k, v in p["peer_ratio_median"].items())
+            rows.append(_point(rt, f"decode {p['context']} x {p['batch']}",
+                               f"{tps['dense']:.1f} / {tps['harp']:.1f} tok/s{peers}", p, "bytes"))
+        for p in r["prefill"]:
+            sec = p["seconds_median"]
+            rows.append(_point(rt, f"prefill {p['seq_len']}", f"{sec['dense']:.2f} / {sec['harp']:.2f} s", p, "FLOPs"))
+    rows += _capacity_rows(d)
+    plan, st, pv = first["plan"], first["settings"], d["provenance"]
+    loads = "; ".join(f"{r['machine']['load_avg_start'][0]:.2f} -> {r['machine']['load_avg_end'][0]:.2f}"
+                      for r in d["runs"])
+    rows.append(f"\n{first['model'].rstrip('/').split('/')[-1]}, P = {plan['pruned']} of {plan['num_layers']} "
+                f"(layers {plan['layers'][0]}-{plan['layers'][-1]}), ORT weights {st['quant']}, llama.cpp KV "
+                f"{st['kv_type']}, {st['threads']} threads for every engine; {first['machine']['cpu']}. Load average "
+                f"before -> after each run: {loads}. Commit {pv['commit']}, {pv['date']}: `{pv['command']}`.")
+    return "\n".join(rows) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
+                                                         "long_context": long_context}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

@@ -26,7 +26,8 @@ KV_RATIO_TOL = {"ort": 0.0, "genai": 0.0, "llamacpp": 0.005 / 0.25}
 CAPACITY_TOL = 256 / 2048
 ARGS = ["--prune-layers", "2,3", "--calib-tokens", "256", "--runtime", "all", "--contexts", "24",
         "--batches", "1,2", "--prefill-lens", "32", "--prefill-repeats", "3", "--decode-steps", "2", "--repeats", "2", "--warmup", "1",
-        "--kv-budget", "1MiB", "--capacity-step", "256", "--threads", "1"]
+        "--kv-budget", "1MiB", "--capacity-step", "256", "--threads", "1",
+        "--memory-cap", "none", "--settle", "0"]
 DECODE_FIELDS = {"context", "batch", "steps_per_round", "rounds", "per_engine", "speedup", "peer_ratio", "ideal",
                  "fraction_of_ideal"}
 RUNTIME_FIELDS = {"engines", "weight_bytes_per_param", "kv_bytes_per_element", "kv_type", "decode", "prefill",

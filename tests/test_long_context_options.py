@@ -16,7 +16,8 @@ from test_calibrate_cli import write_corpus
 import llama_cpp  # noqa: F401  (the test extra installs it: a missing runtime fails, never skips)
 
 SHORT = ["--contexts", "24", "--batches", "1", "--prefill-lens", "none", "--decode-steps", "2", "--repeats", "2",
-         "--warmup", "1", "--capacity-step", "256", "--threads", "1", "--calib-tokens", "256", "--runs", "1"]
+         "--warmup", "1", "--capacity-step", "256", "--threads", "1", "--calib-tokens", "256", "--runs", "1",
+         "--memory-cap", "none"]
 
 
 def _run(argv: list[str]) -> dict:
@@ -54,6 +55,29 @@ def test_llamacpp_q8_0_kv(tmp_path):
     assert cap["dense"]["tokens"] == 2048 and abs(cap["ratio"] - 2.0) <= 256 / 2048, cap
     (m,) = r["decode"]
     assert m["ideal"]["ideal"] > 1 and m["per_engine"]["harp"]["tokens_per_s"] > 0
+
+
+def test_capacity_under_a_memory_cap_wired(tmp_path):
+    """``--memory-cap auto --cap-context 4096``: the engines this run timed, measured by
+    bench/_long_context_capacity.py in capped children (its own tests check the search). head_dim 64:
+    one dense sequence's KV at 4096 is 16 MiB on ORT (fp32), 8 MiB on llama.cpp (f16); P = 2 of 4."""
+    model = save_tiny("llama", tmp_path / "tiny", seed=3, hidden_size=128, intermediate_size=256,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    common = ["--model", str(model), "--corpus", str(write_corpus(tmp_path / "c.txt")), "--prune-layers", "2,3",
+              "--workdir", str(tmp_path / "cache"), *SHORT, "--memory-cap", "auto", "--cap-context", "4096"]
+    for rt, per_seq in (("ort", 16 * 2**20), ("llamacpp", 8 * 2**20)):
+        res = _run([*common, "--runtime", rt, "--out", str(tmp_path / rt)])
+        assert res["settings"]["memory_cap"] == "auto" and res["settings"]["cap_context"] == 4096
+        c = res["runtimes"][rt]["capacity_under_cap"]
+        assert c["runtime"] == rt and c["context"] == 4096 and c["ideal"] == 2.0
+        assert c["kv_bytes_per_token"]["dense"] * 4096 == per_seq
+        assert c["cap_bytes"] == int(c["base"]["dense"]["base_vm"] + 10.5 * per_seq)
+        d, h = c["dense"]["batch"], c["harp"]["batch"]
+        assert 1 <= d <= 10 and d < h and c["ratio"] == h / d, c
+        for v in ("dense", "harp"):   # the timed engines, from this run's cache
+            assert c[v]["tries"][0]["engine"].startswith(str(tmp_path / "cache"))
+        if rt == "ort":
+            assert c["fraction_of_ideal"] >= 0.9, c
 
 
 @pytest.fixture(scope="module")

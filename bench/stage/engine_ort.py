@@ -19,7 +19,7 @@ from harp_trt.store import Artifact
 from .engines import Engine, EnginePair
 from harp_trt.dims import ModelDims
 
-__all__ = ["OrtEngine", "load_ort_pair"]
+__all__ = ["OrtEngine", "load_ort_pair", "engine_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class OrtEngine(Engine):
         self.session = None
 
 
-def _folder(s: Any) -> Path:
+def engine_folder(s: Any) -> Path:
+    """The folder of a bench source: an artifact's path, or a path."""
     return s.path if isinstance(s, Artifact) else Path(s)
 
 
@@ -96,7 +97,7 @@ def load_ort_pair(plan, source, config) -> EnginePair:
     from harp_trt.models import load_tokenizer
     from harp_trt.ort_session import OrtCausalLM
 
-    folders = {v: _folder(source[v]) for v in ("dense", "harp")}
+    folders = {v: engine_folder(source[v]) for v in ("dense", "harp")}
     for v, f in folders.items():
         if not (f / "config.json").is_file():
             raise PreconditionError("bench", f"{v} engine folder {f} has no config.json",
