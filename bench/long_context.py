@@ -343,7 +343,13 @@ def run_many(args, argv: list[str]) -> dict[str, Any]:
         peer_folder(resolved, store)
     out_dir = Path(args.out)
     runs = run_processes(Path(__file__).resolve(), argv, args.runs, out_dir, QUIET_LOAD, args.settle)
+    from harp_trt.bench._long_context_plot import write_summary_plot
+
     out = {"issue": 31, "provenance": provenance(argv, PACKAGES), "runs": runs, "summary": summarize(runs)}
+    try:   # a plot is a view of the figures: its failure must not lose them
+        out["plot"], out["plot_note"] = write_summary_plot([out], out_dir / "long_context.png")
+    except Exception as e:  # noqa: BLE001
+        out["plot"], out["plot_note"] = None, f"plot failed: {type(e).__name__}: {e}"
     tmp = out_dir / "long_context.json.tmp"
     tmp.write_text(json.dumps(out, indent=1, default=str))
     tmp.replace(out_dir / "long_context.json")

@@ -82,10 +82,13 @@ def _speedup(p: dict[str, Any]) -> str:
     return text
 
 
+FORMS = {"vo": "pruned layer as V + O", "folded": "pruned layer as one h x h"}   # flops.PRUNED_FORMS
+
+
 def _point(runtime: str, what: str, engines: str, p: dict[str, Any], ideal_of: str) -> str:
     runs = ", ".join(f"[{r['ci95_low']:.3f}, {r['ci95_high']:.3f}]" for r in p["per_run"])
     return (f"| {runtime} | {what} | {engines} | {_speedup(p)} | {runs} | {p['ideal']:.3f} {ideal_of} "
-            f"({p['pruned_form']}) | {p['ceiling']:.3f} | {p['fraction_median']:.2f} [{p['fraction_min']:.2f}] | "
+            f"({FORMS[p['pruned_form']]}) | {p['ceiling']:.3f} | {p['fraction_median']:.2f} [{p['fraction_min']:.2f}] | "
             f"{_yes(p['lower_above_1_every_run'])}, {_yes(p['fraction_ge_0_9_every_run'])} |")
 
 

@@ -33,3 +33,38 @@ def test_a_hand_edited_figure_is_caught(tmp_path):
     assert rc == 1 and out["differ"] == ["README.md"] and "README.md: differs from its JSON" in err
     rc, out, _ = _run(str(edited))  # rendering restores it
     assert rc == 0 and edited.read_text() == readme
+
+
+def _long_context_json(speedups: list[tuple[float, float, float]]) -> dict:
+    """A ``bench/long_context.py --runs N`` JSON of one decode point, its summary made by the bench's own
+    ``summarize``, the runs' rows as the bench writes them (the fields the summary and the table read)."""
+    from harp_trt.bench._long_context_runs import summarize
+
+    runs = []
+    for k, (s, lo, hi) in enumerate(speedups):
+        row = {"context": 8192, "batch": 4, "speedup": {"speedup": s, "speedup_ci95_low": lo, "speedup_ci95_high": hi},
+               "ideal": {"ideal": 1.346, "pruned_form": "vo"}, "ceiling": 30 / 22, "above_ceiling": lo > 30 / 22,
+               "per_engine": {v: {"tokens_per_s": t, "itl": {"p50": 1e3 / t}} for v, t in (("dense", 25.0),
+                                                                                           ("harp", 25.0 * s))}}
+        runs.append({"model": "/cache/smollm2-135m", "plan": {"pruned": 8, "num_layers": 30, "layers": list(range(22, 30))},
+                     "settings": {"quant": "int4", "kv_type": "f16", "threads": 2},
+                     "machine": {"cpu": "a CPU", "load_avg_start": [0.2 + k, 0, 0], "load_avg_end": [2.0, 0, 0]},
+                     "runtimes": {"ort": {"decode": [row], "prefill": []}}})
+    return {"provenance": {"commit": "abc", "date": "2026-12-05", "command": "python bench/long_context.py --runs 3"},
+            "runs": runs, "summary": summarize(runs)}
+
+
+def test_long_context_table_flags_a_run_above_the_ceiling():
+    """The ceiling L/(L-P) = 1.364 is beside every row; a run whose interval lies wholly above it is named
+    in the row, and a claim ("low > 1", ">= 90 % of ideal") is "yes" only if every run meets it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from render_results import long_context
+
+    ok = long_context(_long_context_json([(1.30, 1.27, 1.33), (1.29, 1.25, 1.32), (1.31, 1.28, 1.34)]))
+    row = next(line for line in ok.splitlines() if line.startswith("| ort | decode 8192 x 4"))
+    assert "1.300 [1.290, 1.310]" in row and "| 1.364 |" in row and "ABOVE" not in row
+    assert row.endswith("| yes, yes |") and "[1.270, 1.330], [1.250, 1.320], [1.280, 1.340]" in row
+    assert "Load average before -> after each run: 0.20 -> 2.00; 1.20 -> 2.00; 2.20 -> 2.00" in ok
+    bad = long_context(_long_context_json([(1.30, 1.27, 1.33), (1.45, 1.40, 1.50), (1.10, 0.95, 1.2)]))
+    row = next(line for line in bad.splitlines() if line.startswith("| ort | decode 8192 x 4"))
+    assert "**ABOVE CEILING (run 2)**" in row and row.endswith("| **no**, **no** |")
