@@ -251,9 +251,9 @@ def run_probe(runtime: str, engine: str | Path, context: int, batch: int, cap: i
         e.state = e.ctx = None   # the filled cache, freed before the report
     s = status_bytes()
     # VmHWM is read from per-thread RSS counters the kernel syncs in batches: a peak below a reading
-    # taken before is that lag, so the peak is the largest of it, getrusage's and those readings
-    hwm = max(s["VmHWM"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              *(v for k, v in out.items() if k.startswith("rss_")))
+    # taken before is that lag, so the peak is the largest of it and those readings. Not getrusage's
+    # ru_maxrss: Linux keeps it across fork and exec, so a child reports its parent's peak
+    hwm = max([s["VmHWM"], *(v for k, v in out.items() if k.startswith("rss_"))])
     out.update(peak_vm=s["VmPeak"], peak_rss=hwm, seconds=time.perf_counter() - t0)
     return out
 
