@@ -4,7 +4,8 @@
     python bench/render_results.py --check    # exit 1, naming each block that differs from its JSON
 
 A rendered block in a Markdown file is the text between ``<!-- rendered: NAME FILE.json -->`` and
-``<!-- /rendered -->``: ``RENDERERS[NAME]`` turns ``docs/results/FILE.json`` into that text. A figure in
+``<!-- /rendered -->``: ``RENDERERS[NAME]`` turns ``docs/results/FILE.json`` into that text (several
+files, comma-separated, reach it as a list). A figure in
 such a block is never typed by hand, so it cannot drift from the measurement it came from
 (``tests/test_results_rendered.py`` runs the check). Ends stdout with one JSON object: the blocks
 found, and those that differ (``--check``) or were rewritten."""
@@ -104,11 +105,11 @@ def _capacity_rows(d: dict[str, Any]) -> list[str]:
         rows.append(f"| {rt} | {c['context']} | {c['cap_bytes'] / 2**30:.2f} GiB | {seqs} | {c['ideal']:.3f} | "
                     f"{min(x['fraction_of_ideal'] or 0 for x in per_run if x):.2f} | {c['granularity']:.3f} | "
                     f"{split.get('weights_runtime', 0) / 2**20:.0f} / {split.get('kv', 0) / 2**20:.0f} / "
-                    f"{split.get('activations', 0) / 2**20:.0f} MiB |")
+                    f"{split.get('vm_activations', 0) / 2**20:.0f} MiB |")
     if rows:
         rows[:0] = ["", "| runtime | context | memory cap (RLIMIT_AS) | dense / HARP sequences (HARP / dense), each run "
-                        "| ideal L/(L-P) | worst run / ideal | one dense sequence = | dense RSS: weights+runtime / "
-                        "KV / activations (run 1) |", "|---|---|---|---|---|---|---|---|"]
+                        "| ideal L/(L-P) | worst run / ideal | one dense sequence = | dense: weights+runtime / "
+                        "KV (RSS) / the decode's added address space (run 1) |", "|---|---|---|---|---|---|---|---|"]
     return rows
 
 
@@ -132,17 +133,41 @@ def long_context(d: dict[str, Any]) -> str:
             rows.append(_point(rt, f"prefill {p['seq_len']}", f"{sec['dense']:.2f} / {sec['harp']:.2f} s", p, "FLOPs"))
     rows += _capacity_rows(d)
     plan, st, pv = first["plan"], first["settings"], d["provenance"]
+    sizes = "; ".join(f"{rt}: weights {r['weight_bytes_per_param']:g} bytes per parameter, KV {r['kv_bytes_per_element']:g} "
+                      "bytes per element" for rt, r in first["runtimes"].items())
     loads = "; ".join(f"{r['machine']['load_avg_start'][0]:.2f} -> {r['machine']['load_avg_end'][0]:.2f}"
                       for r in d["runs"])
     rows.append(f"\n{first['model'].rstrip('/').split('/')[-1]}, P = {plan['pruned']} of {plan['num_layers']} "
-                f"(layers {plan['layers'][0]}-{plan['layers'][-1]}), ORT weights {st['quant']}, llama.cpp KV "
-                f"{st['kv_type']}, {st['threads']} threads for every engine; {first['machine']['cpu']}. Load average "
+                f"(layers {plan['layers'][0]}-{plan['layers'][-1]}); {sizes}; {st['threads']} threads for every engine; "
+                f"{first['machine']['cpu']}. Load average "
                 f"before -> after each run: {loads}. Commit {pv['commit']}, {pv['date']}: `{pv['command']}`.")
     return "\n".join(rows) + "\n"
 
 
+def long_context_headline(ds: list[dict[str, Any]]) -> str:
+    """One row per ``bench/long_context.py --runs N`` JSON: its largest decode point (longest context,
+    largest batch), the capacity inside the memory cap where measured, and the claims of every run."""
+    rows = ["| runtime | decode, HARP / dense: median [min, max] of the runs | byte ideal | ceiling | median / "
+            "ideal | every run: low > 1, >= 90 % of ideal | sequences inside a memory cap, HARP / dense (ideal) |",
+            "|---|---|---|---|---|---|---|"]
+    for d in ds:
+        for rt, r in d["summary"]["runtimes"].items():
+            p = max(r["decode"], key=lambda m: (m["context"], m["batch"]))
+            caps = [x["runtimes"][rt].get("capacity_under_cap") for x in d["runs"]]
+            cap = "not measured (no capped probe)"
+            if all(caps):
+                cap = (f"{caps[0]['dense']['batch']} -> {caps[0]['harp']['batch']} at {caps[0]['context']}: "
+                       + ", ".join(f"{c['ratio']:.3f}" for c in caps) + f" ({caps[0]['ideal']:.3f}; a sequence "
+                       f"is {caps[0]['granularity']:.3f})")
+            rows.append(f"| {rt}, {p['context']} x {p['batch']} | {_speedup(p)} | {p['ideal']:.3f} | "
+                        f"{p['ceiling']:.3f} | {p['fraction_median']:.2f} | {_yes(p['lower_above_1_every_run'])}, "
+                        f"{_yes(p['fraction_ge_0_9_every_run'])} | {cap} |")
+    return "\n".join(rows) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
-                                                         "long_context": long_context}
+                                                         "long_context": long_context,
+                                                         "long_context_headline": long_context_headline}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:
@@ -154,7 +179,8 @@ def render_file(text: str) -> tuple[str, list[str]]:
         if name not in RENDERERS:
             raise SystemExit(f"render_results: no renderer {name!r} (known: {', '.join(RENDERERS)})")
         names.append(f"{name} {file}")
-        return m.group(1) + RENDERERS[name](json.loads((RESULTS / file).read_text())) + m.group(5)
+        data = [json.loads((RESULTS / f).read_text()) for f in file.split(",")]
+        return m.group(1) + RENDERERS[name](data if "," in file else data[0]) + m.group(5)
 
     return BLOCK.sub(redo, text), names
 

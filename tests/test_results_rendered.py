@@ -19,9 +19,12 @@ def _run(*args: str) -> tuple[int, dict, str]:
 def test_every_rendered_block_equals_its_json():
     rc, out, err = _run("--check")
     assert rc == 0 and out["differ"] == [], err
-    # the blocks the docs hold today: the GPU check twice, the newest-releases check once
+    # the blocks the docs hold today: the GPU check twice, the newest-releases check once, the
+    # long-context runs per runtime in results.md and their headline in the README
+    lc = [f"long_context_smollm2_{rt}.json" for rt in ("ort", "llamacpp", "genai")]
     assert {"README.md: gpu_check gpu_check_h200.json", "results.md: gpu_check gpu_check_h200.json",
-            "results.md: deps_newest deps-newest.json"} <= set(out["blocks"])
+            "results.md: deps_newest deps-newest.json", *(f"results.md: long_context {f}" for f in lc),
+            f"README.md: long_context_headline {','.join(lc)}"} <= set(out["blocks"])
 
 
 def test_a_hand_edited_figure_is_caught(tmp_path):
@@ -49,7 +52,8 @@ def _long_context_json(speedups: list[tuple[float, float, float]]) -> dict:
         runs.append({"model": "/cache/smollm2-135m", "plan": {"pruned": 8, "num_layers": 30, "layers": list(range(22, 30))},
                      "settings": {"quant": "int4", "kv_type": "f16", "threads": 2},
                      "machine": {"cpu": "a CPU", "load_avg_start": [0.2 + k, 0, 0], "load_avg_end": [2.0, 0, 0]},
-                     "runtimes": {"ort": {"decode": [row], "prefill": []}}})
+                     "runtimes": {"ort": {"decode": [row], "prefill": [], "weight_bytes_per_param": 0.5,
+                                           "kv_bytes_per_element": 4}}})
     return {"provenance": {"commit": "abc", "date": "2026-12-05", "command": "python bench/long_context.py --runs 3"},
             "runs": runs, "summary": summarize(runs)}
 
@@ -68,3 +72,14 @@ def test_long_context_table_flags_a_run_above_the_ceiling():
     bad = long_context(_long_context_json([(1.30, 1.27, 1.33), (1.45, 1.40, 1.50), (1.10, 0.95, 1.2)]))
     row = next(line for line in bad.splitlines() if line.startswith("| ort | decode 8192 x 4"))
     assert "**ABOVE CEILING (run 2)**" in row and row.endswith("| **no**, **no** |")
+
+
+def test_long_context_headline_is_the_largest_point_of_each_json():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from render_results import long_context_headline
+
+    d = _long_context_json([(1.30, 1.27, 1.33), (1.45, 1.40, 1.50), (1.10, 0.95, 1.2)])
+    text = long_context_headline([d, d])
+    rows = [line for line in text.splitlines() if line.startswith("| ort, 8192 x 4 |")]
+    assert len(rows) == 2 and "**ABOVE CEILING (run 2)**" in rows[0]
+    assert rows[0].endswith("| **no**, **no** | not measured (no capped probe) |")
