@@ -13,6 +13,17 @@ from typing import Any
 __all__ = ["write_plot", "merge_runs", "write_summary_plot"]
 
 
+def _save(fig, path: Path) -> None:
+    """Write the figure beside ``path`` and rename it there: no half-written PNG."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
 def write_plot(result: dict[str, Any], path: Path) -> tuple[str | None, str]:
     """(path written or None, a note)."""
     try:
@@ -42,11 +53,7 @@ def write_plot(result: dict[str, Any], path: Path) -> tuple[str | None, str]:
         ax.legend(fontsize=7)
     fig.suptitle(f"{result['model']}, P={result['plan']['pruned']} of {result['plan']['num_layers']} "
                  f"({result['note'].split(':')[0]})", fontsize=9)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
     return str(path), "speed-up vs context per runtime; dashed: the byte ideal"
 
 
@@ -94,11 +101,7 @@ def write_summary_plot(results: list[dict[str, Any]], path: Path) -> tuple[str |
     ax.set_title(f"{first['model'].rstrip('/').split('/')[-1]}, P={first['plan']['pruned']} of "
                  f"{first['plan']['num_layers']}: each run (95 % interval), median (black),\n"
                  "ideal (green, dashed), ceiling L/(L-P) (red)", fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
     return str(path), "each run's speed-up per point with the median, the ideal and the ceiling"
 
 
