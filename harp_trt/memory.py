@@ -40,7 +40,17 @@ def tune_allocator(mmap_threshold: int = 1 << 20) -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set of this process so far (``getrusage``, KiB on Linux), 0 where it is unknown."""
+    """Peak resident set of this process so far, 0 where it is unknown. Linux: ``VmHWM`` of
+    /proc/self/status, which starts afresh at exec; not ``getrusage``'s ``ru_maxrss``, which Linux
+    keeps across fork and exec, so a benchmark run as a child of a larger process would report that
+    process's peak. Elsewhere ``getrusage``'s (read as KiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         import resource
 

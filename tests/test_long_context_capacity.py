@@ -152,3 +152,21 @@ def test_the_peak_is_the_childs_own(engines):
     p = _probe("ort", engines["ort"]["dense"], 1)
     del big
     assert p["fits"] and p["peak_rss"] - p["rss_after_kv"] < 64 * MIB, (p["peak_rss"], p["rss_after_kv"])
+
+
+def test_peak_rss_bytes_is_the_processs_own():
+    """``harp_trt.memory.peak_rss_bytes`` (every benchmark's peak RSS) reads VmHWM: a child started
+    after this process touched 1 GiB reports its own small peak, and this process its 1 GiB."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from harp_trt.memory import peak_rss_bytes
+
+    big = np.ones(2 ** 30 // 8)
+    child = subprocess.run([sys.executable, "-c", "from harp_trt.memory import peak_rss_bytes as p; print(p())"],
+                           capture_output=True, text=True, check=True)
+    assert peak_rss_bytes() >= 2 ** 30
+    del big
+    assert 0 < int(child.stdout.strip()) < 512 * MIB, child.stdout
