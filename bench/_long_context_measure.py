@@ -9,7 +9,9 @@ last timed step attends to exactly C positions (a model of C positions is timed 
 median step time is one inter-token latency per engine; the rounds pair dense and HARP for the
 speed-up's 95 % interval. An engine with ``replicate(state, batch)`` (our ORT engine) prefills one
 row and copies its KV cache into every row: a step's cost depends on the cache's length, not on
-what it holds, and a B x C prefill is the costliest part of a long-context run."""
+what it holds, and a B x C prefill is the costliest part of a long-context run. ``kv_fill="written"``
+goes further (an engine with ``written_state``: our ORT engine): no prefill at all, the cache of
+C - (warmup + repeats x steps) positions written directly with random values; the first token is 0."""
 from __future__ import annotations
 
 import gc
@@ -21,7 +23,7 @@ import torch
 
 from harp_trt.bench.stage.latency import latency_stats, paired_speedup, random_ids
 
-__all__ = ["rotation", "prompt_length", "measure_decode", "measure_prefill", "largest_fit"]
+__all__ = ["rotation", "prompt_length", "measure_decode", "measure_prefill", "largest_fit", "KV_FILLS"]
 
 
 def rotation(names: list[str], r: int) -> list[str]:
@@ -48,8 +50,11 @@ def prompt_length(context: int, warmup: int, repeats: int, steps: int) -> int:
     return prompt
 
 
+KV_FILLS = ("prefill", "written")   # how a decode point's cache is filled before its timed steps
+
+
 def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int, steps: int, repeats: int,
-                   warmup: int, seed: int = 0) -> dict[str, Any]:
+                   warmup: int, seed: int = 0, kv_fill: str = "prefill") -> dict[str, Any]:
     """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
     ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
     "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
@@ -58,9 +63,19 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
     names = list(engines)
     replicated = sorted(n for n in names if batch > 1 and hasattr(engines[n], "replicate"))
     live: dict[str, tuple[torch.Tensor, Any]] = {}
+    if kv_fill == "written":
+        missing = [n for n in names if not hasattr(engines[n], "written_state")]
+        if missing:
+            from harp_trt.errors import ConfigError
+
+            raise ConfigError(f"--kv-fill written: {', '.join(missing)} cannot have its KV cache written directly "
+                              "(our ORT engine can)", "use --kv-fill prefill for this runtime")
     for n in names:
         e = engines[n]
-        if n in replicated:
+        if kv_fill == "written":
+            state = e.written_state(batch, prompt, seed + context)
+            logits = torch.zeros((batch, vocab))
+        elif n in replicated:
             logits, state = e.prefill(ids[:1])
             logits, state = logits.expand(batch, -1), e.replicate(state, batch)
         else:
@@ -85,7 +100,7 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
             every[n] += ms
     out: dict[str, Any] = {"context": context, "batch": batch, "steps_per_round": steps, "rounds": repeats,
                            "prompt": prompt, "timed_positions": [prompt + warmup + 1, context],
-                           "replicated": replicated,
+                           "replicated": replicated if kv_fill == "prefill" else [], "kv_fill": kv_fill,
                            "per_engine": {}}
     for n in names:
         state = live[n][1]

@@ -179,7 +179,8 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
     out["kv_bytes_per_token"] = _kv_per_token(pair, d.vocab, _kv_probe_tokens(args), kvb, d)
     for c in args.contexts:
         for b in args.batches:
-            m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed)
+            m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed,
+                               args.kv_fill)
             m["ideal"] = decode_ideal(d, pair.pruned, c, b, wb, kvb, pruned_form(runtime))
             m["fraction_of_ideal"] = m["speedup"]["speedup"] / m["ideal"]["ideal"]
             _ceiling(m, d.num_layers, len(pair.pruned))

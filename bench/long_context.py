@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", default="2048,4096,8192")
     p.add_argument("--batches", default="1,4,8")
     p.add_argument("--prefill-lens", default="4096,8192")
+    p.add_argument("--kv-fill", default="prefill", choices=["prefill", "written"],
+                   help="how a decode point's KV cache is filled: a real prefill (default), or written directly "
+                        "with random values (ORT only; a step's cost does not depend on the values: 7B contexts)")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per engine per round")
     p.add_argument("--repeats", type=int, default=5, help="rounds (pairs for the intervals)")
     p.add_argument("--prefill-repeats", type=int, default=0,
@@ -294,7 +297,7 @@ def run(args, argv: list[str]) -> dict[str, Any]:
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
                                                    "quant", "kv_type", "threads", "peer", "seed", "shape",
-                                                   "memory_cap", "cap_context")}
+                                                   "memory_cap", "cap_context", "kv_fill")}
         | {"threads_equal": args.threads > 0},
         "machine": {**describe(args.threads or None), "cpus": os.cpu_count(), "load_avg_start": load_before},
         "runtimes": {}}

@@ -80,6 +80,30 @@ def test_capacity_under_a_memory_cap_wired(tmp_path):
             assert c["fraction_of_ideal"] >= 0.9, c
 
 
+def test_written_kv_decodes_at_the_same_positions(tmp_path, capsys):
+    """``--kv-fill written`` (issue 31's 7B decode): our ORT engine's cache written directly, no prefill;
+    the timed steps cover the same positions as a prefilled run's and the engines' caches hold
+    batch x context tokens at the end. llama.cpp cannot: a typed error, exit 2."""
+    from harp_trt.bench.long_context import main
+
+    model = save_tiny("llama", tmp_path / "tiny", seed=3)
+    common = ["--model", str(model), "--corpus", str(write_corpus(tmp_path / "c.txt")), "--prune-layers", "2,3",
+              "--workdir", str(tmp_path / "cache"), *SHORT, "--batches", "1,2"]
+    runs = {f: _run([*common, "--runtime", "ort", "--kv-fill", f, "--out", str(tmp_path / f)])
+            for f in ("written", "prefill")}
+    assert runs["written"]["settings"]["kv_fill"] == "written"
+    for w, p in zip(runs["written"]["runtimes"]["ort"]["decode"], runs["prefill"]["runtimes"]["ort"]["decode"]):
+        assert w["kv_fill"] == "written" and p["kv_fill"] == "prefill" and w["replicated"] == []
+        assert (w["context"], w["batch"], w["prompt"], w["timed_positions"]) == \
+               (p["context"], p["batch"], p["prompt"], p["timed_positions"])
+        for v in ("dense", "harp"):
+            e = w["per_engine"][v]
+            assert e["kv_tokens"] == p["per_engine"][v]["kv_tokens"] and e["tokens_per_s"] > 0
+        assert w["speedup"]["speedup"] > 0
+    assert main([*common, "--runtime", "llamacpp", "--kv-fill", "written", "--out", str(tmp_path / "l")]) == 2
+    assert "cannot have its KV cache written directly" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def shape_runs(tmp_path_factory):
     """``--shape tiny`` (qwen2, 6 layers, hidden 64, vocab 49152) with int4 and then int8 ORT engines,

@@ -46,6 +46,17 @@ class OrtEngine(Engine):
         logits, present = self.session.forward(x, np.ones((b, s), np.int64), pos, None)
         return torch.from_numpy(np.ascontiguousarray(logits[:, -1], dtype=np.float32)), (present, s)
 
+    def written_state(self, batch: int, length: int, seed: int = 0) -> tuple[Any, int]:
+        """A state as if ``length`` tokens of ``batch`` sequences had been prefilled, its KV cache
+        written directly with N(0, 1) values: a decode step's cost depends on the cache's length, not
+        on what it holds, and a 7B prefill of 8192 tokens takes most of an hour on 2 cores (issue 31).
+        The first ``decode`` moves it into a ``StaticCache`` as it does a prefill's."""
+        lm, rng = self.session, np.random.default_rng(seed)
+        shape = (batch, lm.kv_heads, length, lm.head_dim)
+        return {i: (rng.standard_normal(shape, np.float32).astype(lm.kv_dtype, copy=False),
+                    rng.standard_normal(shape, np.float32).astype(lm.kv_dtype, copy=False))
+                for i in lm.kv_layers}, length
+
     def replicate(self, state: Any, batch: int) -> tuple[Any, int]:
         """A batch-1 prefill's state as ``batch`` rows holding copies of its KV cache (the long-context
         bench's decode set-up: one row's prefill instead of ``batch``)."""
