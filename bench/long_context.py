@@ -14,7 +14,11 @@ the pipeline's own stages (``harp_trt.registry.BACKENDS``: the steps the runtime
 cached in ``--workdir``. Per runtime, interleaved with the order rotating
 (``bench/_long_context_measure.py``): decode tokens/s with ITL p50/p90/p99 at every context x batch,
 prefill seconds at every ``--prefill-lens``, KV bytes per token as the runtime allocates them, peak
-RSS of the process, and the KV capacity of ``--kv-budget`` found by allocating caches in the runtime.
+RSS of the process, the KV capacity of ``--kv-budget`` as the runtime sizes its caches (an expectation),
+and on ORT and llama.cpp the sequences of ``--cap-context`` that decode inside ``--memory-cap``, measured
+in capped child processes (``bench/_long_context_capacity.py``). ``--runs N`` (default 3) repeats all
+of it in N processes and summarises them (``bench/_long_context_runs.py``: median [min, max], claims
+that hold in every run); ``--kv-fill written`` writes the decode cache instead of prefilling it (ORT).
 Every figure sits next to its ideal from ``bench/stage/flops.py``: bytes per decode step (weights
 once plus every sequence's KV, at the runtime's weight and KV element sizes), prefill FLOPs, the
 counted KV bytes per token, and L/(L-P) for capacity. Speed-ups carry 95 % intervals
