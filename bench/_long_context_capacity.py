@@ -92,13 +92,9 @@ ENV = {"MALLOC_ARENA_MAX": "2", "GGML_NO_BACKTRACE": "1"}
 
 def status_bytes() -> dict[str, int]:
     """VmPeak, VmSize, VmHWM, VmRSS of this process from /proc/self/status, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmPeak", "VmSize", "VmHWM", "VmRSS"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
+    from harp_trt.memory import proc_kib_fields
+
+    return proc_kib_fields("/proc/self/status", ("VmPeak", "VmSize", "VmHWM", "VmRSS"))
 
 
 # ---- the child ----------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
     """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
     ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
     "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
+    if kv_fill not in KV_FILLS:
+        raise ValueError(f"kv_fill must be one of {KV_FILLS}, got {kv_fill!r}")
     prompt = prompt_length(context, warmup, repeats, steps)
     ids = random_ids(vocab, prompt, seed + context, batch=batch)
     names = list(engines)

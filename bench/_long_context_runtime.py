@@ -159,8 +159,7 @@ def _check_contexts(pair, args) -> None:
 
     prompt_length(min(args.contexts), args.warmup, args.repeats, args.decode_steps)  # before any work
     # the per-token KV figure decodes one token after its prompt
-    longest = max([max(args.contexts), _kv_probe_tokens(args) + 1, *args.prefill_lens,
-                   getattr(args, "cap_context", 0)])
+    longest = max([max(args.contexts), _kv_probe_tokens(args) + 1, *args.prefill_lens, args.cap_context])
     if longest > pair.max_positions:
         raise ConfigError(f"contexts up to {max(args.contexts)} (or a prefill of {max(args.prefill_lens, default=0)}) "
                           f"exceed the model's {pair.max_positions} positions", "give shorter --contexts / --prefill-lens")

@@ -282,6 +282,13 @@ def capacity_under_cap(runtime: str, sources, args, L: int, P: int) -> dict[str,
 PACKAGES = ("torch", "numpy", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "transformers")
 
 
+def _write_json(out: dict[str, Any], out_dir: Path) -> None:
+    """``long_context.json`` under ``out_dir``, written beside it and renamed: never half-written."""
+    tmp = out_dir / "long_context.json.tmp"
+    tmp.write_text(json.dumps(out, indent=1, default=str))
+    tmp.replace(out_dir / "long_context.json")
+
+
 def run(args, argv: list[str]) -> dict[str, Any]:
     """One run: every runtime's figures in this process."""
     from harp_trt.store import ArtifactStore
@@ -328,9 +335,7 @@ def run(args, argv: list[str]) -> dict[str, Any]:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out["plot"], out["plot_note"] = write_plot(out, out_dir / "long_context.png")
-    tmp = out_dir / "long_context.json.tmp"
-    tmp.write_text(json.dumps(out, indent=1, default=str))
-    tmp.replace(out_dir / "long_context.json")
+    _write_json(out, out_dir)
     return out
 
 
@@ -357,9 +362,7 @@ def run_many(args, argv: list[str]) -> dict[str, Any]:
         out["plot"], out["plot_note"] = write_summary_plot([out], out_dir / "long_context.png")
     except Exception as e:  # noqa: BLE001
         out["plot"], out["plot_note"] = None, f"plot failed: {type(e).__name__}: {e}"
-    tmp = out_dir / "long_context.json.tmp"
-    tmp.write_text(json.dumps(out, indent=1, default=str))
-    tmp.replace(out_dir / "long_context.json")
+    _write_json(out, out_dir)
     return out
 
 

@@ -103,11 +103,12 @@ def available_memory(device: str) -> int:
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
+    from harp_trt.memory import proc_kib_fields
+
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        avail = proc_kib_fields("/proc/meminfo", ("MemAvailable",))
+        if avail:
+            return avail["MemAvailable"]
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

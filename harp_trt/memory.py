@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["tune_allocator", "peak_rss_bytes"]
+__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -39,16 +39,27 @@ def tune_allocator(mmap_threshold: int = 1 << 20) -> bool:
     return ok
 
 
+def proc_kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """The ``Key:  N kB`` lines of a /proc file (``/proc/self/status``, ``/proc/meminfo``) named in
+    ``keys``, in bytes; OSError where the file is absent (not Linux)."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in keys:
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set of this process so far, 0 where it is unknown. Linux: ``VmHWM`` of
     /proc/self/status, which starts afresh at exec; not ``getrusage``'s ``ru_maxrss``, which Linux
     keeps across fork and exec, so a benchmark run as a child of a larger process would report that
     process's peak. Elsewhere ``getrusage``'s (read as KiB)."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+        hwm = proc_kib_fields("/proc/self/status", ("VmHWM",))
+        if hwm:
+            return hwm["VmHWM"]
     except OSError:
         pass
     try:
