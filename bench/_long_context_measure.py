@@ -10,7 +10,7 @@ median step time is one inter-token latency per engine; the rounds pair dense an
 speed-up's 95 % interval. An engine with ``replicate(state, batch)`` (our ORT engine) prefills one
 row and copies its KV cache into every row: a step's cost depends on the cache's length, not on
 what it holds, and a B x C prefill is the costliest part of a long-context run. ``kv_fill="written"``
-goes further (an engine with ``written_state``: our ORT engine): no prefill at all, the cache of
+goes further (an engine with ``written_state``: our ORT and llama.cpp engines): no prefill at all, the cache of
 C - (warmup + repeats x steps) positions written directly with random values; the first token is 0."""
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
             from harp_trt.errors import ConfigError
 
             raise ConfigError(f"--kv-fill written: {', '.join(missing)} cannot have its KV cache written directly "
-                              "(our ORT engine can)", "use --kv-fill prefill for this runtime")
+                              "(our ORT and llama.cpp engines can)", "use --kv-fill prefill for this runtime")
     for n in names:
         e = engines[n]
         if kv_fill == "written":

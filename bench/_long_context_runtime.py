@@ -21,10 +21,13 @@ log = logging.getLogger("long_context")
 def element_bytes(runtime: str, pair, quant: str) -> tuple[float, float]:
     """(weight bytes per parameter, KV bytes per element) as the runtime holds them. ORT/genai:
     fp32 or the ``--quant`` element size (scales and unquantized matrices left out: the byte ideal
-    of a quantized engine is approximate), the session's KV dtype; llama.cpp: the GGUF's f16
-    weights (builders/gguf's default), the KV type it logged (``LlamaCppEngine.kv_dtype_bytes``)."""
+    of a quantized engine is approximate), the session's KV dtype; llama.cpp: the dense GGUF's
+    matrices as stored (f16, or mixed types after ``--gguf-type``: ``gguf_meta.matrix_bytes_per_param``),
+    the KV type it logged (``LlamaCppEngine.kv_dtype_bytes``)."""
     if runtime == "llamacpp":
-        return 2.0, float(pair.dense.kv_dtype_bytes)
+        from harp_trt.bench.stage.gguf_meta import matrix_bytes_per_param
+
+        return matrix_bytes_per_param(pair.dense.path), float(pair.dense.kv_dtype_bytes)
     weights = {"none": 4.0, "int8": 1.0, "int4": 0.5}[quant]
     if runtime == "ort":
         return weights, float(np.dtype(pair.dense.session.kv_dtype).itemsize)

@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calib-tokens", type=int, default=512, help="tokens of that text (default 512)")
     p.add_argument("--runtime", default="ort", choices=[*RUNTIMES, "all"])
     p.add_argument("--quant", default="none", choices=list(WEIGHT_BYTES), help="ORT/genai weights")
+    p.add_argument("--gguf-type", default="none", help="llama.cpp: quantize both GGUFs with llama.cpp's quantizer "
+                   "(q4_0, q4_k_m, ...; builders/gguf GGUF_TYPES; default none: the f16 files)")
     p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="llama.cpp's KV cache type")
     p.add_argument("--contexts", default="2048,4096,8192")
     p.add_argument("--batches", default="1,4,8")
@@ -114,7 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--cap-context, none = skip (default auto)")
     p.add_argument("--cap-context", type=int, default=0, help="context of the capped capacity (default: the longest "
                                                               "of --contexts)")
-    p.add_argument("--peer", default="", choices=["", "genai-int4"], help="add onnxruntime-genai's own int4 model")
+    p.add_argument("--peer", default="", choices=["", *PEERS],
+                   help="time a peer beside the dense engine: genai-int4 (onnxruntime-genai's own int4 model, "
+                        "with --runtime ort), llamacpp-convert (llama.cpp's converter and quantizer, --runtime llamacpp)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of every engine of the run, peers included (default: every core; 0 = each "
                         "runtime's own default, which differ: genai's gave a speed-up above the ceiling)")
@@ -176,54 +180,76 @@ def shape_model(shape: str, tokenizer: str, seed: int, root: Path) -> Path:
 
 
 # ---- plan and engines: the pipeline's stages, cached ------------------------------------------
+def calib_config(args):
+    """The calibrate config of a plan made from ``--model``/``--shape`` and ``--prune-layers``."""
+    from harp_trt.registry import STAGES
+
+    return STAGES.get("calibrate").config_class()(
+        layers=len(args.layers), prune_layers=tuple(args.layers), alphas=(float(args.alpha),) * len(args.layers),
+        corpus=args.corpus, tokens=args.calib_tokens, seq_len=min(128, args.calib_tokens))
+
+
 def make_plan(args, store):
     """(plan, resolved model, calibrate artifact or None)."""
     from harp_trt.models import resolve_model
     from harp_trt.pipeline import run_stage
     from harp_trt.plan import Plan, open_plan
-    from harp_trt.registry import STAGES
 
     if args.plan:
         plan = open_plan(args.plan, store)
         return plan, resolve_model(plan.model_ref, store.root), None
     model = str(shape_model(args.shape, args.tokenizer, args.seed, Path(store.root))) if args.shape else args.model
     resolved = resolve_model(model, store.root)
-    cfg = STAGES.get("calibrate").config_class()(
-        layers=len(args.layers), prune_layers=tuple(args.layers), alphas=(float(args.alpha),) * len(args.layers),
-        corpus=args.corpus, tokens=args.calib_tokens, seq_len=min(128, args.calib_tokens))
-    art = run_stage("calibrate", cfg, {"model": resolved}, store)
+    art = run_stage("calibrate", calib_config(args), {"model": resolved}, store)
     return Plan.load(art.path), resolved, art
 
 
-def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[str, Any]:
-    """The dense and HARP artifacts the runtime's bench compares, built by walking the backend's
-    steps that lead to them (``BackendSpec.steps``; other bench-only steps are skipped)."""
-    from harp_trt.pipeline import run_stage
+def stage_configs(backend: str, args) -> dict[str, Any]:
+    """Every stage config of the backend's steps: defaults, with ``--quant`` / ``--gguf-type`` where
+    the stage takes them and the last position's logits only where a generator reads them."""
     from harp_trt.registry import BACKENDS, STAGES
 
-    spec = BACKENDS.get(RUNTIMES[runtime])
+    configs = {}
+    for name in {s.stage for s in BACKENDS.get(backend).steps}:
+        cfg = STAGES.get(name).config_class()()
+        for field, value in (("quant", args.quant), ("gguf_type", args.gguf_type), ("last_logits", True)):
+            if hasattr(cfg, field):
+                cfg = dataclasses.replace(cfg, **{field: value})
+        configs[name] = cfg
+    return configs
+
+
+def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[str, Any]:
+    """The dense and HARP artifacts the runtime's bench compares. From ``--model``/``--shape``: the
+    pipeline's ``run_build`` with those two engines (the backend's own choices, e.g. compact
+    intermediates at 7B, and its intermediates dropped once read: a 7B int4 pair fits the disk);
+    from ``--plan``: the backend's steps that lead to them, walked here."""
+    from harp_trt.pipeline import run_build, run_stage
+    from harp_trt.registry import BACKENDS
+
+    backend = RUNTIMES[runtime]
+    spec = BACKENDS.get(backend)
     # only the dense and HARP engines (not the fp32 references a quantized bench also reads)
-    engines = {v: name for v, name in spec.bench_engines(runtime, f"backend {RUNTIMES[runtime]}")
-               if v in ("dense", "harp")}
+    engines = tuple((v, name) for v, name in spec.bench_engines(runtime, f"backend {backend}")
+                    if v in ("dense", "harp"))
+    configs = stage_configs(backend, args)
+    if calib_art is not None:
+        res = run_build(str(resolved.folder), calib_config(args), store, backend, configs=configs,
+                        engines=engines, keep_intermediates=False)
+        return {v: res.artifact(name) for v, name in engines}
     inputs = {s.name: [src for _, src in s.inputs] for s in spec.steps}
-    needed, todo = set(), list(engines.values())
+    needed, todo = set(), [name for _, name in engines]
     while todo:
         name = todo.pop()
         if name not in needed:
             needed.add(name)
             todo += inputs.get(name, [])
-    ctx: dict[str, Any] = {"model": resolved, "plan": plan, "calibrate": calib_art}
+    ctx: dict[str, Any] = {"model": resolved, "plan": plan}
     for step in spec.steps:
-        if step.name not in needed:
-            continue
-        cfg = STAGES.get(step.stage).config_class()()
-        if hasattr(cfg, "quant"):
-            cfg = dataclasses.replace(cfg, quant=args.quant)
-        if hasattr(cfg, "last_logits"):   # a generator reads the last position only (genai folders)
-            cfg = dataclasses.replace(cfg, last_logits=True)
-        log.info("%s: %s ...", runtime, step.name)
-        ctx[step.name] = run_stage(step.stage, cfg, {k: ctx[src] for k, src in step.inputs}, store)
-    return {v: ctx[name] for v, name in engines.items()}
+        if step.name in needed:
+            log.info("%s: %s ...", runtime, step.name)
+            ctx[step.name] = run_stage(step.stage, configs[step.stage], {k: ctx[src] for k, src in step.inputs}, store)
+    return {v: ctx[name] for v, name in engines}
 
 
 def load_pair(runtime: str, plan, sources, args, headroom: int):
@@ -243,24 +269,55 @@ def load_pair(runtime: str, plan, sources, args, headroom: int):
     return pair
 
 
-def peer_folder(resolved, store) -> Path:
-    """onnxruntime-genai's own int4 model of the plan's model (its builder, with the last position's
-    logits only: ``prune_lm_head``, what a long-prompt user of it picks), built once, cached by model digest."""
-    from harp_trt.bench.genai_engine import build_genai_int4
+PEERS = {"genai-int4": "ort", "llamacpp-convert": "llamacpp"}   # --peer -> the runtime it is timed beside
 
-    folder = Path(store.root) / "long_context_peers" / f"genai-int4-last-{resolved.digest[:16]}"
-    if not (folder / "genai_config.json").is_file():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        build_genai_int4(resolved.folder, tmp, extra_options={"prune_lm_head": "true"})
-        tmp.rename(folder)
-    return folder
+
+def peer_path(peer: str, resolved, store, args) -> Path:
+    """The peer's model of the plan's dense model, built once, cached by model digest (written under a
+    temporary name, then renamed). ``genai-int4``: onnxruntime-genai's own builder, int4, the last
+    position's logits only (``prune_lm_head``, what a long-prompt user of it picks).
+    ``llamacpp-convert``: llama.cpp's own ``convert_hf_to_gguf.py`` (f16; ``bench/llamacpp_convert.py``),
+    then its quantizer to ``--gguf-type``: the dense file a llama.cpp user makes, beside our writer's."""
+    peers = Path(store.root) / "long_context_peers"
+    if peer == "genai-int4":
+        from harp_trt.bench.genai_engine import build_genai_int4
+
+        folder = peers / f"genai-int4-last-{resolved.digest[:16]}"
+        if not (folder / "genai_config.json").is_file():
+            tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+            build_genai_int4(resolved.folder, tmp, extra_options={"prune_lm_head": "true"})
+            tmp.rename(folder)
+        return folder
+    from harp_trt.bench.llamacpp_convert import convert_hf_folder, converter_root
+    from harp_trt.builders.gguf.probe import quantize
+
+    path = peers / f"llamacpp-convert-{args.gguf_type}-{resolved.digest[:16]}.gguf"
+    if not path.is_file():
+        peers.mkdir(parents=True, exist_ok=True)
+        f16 = path.with_name(path.name + f".f16.tmp{os.getpid()}")
+        convert_hf_folder(resolved.folder, f16, converter_root(Path(store.root) / "llamacpp-converter"), "f16",
+                          route="none", timeout=4 * 3600)
+        if args.gguf_type == "none":
+            f16.rename(path)
+        else:
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            quantize(f16, tmp, args.gguf_type)
+            f16.unlink()
+            tmp.rename(path)
+    return path
 
 
 def load_peer(args, resolved, store, max_pos: int, headroom: int):
-    """The genai peer (``peer_folder``), run without the CPU arena as our genai folders are here."""
-    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
+    """The ``--peer`` engine (``peer_path``), with this run's threads: genai without the CPU arena as
+    our genai folders are here; llama.cpp with this run's KV type and flash attention."""
+    path = peer_path(args.peer, resolved, store, args)
+    if args.peer == "genai-int4":
+        from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
 
-    return GenaiBenchEngine(peer_folder(resolved, store), "peer", args.threads, headroom, max_pos, arena=False)
+        return GenaiBenchEngine(path, "peer", args.threads, headroom, max_pos, arena=False)
+    from harp_trt.bench.stage.engine_llamacpp import LlamaCppEngine
+
+    return LlamaCppEngine(path, "peer", args.threads, headroom, max_pos, kv_type=args.kv_type)
 
 
 def capacity_under_cap(runtime: str, sources, args, L: int, P: int) -> dict[str, Any] | None:
@@ -319,9 +376,11 @@ def run(args, argv: list[str]) -> dict[str, Any]:
         pair = load_pair(runtime, plan, sources, args, headroom)
         peers = {}
         try:
-            if args.peer:
-                peers["genai-int4"] = load_peer(args, resolved, store, pair.max_positions, headroom)
+            if args.peer and PEERS[args.peer] == runtime:
+                peers[args.peer] = load_peer(args, resolved, store, pair.max_positions, headroom)
             out["runtimes"][runtime] = measure_runtime(runtime, pair, peers, args)
+            if peers:
+                out["runtimes"][runtime]["peer_files"] = {args.peer: str(peer_path(args.peer, resolved, store, args))}
         finally:
             pair.close()
             for e in peers.values():
@@ -352,7 +411,7 @@ def run_many(args, argv: list[str]) -> dict[str, Any]:
     for runtime in args.runtimes:
         build_sources(runtime, plan, resolved, calib_art, store, args)
     if args.peer:
-        peer_folder(resolved, store)
+        peer_path(args.peer, resolved, store, args)
     out_dir = Path(args.out)
     runs = run_processes(Path(__file__).resolve(), argv, args.runs, out_dir, QUIET_LOAD, args.settle)
     from harp_trt.bench._long_context_plot import write_summary_plot

@@ -17,7 +17,16 @@ stage may import another. Everything here runs the real library, on the CPU (``n
   (``KvAllocation``). MiB to two decimals: up to 5243 bytes off the total.
 * **Decode** is one ``llama_batch`` of B sequences x n tokens (row b is sequence b), read back with
   ``llama_get_logits`` (vendor/llama.cpp/src/llama-context.cpp: ``llama_context::get_logits``
-  reorders the outputs to batch order first)."""
+  reorders the outputs to batch order first).
+* **Written KV** (``LlamaContext.write_sequence``): a sequence's cache of N cells written with random
+  f16 values through ``llama_state_seq_set_data``, so a long-context decode step can be timed without
+  a prefill of N tokens (a step's cost depends on the cache's length, not its values). The bytes
+  follow ``llama_context::state_seq_get_data`` (vendor/llama.cpp/src/llama-context.cpp: a magic and the
+  sequence id) and ``llama_kv_cache::state_write`` (src/llama-kv-cache.cpp): n_stream, then per
+  stream its cell count, each cell's (pos, n_seq_id = 1, seq_id), then every layer's K rows and V rows
+  (each: type, row size, the rows). The layout is read from llama.cpp's own state of one decoded
+  token of the same sequence (``state_layout``), N cells are written in it, and llama.cpp's reader
+  (``state_read``) checks the count, types and sizes as it loads them (0 bytes read: refused)."""
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +43,7 @@ from .errors import PreconditionError
 from .extras import require
 
 __all__ = ["import_llama_cpp", "llama_cpp_version", "captured_log", "KV_LINE", "KV_TYPE_BYTES", "KvAllocation",
-           "LlamaModel", "LlamaContext"]
+           "LlamaModel", "LlamaContext", "StateLayout", "state_layout", "written_state"]
 
 log = logging.getLogger(__name__)
 
@@ -242,5 +251,109 @@ class LlamaContext(_Freed):
         logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ptr), shape=(out, vocab))
         return np.array(logits, dtype=np.float32).reshape(b, out // b, vocab)
 
+    def sequence_state(self, seq: int) -> bytes:
+        """llama.cpp's saved state of sequence ``seq`` (``llama_state_seq_get_data``)."""
+        lib = self.lib
+        size = lib.llama_state_seq_get_size(self.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        got = lib.llama_state_seq_get_data(self.ptr, buf, size, seq)
+        if got == 0:
+            raise PreconditionError(self.model.stage, f"llama_state_seq_get_data wrote nothing for sequence {seq}")
+        return bytes(buf[:got])
+
+    def write_sequences(self, cells: int, rng: np.random.Generator) -> None:
+        """Every sequence holds ``cells`` positions (0..cells-1) of random f16 K and V (module
+        docstring): the layouts from one token decoded into each, then ``llama_state_seq_set_data``."""
+        self.decode(np.zeros((self.n_seq, 1), dtype=np.int32), 0, False)
+        layouts = [state_layout(self.sequence_state(s), self.model.stage) for s in range(self.n_seq)]
+        self.clear()
+        for seq, layout in enumerate(layouts):
+            data = written_state(layout, cells, seq, rng)
+            src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            del data
+            with captured_log() as lines:
+                got = self.lib.llama_state_seq_set_data(self.ptr, src, len(src), seq)
+            if got != len(src):
+                raise PreconditionError(self.model.stage, f"llama.cpp read {got} of the {len(src)} bytes of a "
+                                        f"written {cells}-cell state of sequence {seq}: {''.join(lines)[-_TAIL:]}")
+
     def _free(self) -> None:
         self.lib.llama_free(self.ptr)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What a sequence state says: its stream among ``n_stream``, its ``cells``, ``v_trans``, and
+    each K then V tensor's (ggml type, row bytes) in the order ``state_write_data`` writes them."""
+
+    magic: int
+    cells: int
+    n_stream: int
+    stream: int
+    v_trans: int
+    n_layer: int
+    rows: tuple[tuple[int, int], ...]
+
+
+_GGML_F16 = 1   # ggml_type GGML_TYPE_F16 (vendor/llama.cpp/ggml/include/ggml.h)
+
+
+def state_layout(data: bytes, stage: str) -> StateLayout:
+    """The layout of a llama.cpp sequence state (``state_write``) of one stream, with no cell extension
+    and an f16 cache with V not transposed (flash attention on); PreconditionError else."""
+    def bad(why: str) -> PreconditionError:
+        return PreconditionError(stage, f"a llama.cpp sequence state this package cannot write: {why}",
+                                 "--kv-fill written needs flash attention and an f16 KV cache")
+
+    off = 0
+
+    def take(fmt: str):
+        nonlocal off
+        v = np.frombuffer(data, dtype=fmt, count=1, offset=off)[0]
+        off += np.dtype(fmt).itemsize
+        return int(v)
+
+    magic, _seq = take("<u4"), take("<i4")   # llama_context::state_seq_get_data's io_magic, the sequence
+    n_stream, stream, cells = take("<u4"), None, 0
+    for s in range(n_stream):
+        count = take("<u4")
+        if count == 0:
+            continue
+        if stream is not None:
+            raise bad("cells in more than one stream")
+        stream, cells = s, count
+        meta = np.frombuffer(data, "<i4", count=3 * count, offset=off).reshape(count, 3)
+        off += meta.nbytes
+        if (meta[:, 1] != 1).any():   # pos, n_seq_id, seq_id: an extension would shift the columns
+            raise bad("a cell with other than one sequence id, or a cell extension")
+        v_trans, n_layer = take("<u4"), take("<u4")
+        if v_trans:
+            raise bad("V is stored transposed")
+        rows = []
+        for _ in range(2 * n_layer):   # K of every layer, then V of every layer
+            kind, row = take("<i4"), take("<u8")
+            if kind != _GGML_F16:
+                raise bad(f"a cache tensor of ggml type {kind}, not f16")
+            rows.append((kind, row))
+            off += count * row
+    if stream is None or off != len(data):
+        raise bad(f"{len(data)} bytes, {off} understood")
+    return StateLayout(magic, cells, n_stream, stream, v_trans, n_layer, tuple(rows))
+
+
+def written_state(layout: StateLayout, cells: int, seq: int, rng: np.random.Generator) -> bytes:
+    """A sequence state of ``cells`` positions in ``layout``: the stream's cells at positions
+    0..cells-1 of ``seq``, every K and V row random N(0, 1) f16."""
+    parts = [np.array([layout.magic], "<u4").tobytes(), np.array([seq, layout.n_stream], "<i4").tobytes()]
+    for s in range(layout.n_stream):
+        if s != layout.stream:
+            parts.append(np.array([0], "<u4").tobytes())
+            continue
+        parts.append(np.array([cells], "<u4").tobytes())
+        meta = np.zeros((cells, 3), "<i4")
+        meta[:, 0], meta[:, 1], meta[:, 2] = np.arange(cells), 1, seq
+        parts += [meta.tobytes(), np.array([layout.v_trans, layout.n_layer], "<u4").tobytes()]
+        for kind, row in layout.rows:
+            parts += [np.array([kind], "<i4").tobytes(), np.array([row], "<u8").tobytes(),
+                      rng.standard_normal(cells * row // 2, dtype=np.float32).astype("<f2").tobytes()]
+    return b"".join(parts)

@@ -23,7 +23,7 @@ from .errors import ConfigError
 from .extras import check
 from .memory import peak_rss_bytes
 from .plan import Plan
-from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Step, load_object
+from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Engines, Step, load_object
 from .stage import Hooks
 from .store import Artifact, ArtifactStore
 
@@ -83,14 +83,16 @@ def _step_config(step: Step, needed: set[str], config: StageConfig) -> StageConf
 def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
               force: str | None = None, bench_config=None, configs: Mapping[str, StageConfig] | None = None,
               on_phase: Callable[[str], None] | None = None, progress=None, placement=None,
-              keep_intermediates: bool = True) -> BuildResult:
+              keep_intermediates: bool = True, engines: Engines | None = None) -> BuildResult:
     """Run the pipeline; returns the per-stage records (cached or built) and the plan. ``configs``
     maps registry stage names (``"build-ort"``, ``"trtllm"``...) to their configs; a stage not
     named runs with its config class's defaults, and one config builds every step of that stage
     alike (up to the step's ``adjust``). ``keep_intermediates=False`` drops the weights of an
     intermediate artifact (``Stage.intermediate``) once every step of the run that reads it has
-    run (``harp_trt.store.ArtifactStore.prune``); a later run that needs them rebuilds them."""
-    spec, bench_engines, configs = _checked(backend, bench_config, force, configs)
+    run (``harp_trt.store.ArtifactStore.prune``); a later run that needs them rebuilds them.
+    ``engines`` (variant -> step, without ``bench_config``): bench-only steps to build as well, with
+    no bench (a benchmark script's dense and HARP engines, not every engine the backend's bench reads)."""
+    spec, bench_engines, configs = _checked(backend, bench_config, force, configs, engines)
     needed = _needed(spec, bench_engines)
     phase = on_phase or (lambda s: log.info(s))
     out = BuildResult()
@@ -159,12 +161,20 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     return out
 
 
-def _checked(backend: str, bench_config, force: str | None, configs) -> tuple[BackendSpec, tuple, dict]:
-    """(the backend's spec, the engines its bench compares (variant -> step; empty: the bench loads
-    the model), the configs by stage name); typed errors first: unknown backend, bench engine,
-    ``--force`` stage or stage name."""
+def _checked(backend: str, bench_config, force: str | None, configs,
+             engines: Engines | None = None) -> tuple[BackendSpec, tuple, dict]:
+    """(the backend's spec, the engines its bench compares or ``engines`` names (variant -> step;
+    empty: the bench loads the model), the configs by stage name); typed errors first: unknown
+    backend, bench engine, step, ``--force`` stage or stage name."""
     spec: BackendSpec = BACKENDS.get(backend)  # "did you mean"
     bench_engines = spec.bench_engines(bench_config.engine, f"backend {backend}") if bench_config is not None else ()
+    if engines is not None:
+        steps = {s.name for s in spec.steps}
+        unknown = [name for _, name in engines if name not in steps]
+        if bench_config is not None or unknown:
+            raise ConfigError("run_build takes engines or bench_config, not both" if bench_config is not None else
+                              f"backend {backend} has no step {unknown[0]!r}; its steps: {', '.join(sorted(steps))}")
+        bench_engines = tuple(engines)
     if force is not None and force not in PHASES:
         raise ConfigError(f"--force takes a stage name; valid: {', '.join(PHASES)}, got {force!r}")
     configs = dict(configs or {})

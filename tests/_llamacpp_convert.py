@@ -1,123 +1,23 @@
-"""Test support: run llama.cpp's own Hugging Face -> GGUF converter on a folder, as a user would.
-
-The converter is the one vendored in the pinned ``llama-cpp-python`` sdist (the version installed in
-the test environment, ``llama_cpp.__version__``): ``fetch_converter`` downloads that sdist with pip
-(``pip download --no-deps --no-binary :all:``, served from pip's cache on a CI machine that has just
-built it) and unpacks only what the converter runs into the test cache, once:
-``vendor/llama.cpp/convert_hf_to_gguf.py``, its ``conversion/`` package and ``gguf-py/gguf``.
-The unpacked tree is named by the pinned version alone, as conftest's shared inputs are: a release's
-files never change.
-``convert_hf_to_gguf.py`` puts ``gguf-py`` first on ``sys.path`` itself (unless ``NO_LOCAL_GGUF``),
-and it must: the PyPI ``gguf`` 0.19.0 in our environment carries the same version string but lacks
-what this converter uses (``conversion/base.py`` ``ModelBase.prepare_tensors`` fails with "module
-'gguf' has no attribute 'LazyChunkedTensor'"), so the runner removes ``NO_LOCAL_GGUF`` and checks
-that ``gguf`` was imported from the sdist.
-
-One change, only for vocabularies of other than 128256 tokens: ``conversion/deci.py``
-``DeciModel.set_vocab`` takes Llama-3's BPE route (``get_vocab_base``) only when ``vocab_size`` is
-128256, else ``_set_vocab_llama_hf`` (DeciLM-7B's Llama/SentencePiece route, which finds no
-``tokenizer.model`` in a GPT-2-style folder: "Cannot find Llama BPE tokenizer"). For those folders the
-runner sets ``DeciModel.set_vocab`` to ``conversion/base.py`` ``TextModel._set_vocab_gpt2``, the
-converter's own GPT-2 BPE path (``get_vocab_base`` + ``gguf.SpecialVocab`` with merges), which is
-what ``DeciModel.set_vocab`` itself does for 128256 tokens. Nothing else is patched: hyperparameters,
-block configs, tensor names, Q/K permutation and the written file are the converter's.
-"""
+"""Test support: llama.cpp's own converter (``harp_trt.bench.llamacpp_convert``) from the wheelhouse's
+``llama-cpp-python`` sdist, unpacked into the test cache once."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 import wheelhouse
 
+from harp_trt.bench import llamacpp_convert
+from harp_trt.bench.llamacpp_convert import LLAMA3_VOCAB
+
 __all__ = ["fetch_converter", "convert_hf_folder", "LLAMA3_VOCAB"]
-
-LLAMA3_VOCAB = 128256  # the only vocabulary size conversion/deci.py DeciModel.set_vocab sends to get_vocab_base
-_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
-
-# Runs in a fresh interpreter: argv = converter root, vocab route, then convert_hf_to_gguf.py's own
-# arguments. It imports the converter module (its main() is guarded by __name__), which puts gguf-py
-# on sys.path before gguf is imported.
-_RUNNER = r'''
-import sys
-from pathlib import Path
-root, route = Path(sys.argv[1]), sys.argv[2]
-sys.path.insert(0, str(root))
-import convert_hf_to_gguf
-import gguf
-if not Path(gguf.__file__).resolve().is_relative_to(root.resolve()):
-    raise SystemExit(f"gguf imported from {gguf.__file__}, not from the sdist's gguf-py")
-if route == "gpt2":
-    from conversion.base import TextModel
-    from conversion.deci import DeciModel
-    DeciModel.set_vocab = TextModel._set_vocab_gpt2
-sys.argv = [str(root / "convert_hf_to_gguf.py")] + sys.argv[3:]
-convert_hf_to_gguf.main()
-'''
-
-
-def _installed_version() -> str:
-    import llama_cpp
-
-    return llama_cpp.__version__
 
 
 def fetch_converter(cache: Path, version: str | None = None) -> Path:
-    """The folder holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/`` of the
-    ``llama-cpp-python==version`` sdist (default: the installed one), unpacked once under ``cache``
-    (written under a temporary name and renamed, so a half-unpacked tree is never served)."""
-    version = version or _installed_version()
-    dest = Path(cache) / f"llamacpp-converter-{version}"
-    if (dest / "convert_hf_to_gguf.py").is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".llamacpp-sdist-") as tmp:
-        # read from the wheelhouse as it lies (pip would prepare the sdist's metadata, which needs
-        # its build requirements from an index the run does not reach)
-        sdist = wheelhouse.require(f"llama-cpp-python=={version}")
-        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-        unpacked = Path(tmp) / "tree"
-        with tarfile.open(sdist) as tar:
-            members = []
-            for m in tar.getmembers():
-                rel = m.name.removeprefix(prefix)
-                if m.name.startswith(prefix) and m.isfile() and rel.startswith(_WANTED) and "__pycache__" not in rel:
-                    m.name = rel
-                    members.append(m)
-            tar.extractall(unpacked, members=members, filter="data")
-        if not (unpacked / "convert_hf_to_gguf.py").is_file():
-            raise FileNotFoundError(f"{sdist.name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
-        try:
-            unpacked.rename(dest)
-        except OSError:  # another process unpacked it first
-            if not (dest / "convert_hf_to_gguf.py").is_file():
-                raise
-    return dest
+    """The converter of ``llama-cpp-python==version`` (default: the installed one) under ``cache``."""
+    version = version or llamacpp_convert._installed_version()
+    return llamacpp_convert.unpack_converter(wheelhouse.require(f"llama-cpp-python=={version}"), cache, version)
 
 
-def convert_hf_folder(folder: Path, out: Path, cache: Path, outtype: str = "f32", *, route: str | None = None,
-                      vocab_only: bool = False, timeout: float = 600) -> dict:
-    """Convert the HF folder ``folder`` into the GGUF file ``out`` with llama.cpp's converter.
-    ``route``: the vocabulary path, ``"deci"`` (the converter unchanged) or ``"gpt2"``; by default
-    ``"deci"`` for 128256 tokens, else ``"gpt2"``. Returns ``{"gguf": out, "vocab_route": route,
-    "log": converter output}``; raises ``RuntimeError`` with the converter's last lines when it fails."""
-    root = fetch_converter(cache)
-    if route is None:
-        vocab = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size", LLAMA3_VOCAB)
-        route = "deci" if vocab == LLAMA3_VOCAB else "gpt2"
-    if route not in ("deci", "gpt2"):
-        raise ValueError(f"route must be 'deci' or 'gpt2', got {route!r}")
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    cmd = [sys.executable, "-c", _RUNNER, str(root), route, str(folder), "--outfile", str(out), "--outtype", outtype]
-    cmd += ["--vocab-only"] if vocab_only else []
-    # stdin closed: transformers' trust_remote_code prompt (the folder has auto_map) must not wait
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 or not Path(out).is_file():
-        tail = "\n".join(log.strip().splitlines()[-15:])
-        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {folder} (exit {proc.returncode}):\n{tail}")
-    return {"gguf": Path(out), "vocab_route": route, "log": log}
+def convert_hf_folder(folder: Path, out: Path, cache: Path, outtype: str = "f32", **kw) -> dict:
+    """``llamacpp_convert.convert_hf_folder`` with the converter from the test cache."""
+    return llamacpp_convert.convert_hf_folder(folder, out, fetch_converter(cache), outtype, **kw)

@@ -222,3 +222,21 @@ def test_unknown_command_says_did_you_mean(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("harp-trt: error: unknown command 'calibrat'; valid: bench, build, cache")
     assert err[1] == "  hint: did you mean 'calibrate'?"
+
+
+def test_run_build_engines_are_checked_before_any_work(tmp_path):
+    """``run_build(engines=...)`` (a benchmark script's dense and HARP engines, no bench): a step the
+    backend lacks, or engines beside a bench config, is a ConfigError before calibrate runs."""
+    from harp_trt.bench.stage.config import BenchConfig
+    from harp_trt.errors import ConfigError
+    from harp_trt.pipeline import run_build
+    from harp_trt.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "cache")
+    calib = STAGES.get("calibrate").config_class()()
+    with pytest.raises(ConfigError, match="has no step 'build:nope'"):
+        run_build("missing-model", calib, store, "ort", engines=(("dense", "build:nope"),))
+    with pytest.raises(ConfigError, match="engines or bench_config"):
+        run_build("missing-model", calib, store, "ort", bench_config=BenchConfig(engine="ort"),
+                  engines=(("dense", "build:dense"),))
+    assert not list((tmp_path / "cache").glob("calibrate-*"))

@@ -118,6 +118,18 @@ class LlamaCppEngine(Engine):
         logits, state = self._fresh(ids.numpy().astype(np.int32), False)
         return torch.from_numpy(logits[:, -1]), state
 
+    def written_state(self, batch: int, length: int, seed: int = 0) -> _State:
+        """A state as if ``length`` tokens of ``batch`` sequences had been prefilled, the KV cache
+        written with N(0, 1) f16 values through llama.cpp's own state reader
+        (``LlamaContext.write_sequences``): a 7B prefill of 8192 tokens takes most of an hour on 2
+        cores, and a step's cost depends on the cache's length, not on what it holds (issue 31). The
+        tokens a rebuilt context would replay are zeros: the context is made with room for every
+        decode step the caller announced (``headroom``), so none is rebuilt."""
+        c = self._context(batch, length + self.headroom)
+        c.clear()
+        c.write_sequences(length, np.random.default_rng(seed))
+        return _State(c, np.zeros((batch, length), dtype=np.int32))
+
     def decode(self, token: torch.Tensor, state: _State) -> tuple[torch.Tensor, Any]:
         tok = token.numpy().astype(np.int32).reshape(-1, 1)
         c, done = state.context, state.tokens.shape[1]

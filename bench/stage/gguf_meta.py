@@ -11,7 +11,7 @@ from typing import Any
 from harp_trt.dims import ModelDims
 from harp_trt.errors import PreconditionError
 
-__all__ = ["gguf_fields", "gguf_dims", "gguf_tokenizer"]
+__all__ = ["gguf_fields", "gguf_dims", "gguf_tokenizer", "matrix_bytes_per_param"]
 
 
 def gguf_fields(path: Path) -> dict[str, Any]:
@@ -32,6 +32,17 @@ def gguf_fields(path: Path) -> dict[str, Any]:
         else:
             out[name] = _scalar(f.parts[f.data[0]], f.types[0])
     return out
+
+
+def matrix_bytes_per_param(path: Path) -> float:
+    """Bytes per parameter of the file's matrices as stored (``GGUFReader`` tensor infos, nothing
+    loaded): every 2-D tensor but the token embedding, whose decode reads one row. A llama.cpp
+    quantization mixes types (Q4_0 keeps ``output.weight`` at Q6_K: src/llama-quant.cpp), so the
+    byte ideal of a quantized file reads this, not a type's nominal size."""
+    from gguf import GGUFReader
+
+    tensors = [t for t in GGUFReader(str(path)).tensors if len(t.shape) == 2 and t.name != "token_embd.weight"]
+    return sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
 
 
 def _scalar(part, kind) -> Any:
