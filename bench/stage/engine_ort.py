@@ -50,12 +50,22 @@ class OrtEngine(Engine):
         """A state as if ``length`` tokens of ``batch`` sequences had been prefilled, its KV cache
         written directly with N(0, 1) values: a decode step's cost depends on the cache's length, not
         on what it holds, and a 7B prefill of 8192 tokens takes most of an hour on 2 cores (issue 31).
-        The first ``decode`` moves it into a ``StaticCache`` as it does a prefill's."""
+        On a GroupQueryAttention engine the values are written straight into the ``StaticCache`` the
+        decode steps append to (room for 256 more), so a 7B batch of 8192-token caches is held once,
+        not once as arrays and again as the cache; else the first ``decode`` moves them there."""
         lm, rng = self.session, np.random.default_rng(seed)
         shape = (batch, lm.kv_heads, length, lm.head_dim)
-        return {i: (rng.standard_normal(shape, np.float32).astype(lm.kv_dtype, copy=False),
-                    rng.standard_normal(shape, np.float32).astype(lm.kv_dtype, copy=False))
-                for i in lm.kv_layers}, length
+        if not lm.shares_kv_buffer:
+            return {i: (rng.standard_normal(shape, np.float32).astype(lm.kv_dtype, copy=False),
+                        rng.standard_normal(shape, np.float32).astype(lm.kv_dtype, copy=False))
+                    for i in lm.kv_layers}, length
+        empty = np.zeros((batch, lm.kv_heads, 0, lm.head_dim), lm.kv_dtype)
+        cache = lm.static_cache({i: (empty, empty) for i in lm.kv_layers}, min(self._max, length + 257))
+        for k, v in cache.buffers.values():
+            k[:, :, :length] = rng.standard_normal(shape, np.float32)
+            v[:, :, :length] = rng.standard_normal(shape, np.float32)
+        cache.length = length
+        return cache, length
 
     def replicate(self, state: Any, batch: int) -> tuple[Any, int]:
         """A batch-1 prefill's state as ``batch`` rows holding copies of its KV cache (the long-context
