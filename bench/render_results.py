@@ -165,9 +165,37 @@ def long_context_headline(ds: list[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def long_context_dense(ds: list[dict[str, Any]]) -> str:
+    """The dense engines of several ``bench/long_context.py --runs N`` JSONs (separate runs on one
+    machine, equal threads) and their peers: decode tokens/s medians per point, each beside the first
+    JSON's dense engine (> 1: faster than it)."""
+    points: dict[tuple[int, int], dict[str, float]] = {}
+    labels: list[str] = []
+    for d in ds:
+        for rt, r in d["summary"]["runtimes"].items():
+            for p in r["decode"]:
+                for e, tps in p["tokens_per_s_median"].items():
+                    if e == "harp":
+                        continue
+                    label = f"{rt} {e}"
+                    labels += [label] if label not in labels else []
+                    points.setdefault((p["context"], p["batch"]), {})[label] = tps
+    base = labels[0]
+    rows = ["| point | " + " | ".join(f"{x}, tok/s" for x in labels) + " | " +
+            " | ".join(f"{x} / {base}" for x in labels[1:]) + " |", "|---" * (2 * len(labels)) + "|"]
+    for (c, b), v in sorted(points.items()):
+        rows.append(f"| decode {c} x {b} | " + " | ".join(f"{v[x]:.2f}" if x in v else "-" for x in labels) + " | " +
+                    " | ".join(f"{v[x] / v[base]:.2f}" if x in v and base in v else "-" for x in labels[1:]) + " |")
+    notes = "; ".join(f"{rt}: {r['weight_bytes_per_param']:.4g} bytes per weight, {d['runs'][0]['settings']['threads']} "
+                      f"threads, `{d['provenance']['command']}` at {d['provenance']['commit']}"
+                      for d in ds for rt, r in d["runs"][0]["runtimes"].items())
+    return "\n".join(rows) + f"\n\nMedians of each JSON's runs. {notes}.\n"
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
                                                          "long_context": long_context,
-                                                         "long_context_headline": long_context_headline}
+                                                         "long_context_headline": long_context_headline,
+                                                         "long_context_dense": long_context_dense}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:
