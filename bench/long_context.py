@@ -222,7 +222,8 @@ def stage_configs(backend: str, args) -> dict[str, Any]:
 def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[str, Any]:
     """The dense and HARP artifacts the runtime's bench compares. From ``--model``/``--shape``: the
     pipeline's ``run_build`` with those two engines (the backend's own choices, e.g. compact
-    intermediates at 7B, and its intermediates dropped once read: a 7B int4 pair fits the disk);
+    intermediates at 7B, and its intermediates dropped once read: a 7B int4 pair fits the disk; with
+    ``--gguf-type`` the unquantized GGUFs dropped once verified and quantized, ``drop_unquantized``);
     from ``--plan``: the backend's steps that lead to them, walked here."""
     from harp_trt.pipeline import run_build, run_stage
     from harp_trt.registry import BACKENDS
@@ -236,7 +237,12 @@ def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[
     if calib_art is not None:
         res = run_build(str(resolved.folder), calib_config(args), store, backend, configs=configs,
                         engines=engines, keep_intermediates=False)
-        return {v: res.artifact(name) for v, name in engines}
+        arts = {v: res.artifact(name) for v, name in engines}
+        if args.gguf_type != "none":   # the bench times the quantized files only
+            from harp_trt.bench.stage.engine_llamacpp import drop_unquantized
+
+            arts = {v: drop_unquantized(store, a) for v, a in arts.items()}
+        return arts
     inputs = {s.name: [src for _, src in s.inputs] for s in spec.steps}
     needed, todo = set(), [name for _, name in engines]
     while todo:

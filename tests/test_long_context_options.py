@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,8 +76,10 @@ def test_llamacpp_quantized_weights_and_converter_peer(tmp_path):
             "none": _run([*common, "--out", str(tmp_path / "none")])}
     q, f = (runs[t]["runtimes"]["llamacpp"] for t in ("q8_0", "none"))
     assert q["weight_bytes_per_param"] == 34 / 32 and f["weight_bytes_per_param"] == 2.0
-    for v in ("dense", "harp"):
+    for v in ("dense", "harp"):   # the timed file only: the verified f16 one is dropped (the f16 run keeps its own)
         assert q["engines"][v]["gguf"].endswith("model-q8_0.gguf"), q["engines"][v]
+        assert not (Path(q["engines"][v]["gguf"]).parent / "model.gguf").exists()
+        assert Path(f["engines"][v]["gguf"]).name == "model.gguf" and Path(f["engines"][v]["gguf"]).is_file()
     peer = q["peer_files"]["llamacpp-convert"]
     assert gguf_fields(peer)["general.architecture"] == "llama" and matrix_bytes_per_param(peer) == 34 / 32
     assert gguf_fields(q["engines"]["dense"]["gguf"])["general.architecture"] == "deci"

@@ -40,7 +40,7 @@ from harp_trt.store import Artifact
 
 from .engines import Engine, EnginePair
 
-__all__ = ["LlamaCppEngine", "load_llamacpp_pair", "gguf_path", "CONTEXT_CAP", "KV_TYPES"]
+__all__ = ["LlamaCppEngine", "load_llamacpp_pair", "gguf_path", "drop_unquantized", "CONTEXT_CAP", "KV_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,16 @@ def gguf_path(source: Any) -> Path:
         return p
     report = _report(p)
     return p / (report.get("quantized_file") or report.get("file") or GGUF_FILE)
+
+
+def drop_unquantized(store, art: Artifact) -> Artifact:
+    """A gguf artifact holding a llama.cpp-quantized file, without its unquantized one (verified when it
+    was built; ``ArtifactStore.prune`` marks the manifest first): a bench of the quantized file keeps
+    4 GB of a 7B model instead of 19. Any other artifact is returned as it is."""
+    quantized = _report(art.path).get("quantized_file")
+    if not quantized or not (art.path / GGUF_FILE).exists():
+        return art
+    return store.prune(art, (GGUF_FILE,))
 
 
 def _report(folder: Path) -> dict[str, Any]:
