@@ -154,7 +154,8 @@ def long_context_headline(ds: list[dict[str, Any]]) -> str:
         for rt, r in d["summary"]["runtimes"].items():
             p = max(r["decode"], key=lambda m: (m["context"], m["batch"]))
             caps = [x["runtimes"][rt].get("capacity_under_cap") for x in d["runs"]]
-            cap = "not measured (no capped probe)"
+            cap = ("not measured (`--memory-cap none`)" if d["runs"][0]["settings"].get("memory_cap") == "none"
+                   else "not measured (no capped probe)")
             if all(caps):
                 cap = (f"{caps[0]['dense']['batch']} -> {caps[0]['harp']['batch']} at {caps[0]['context']}: "
                        + ", ".join(f"{c['ratio']:.3f}" for c in caps) + f" ({caps[0]['ideal']:.3f}; a sequence "
