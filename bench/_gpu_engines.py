@@ -169,7 +169,7 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
     n = cfg.num_hidden_layers
     plan = Plan(model_ref=resolved.ref, model_digest=resolved.digest, family=family_of(cfg).name, num_layers=n,
                 strategy="top", layers=tuple(range(n - layers, n)), alphas=(1.0,) * layers)
-    sources = build_sources(engine, plan, resolved, None, store, SimpleNamespace(quant="none"))
+    sources = build_sources(engine, plan, resolved, None, store, SimpleNamespace(quant="none", gguf_type="none"))
     return _RUNTIMES[engine][1](sources, int(cfg.max_position_embeddings), dry_run, headroom)
 
 

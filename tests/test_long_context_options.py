@@ -59,33 +59,46 @@ def test_llamacpp_q8_0_kv(tmp_path):
 
 
 def test_llamacpp_quantized_weights_and_converter_peer(tmp_path):
-    """``--gguf-type q8_0``: both GGUFs quantized by llama.cpp's quantizer and timed; the byte ideal
-    reads the dense file's matrices as stored, 34 bytes per block of 32 (block_q8_0), where the f16
-    files give 2 bytes per parameter. ``--peer llamacpp-convert``: the dense model as llama.cpp's own
-    converter writes it (architecture llama, not our deci) and its quantizer quantizes it, timed beside
-    the dense engine with a written KV cache."""
+    """``--gguf-type q8_0``: both GGUFs quantized by llama.cpp's quantizer and timed (the verified f16
+    files dropped); the byte ideal reads the dense file's matrices as stored, 34 bytes per block of 32
+    (block_q8_0; the f16 files give 2.0, test_long_context.py). ``--peer llamacpp-convert``: the dense
+    model as llama.cpp's own converter writes it (architecture llama, not our deci) and its quantizer
+    quantizes it, timed beside the dense engine. ``--kv-fill written``: every engine's cache written
+    through llama.cpp's state reader, and llama.cpp holds what was written: its own state writer gives
+    back the written bytes, for each sequence of a 2-stream context, the HARP file's fewer KV layers
+    included."""
+    import numpy as np
+
     from _llamacpp_convert import fetch_converter
     from harp_trt.bench.stage.gguf_meta import gguf_fields, matrix_bytes_per_param
+    from harp_trt.llamacpp_runtime import LlamaModel, state_layout, written_state
 
     fetch_converter(tmp_path / "cache" / "llamacpp-converter")   # the wheelhouse's sdist, where the bench looks
-    common = ["--shape", "tiny-llama", "--tokenizer", "smollm2-135m", "--prune-layers", "4,5",
+    q = _run(["--shape", "tiny-llama", "--tokenizer", "smollm2-135m", "--prune-layers", "4,5",
               "--corpus", str(write_corpus(tmp_path / "c.txt")), "--runtime", "llamacpp",
-              "--workdir", str(tmp_path / "cache"), *SHORT]
-    runs = {"q8_0": _run([*common, "--gguf-type", "q8_0", "--peer", "llamacpp-convert", "--kv-fill", "written",
-                          "--batches", "1,2", "--out", str(tmp_path / "q8_0")]),
-            "none": _run([*common, "--out", str(tmp_path / "none")])}
-    q, f = (runs[t]["runtimes"]["llamacpp"] for t in ("q8_0", "none"))
-    assert q["weight_bytes_per_param"] == 34 / 32 and f["weight_bytes_per_param"] == 2.0
-    for v in ("dense", "harp"):   # the timed file only: the verified f16 one is dropped (the f16 run keeps its own)
-        assert q["engines"][v]["gguf"].endswith("model-q8_0.gguf"), q["engines"][v]
-        assert not (Path(q["engines"][v]["gguf"]).parent / "model.gguf").exists()
-        assert Path(f["engines"][v]["gguf"]).name == "model.gguf" and Path(f["engines"][v]["gguf"]).is_file()
+              "--workdir", str(tmp_path / "cache"), *SHORT, "--gguf-type", "q8_0", "--peer", "llamacpp-convert",
+              "--kv-fill", "written", "--batches", "1,2", "--out", str(tmp_path / "q8_0")])["runtimes"]["llamacpp"]
+    assert q["weight_bytes_per_param"] == 34 / 32
+    files = [Path(q["engines"][v]["gguf"]) for v in ("dense", "harp")]
+    for f in files:
+        assert f.name == "model-q8_0.gguf" and not (f.parent / "model.gguf").exists(), f
     peer = q["peer_files"]["llamacpp-convert"]
     assert gguf_fields(peer)["general.architecture"] == "llama" and matrix_bytes_per_param(peer) == 34 / 32
-    assert gguf_fields(q["engines"]["dense"]["gguf"])["general.architecture"] == "deci"
+    assert gguf_fields(files[0])["general.architecture"] == "deci"
     for m in q["decode"]:
-        assert m["ideal"]["ideal"] > 1 and m["per_engine"]["harp"]["tokens_per_s"] > 0
-        assert m["per_engine"]["llamacpp-convert"]["tokens_per_s"] > 0 and m["peer_ratio"]["llamacpp-convert"]["speedup"] > 0
+        assert m["kv_fill"] == "written" and m["prompt"] == m["context"] - 1 - 2 * 2
+        for e in ("dense", "harp", "llamacpp-convert"):
+            assert m["per_engine"][e]["tokens_per_s"] > 0 and m["per_engine"][e]["kv_tokens"] >= m["batch"] * m["context"]
+        assert m["ideal"]["ideal"] > 1 and m["peer_ratio"]["llamacpp-convert"]["speedup"] > 0
+    for f in files:
+        with LlamaModel(f, stage="test") as m, m.context(n_ctx=2 * 40, n_batch=80, n_ubatch=80, n_seq=2, threads=1,
+                                                          flash_attn=True, kv_type="f16") as c:
+            c.write_sequences(30, np.random.default_rng(5))
+            rng = np.random.default_rng(5)
+            for seq in range(2):
+                held = c.sequence_state(seq)
+                assert held == written_state(state_layout(held, "test"), 30, seq, rng)
+            assert c.decode(np.zeros((2, 1), np.int32), 30, False).shape == (2, 1, m.n_vocab)
 
 
 def test_capacity_under_a_memory_cap_wired(tmp_path):
@@ -111,46 +124,30 @@ def test_capacity_under_a_memory_cap_wired(tmp_path):
             assert c["fraction_of_ideal"] >= 0.9, c
 
 
-def test_written_kv_decodes_at_the_same_positions(tmp_path, capsys):
-    """``--kv-fill written`` (issue 31's 7B decode): our ORT and llama.cpp engines' caches written
-    directly, no prefill; the timed steps cover the same positions as a prefilled run's and the
-    engines' caches hold batch x context tokens at the end. genai cannot: a typed error, exit 2."""
-    from harp_trt.bench.long_context import main
+def test_written_kv_decodes_at_the_same_positions(tmp_path):
+    """``--kv-fill written`` (issue 31's 7B decode): our ORT engine's cache written directly, no
+    prefill; the timed steps cover the same positions as a prefilled run's and the engines' caches
+    hold batch x context tokens at the end (llama.cpp's written cache: the converter-peer test). An
+    engine that cannot write its cache (genai's) is a typed error before any step."""
+    from harp_trt.bench._long_context_measure import measure_decode
+    from harp_trt.errors import ConfigError
 
     model = save_tiny("llama", tmp_path / "tiny", seed=3)
     common = ["--model", str(model), "--corpus", str(write_corpus(tmp_path / "c.txt")), "--prune-layers", "2,3",
               "--workdir", str(tmp_path / "cache"), *SHORT, "--batches", "1,2"]
-    for rt in ("ort", "llamacpp"):
-        runs = {f: _run([*common, "--runtime", rt, "--kv-fill", f, "--out", str(tmp_path / f"{rt}-{f}")])
-                for f in ("written", "prefill")}
-        assert runs["written"]["settings"]["kv_fill"] == "written"
-        for w, p in zip(runs["written"]["runtimes"][rt]["decode"], runs["prefill"]["runtimes"][rt]["decode"]):
-            assert w["kv_fill"] == "written" and p["kv_fill"] == "prefill" and w["replicated"] == []
-            assert (w["context"], w["batch"], w["prompt"], w["timed_positions"]) == \
-                   (p["context"], p["batch"], p["prompt"], p["timed_positions"])
-            for v in ("dense", "harp"):
-                e = w["per_engine"][v]
-                assert e["kv_tokens"] == p["per_engine"][v]["kv_tokens"] and e["tokens_per_s"] > 0
-            assert w["speedup"]["speedup"] > 0
-    assert main([*common, "--runtime", "genai", "--kv-fill", "written", "--out", str(tmp_path / "g")]) == 2
-    assert "cannot have its KV cache written directly" in capsys.readouterr().err
-    # llama.cpp holds what was written: its own state writer gives back the written bytes, for each
-    # sequence of a 2-stream context, the HARP file's fewer KV layers included
-    import numpy as np
-
-    from harp_trt.llamacpp_runtime import LlamaModel, state_layout, written_state
-
-    files = sorted((tmp_path / "cache").glob("gguf-*/model.gguf"))
-    assert len(files) == 2, files
-    for f in files:
-        with LlamaModel(f, stage="test") as m, m.context(n_ctx=2 * 40, n_batch=80, n_ubatch=80, n_seq=2, threads=1,
-                                                          flash_attn=True, kv_type="f16") as c:
-            c.write_sequences(30, np.random.default_rng(5))
-            rng = np.random.default_rng(5)
-            for seq in range(2):
-                held = c.sequence_state(seq)
-                assert held == written_state(state_layout(held, "test"), 30, seq, rng)
-            assert c.decode(np.zeros((2, 1), np.int32), 30, False).shape == (2, 1, m.n_vocab)
+    runs = {f: _run([*common, "--runtime", "ort", "--kv-fill", f, "--out", str(tmp_path / f)])
+            for f in ("written", "prefill")}
+    assert runs["written"]["settings"]["kv_fill"] == "written"
+    for w, p in zip(runs["written"]["runtimes"]["ort"]["decode"], runs["prefill"]["runtimes"]["ort"]["decode"]):
+        assert w["kv_fill"] == "written" and p["kv_fill"] == "prefill" and w["replicated"] == []
+        assert (w["context"], w["batch"], w["prompt"], w["timed_positions"]) == \
+               (p["context"], p["batch"], p["prompt"], p["timed_positions"])
+        for v in ("dense", "harp"):
+            e = w["per_engine"][v]
+            assert e["kv_tokens"] == p["per_engine"][v]["kv_tokens"] and e["tokens_per_s"] > 0
+        assert w["speedup"]["speedup"] > 0
+    with pytest.raises(ConfigError, match="cannot have its KV cache written directly"):
+        measure_decode({"dense": object(), "harp": object()}, 100, 24, 1, 2, 2, 1, kv_fill="written")
 
 
 @pytest.fixture(scope="module")
