@@ -103,14 +103,11 @@ def available_memory(device: str) -> int:
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    from harp_trt.memory import proc_kib_fields
+    from harp_trt.memory import proc_kib
 
-    try:
-        avail = proc_kib_fields("/proc/meminfo", ("MemAvailable",))
-        if avail:
-            return avail["MemAvailable"]
-    except OSError:
-        pass
+    avail = proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is not None:
+        return avail
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 

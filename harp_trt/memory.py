@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import logging
 
-__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields"]
+__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields", "proc_kib"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -51,17 +51,22 @@ def proc_kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def proc_kib(path: str, key: str) -> int | None:
+    """One ``proc_kib_fields`` field in bytes, or None where the file (not Linux) or the field is absent."""
+    try:
+        return proc_kib_fields(path, (key,)).get(key)
+    except OSError:
+        return None
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set of this process so far, 0 where it is unknown. Linux: ``VmHWM`` of
     /proc/self/status, which starts afresh at exec; not ``getrusage``'s ``ru_maxrss``, which Linux
     keeps across fork and exec, so a benchmark run as a child of a larger process would report that
     process's peak. Elsewhere ``getrusage``'s (read as KiB)."""
-    try:
-        hwm = proc_kib_fields("/proc/self/status", ("VmHWM",))
-        if hwm:
-            return hwm["VmHWM"]
-    except OSError:
-        pass
+    hwm = proc_kib("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     try:
         import resource
 
