@@ -225,7 +225,7 @@ def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[
     intermediates at 7B, and its intermediates dropped once read: a 7B int4 pair fits the disk; with
     ``--gguf-type`` the unquantized GGUFs dropped once verified and quantized, ``drop_unquantized``);
     from ``--plan``: the backend's steps that lead to them, walked here."""
-    from harp_trt.pipeline import run_build, run_stage
+    from harp_trt.pipeline import needed_steps, run_build, run_stage
     from harp_trt.registry import BACKENDS
 
     backend = RUNTIMES[runtime]
@@ -243,13 +243,7 @@ def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[
 
             arts = {v: drop_unquantized(store, a) for v, a in arts.items()}
         return arts
-    inputs = {s.name: [src for _, src in s.inputs] for s in spec.steps}
-    needed, todo = set(), [name for _, name in engines]
-    while todo:
-        name = todo.pop()
-        if name not in needed:
-            needed.add(name)
-            todo += inputs.get(name, [])
+    needed = needed_steps(spec, engines)
     ctx: dict[str, Any] = {"model": resolved, "plan": plan}
     for step in spec.steps:
         if step.name in needed:

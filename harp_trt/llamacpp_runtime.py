@@ -18,7 +18,7 @@ stage may import another. Everything here runs the real library, on the CPU (``n
 * **Decode** is one ``llama_batch`` of B sequences x n tokens (row b is sequence b), read back with
   ``llama_get_logits`` (vendor/llama.cpp/src/llama-context.cpp: ``llama_context::get_logits``
   reorders the outputs to batch order first).
-* **Written KV** (``LlamaContext.write_sequence``): a sequence's cache of N cells written with random
+* **Written KV** (``LlamaContext.write_sequences``): a sequence's cache of N cells written with random
   f16 values through ``llama_state_seq_set_data``, so a long-context decode step can be timed without
   a prefill of N tokens (a step's cost depends on the cache's length, not its values). The bytes
   follow ``llama_context::state_seq_get_data`` (vendor/llama.cpp/src/llama-context.cpp: a magic and the

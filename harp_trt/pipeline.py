@@ -27,7 +27,7 @@ from .registry import BACKENDS, PHASES, STAGES, BackendSpec, Engines, Step, load
 from .stage import Hooks
 from .store import Artifact, ArtifactStore
 
-__all__ = ["StageRecord", "BuildResult", "run_build", "run_stage"]
+__all__ = ["StageRecord", "BuildResult", "run_build", "run_stage", "needed_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _forced(phase: str, force: str | None) -> bool:
     return force is not None and PHASES.index(phase) >= PHASES.index(force)
 
 
-def _needed(spec: BackendSpec, engines: tuple[tuple[str, str], ...]) -> set[str]:
+def needed_steps(spec: BackendSpec, engines: tuple[tuple[str, str], ...]) -> set[str]:
     """The steps the bench's engines are, and every step they read, transitively."""
     inputs = {step.name: [src for _, src in step.inputs] for step in spec.steps}
     todo, seen = [name for _, name in engines], set()
@@ -93,7 +93,7 @@ def run_build(model_ref: str, calib_config, store: ArtifactStore, backend: str,
     ``engines`` (variant -> step, without ``bench_config``): bench-only steps to build as well, with
     no bench (a benchmark script's dense and HARP engines, not every engine the backend's bench reads)."""
     spec, bench_engines, configs = _checked(backend, bench_config, force, configs, engines)
-    needed = _needed(spec, bench_engines)
+    needed = needed_steps(spec, bench_engines)
     phase = on_phase or (lambda s: log.info(s))
     out = BuildResult()
     ctx: dict[str, Any] = {}
