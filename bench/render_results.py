@@ -193,10 +193,50 @@ def long_context_dense(ds: list[dict[str, Any]]) -> str:
     return "\n".join(rows) + f"\n\nMedians of each JSON's runs. {notes}.\n"
 
 
+_SIDE_NAMES = {"torch": "PyTorch eager fp32 (sdpa)", "genai_int4": "onnxruntime-genai int4"}
+
+
+def _side_name(name: str) -> str:
+    if name in _SIDE_NAMES:
+        return _SIDE_NAMES[name]
+    quant = name.split("_")[1]
+    what = {"none": "fp32", "int4": "int4", "int8": "int8"}.get(quant, quant)
+    return f"our ORT {what}, " + ("one call, all logits (before)" if name.endswith("_one_call")
+                                   else "chunked, last logits (generate)")
+
+
+def prefill_profile(d: dict[str, Any]) -> str:
+    """``bench/prefill_profile.py``'s JSON: per prompt length, every side's seconds, its speed-up over
+    PyTorch with the 95 % interval and the ceiling, and the profile's seconds (GFLOP/s) per part."""
+    rows = ["| prompt | side | seconds | speed-up vs PyTorch [95 % CI] (ceiling) | LM head | other GEMMs | attention "
+            "| rest |", "|---|---|---|---|---|---|---|---|"]
+    for n, row in d["lengths"].items():
+        for name, f in row["sides"].items():
+            sp = f.get("speedup_vs_torch")
+            speed = (f"{sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, {sp['speedup_ci95_high']:.2f}] "
+                     f"({sp['ceiling']:.1f})" if sp else "1")
+            prof = f.get("profile_s") or {}
+            rate = f.get("gflops_per_s") or {}
+            parts = [(f"{prof[c]:.2f} s" + (f" ({rate[c]:.0f})" if c in rate else "")) if c in prof else "-"
+                     for c in ("lm_head", "gemm", "attention", "other")]
+            rows.append(f"| {n} | {_side_name(name)} | {f['seconds']:.3f} | {speed} | " + " | ".join(parts) + " |")
+    m = d["machine"]
+    dec = ", ".join(f"{_side_name(k).split(',')[0]} {v:.1f}" for k, v in d["decode_ms_per_token_at_512"].items())
+    peaks = "; ".join(f"{n}: " + ", ".join(f"{q} {v / 1e9:.0f}" for q, v in r["gemm_peak_flops"].items())
+                      for n, r in d["lengths"].items())
+    return ("\n".join(rows) + f"\n\nMedians of {d['repeats']} interleaved repeats, {d['threads']} threads, chunk "
+            f"{d['chunk']}; profile columns: seconds of one profiled call (GFLOP/s against the part's FLOPs). "
+            f"Decode ms/token after a 512-token prompt: {dec}. GEMM peaks (GFLOP/s, one MLP-shaped GEMM, M = the "
+            f"prompt): {peaks}. CPU: {m['cpu']} ({', '.join(m['cpu_features'])}); load average "
+            f"{m['load_avg_start'][0]:.2f} before, {m['load_avg_end'][0]:.2f} after; peak RSS {d['peak_rss_gb']} GB. "
+            f"`{d['provenance']['command']}` at {d['provenance']['commit']}.\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
                                                          "long_context": long_context,
                                                          "long_context_headline": long_context_headline,
-                                                         "long_context_dense": long_context_dense}
+                                                         "long_context_dense": long_context_dense,
+                                                         "prefill_profile": prefill_profile}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

@@ -71,9 +71,9 @@ class _Ours:
     def _prefill(self, ids):
         import numpy as np
 
-        x = np.asarray(ids, np.int64)[None]
-        logits, past = self.lm.forward(x, np.ones_like(x), np.arange(x.shape[1])[None])
-        return logits[:, -1].argmax(-1)[:, None], past
+        x = np.asarray(ids, np.int64)[None]   # generate's prefill: chunked, the last position's logits
+        logits, cache = self.lm.prefill(x, np.ones_like(x), np.arange(x.shape[1])[None], x.shape[1] + 1)
+        return logits[:, -1].argmax(-1)[:, None], cache
 
     def prefill_seconds(self, ids) -> float:
         t = time.perf_counter()

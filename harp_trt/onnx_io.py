@@ -25,7 +25,7 @@ from typing import Any, Iterable, NamedTuple
 
 from .errors import GraphError, PreconditionError
 
-__all__ = ["tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
+__all__ = ["LOGITS_TO_KEEP", "tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
            "copy_tokenizer", "tokenizer_files", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS",
@@ -34,6 +34,9 @@ __all__ = ["tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE",
 
 EXPORT_META_KEY = "harp_trt.export"
 PLAN_META_KEY = "harp_trt.plan"
+# the ORT engine's input that keeps the last k positions' logits (0 = all):
+# builders/ort/logits_to_keep.py writes it, harp_trt/ort_session.py feeds it, a genai folder pins it
+LOGITS_TO_KEEP = "logits_to_keep"
 MODEL_FILE = "model.onnx"
 EXTERNAL_DATA_SUFFIX = ".data"  # model.onnx -> model.onnx.data
 PROTOBUF_LIMIT = 2 ** 31        # bytes: the largest protobuf message

@@ -26,7 +26,8 @@ import numpy as np
 from .errors import ConfigError, GraphError
 from .extras import require
 from .kvcache import kv_cache_bytes
-from .onnx_io import EXPORT_META_KEY, kv_layers_of_names, past_name, present_name
+from .decoding import Past, StaticCache, sample_next
+from .onnx_io import EXPORT_META_KEY, LOGITS_TO_KEEP, kv_layers_of_names, past_name, present_name
 
 __all__ = ["OrtCausalLM", "StaticCache", "default_providers", "sample_next"]
 
@@ -35,7 +36,11 @@ log = logging.getLogger(__name__)
 STAGE = "ort"
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}
 
-Past = dict[int, tuple[np.ndarray, np.ndarray]]
+
+_KEEP_ALL, _KEEP_LAST = np.array([0], np.int64), np.array([1], np.int64)
+# prompt tokens per call of a chunked prefill (``OrtCausalLM.prefill``): SmolLM2-135M, 2048 tokens,
+# 2 threads: 256 beat 64, 128, 512, 1024 and the whole prompt (bench/prefill_profile.py)
+PREFILL_CHUNK = 256
 
 
 def default_providers() -> list[str]:
@@ -53,7 +58,8 @@ class OrtCausalLM:
 
     def __init__(self, onnx_path: str | Path, providers: Sequence[str] | None = None,
                  intra_op_threads: int | None = None, graph_optimization_level: str = "all",
-                 session_config: dict[str, str] | None = None, kv_hint: tuple[int, int, int] | None = None):
+                 session_config: dict[str, str] | None = None, kv_hint: tuple[int, int, int] | None = None,
+                 profile_prefix: str | None = None):
         ort = require("onnxruntime", "ONNX Runtime sessions need it")
         path = Path(onnx_path)
         if path.is_dir():
@@ -70,15 +76,7 @@ class OrtCausalLM:
                               f"valid: {', '.join(levels)}")
         if intra_op_threads is not None and intra_op_threads < 0:
             raise ConfigError(f"intra_op_threads must be >= 0, got {intra_op_threads}")
-        so = ort.SessionOptions()
-        so.graph_optimization_level = levels[graph_optimization_level]
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.inter_op_num_threads = 1
-        if intra_op_threads:
-            so.intra_op_num_threads = int(intra_op_threads)
-        so.log_severity_level = 3
-        for k, v in (session_config or {}).items():  # e.g. session.disable_prepacking: no packed weight copies
-            so.add_session_config_entry(k, v)
+        so = _session_options(ort, levels[graph_optimization_level], intra_op_threads, session_config, profile_prefix)
         self.path = path
         self.providers = list(providers) if providers else default_providers()
         try:
@@ -103,6 +101,9 @@ class OrtCausalLM:
         # graphs other exporters wrote may take no position_ids (onnxruntime-genai's GQA reads
         # positions from attention_mask, as if right-padded): fed only where the graph takes it
         self.takes_positions = "position_ids" in ins
+        # the ORT build's logits_to_keep input (builders/ort/logits_to_keep.py): graphs without it
+        # (exports, rewrites, engines built before it) compute every position's logits, sliced here
+        self.takes_logits_to_keep = LOGITS_TO_KEEP in ins
         meta = _export_meta(self.session)
         hint = kv_hint or (None, None, None)  # (kv_heads, head_dim, vocab) for symbolic dims
         if not meta and hint[0]:
@@ -120,17 +121,21 @@ class OrtCausalLM:
         self._shrink = ort.RunOptions()
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._gqa_kv: bool | None = None
+        # prompt tokens per graph call of a batch-1 prefill through a StaticCache (0: the whole
+        # prompt in one call); see ``prefill``
+        self.prefill_chunk = PREFILL_CHUNK
         log.info("loaded %s: KV for %d of %d layers, providers %s", path, len(self.kv_layers),
                  self.num_layers, self.session.get_providers())
 
     @classmethod
     def from_engine(cls, folder: str | Path, providers: Sequence[str] | None = None,
-                    intra_op_threads: int | None = None) -> "OrtCausalLM":
+                    intra_op_threads: int | None = None, profile_prefix: str | None = None) -> "OrtCausalLM":
         """Open an engine folder built by ``harp_trt.builders.ort``, with its recorded thread count."""
         folder = Path(folder)
         spec = _read_engine_json(folder)
         threads = intra_op_threads if intra_op_threads is not None else (spec.get("intra_op_threads") or None)
-        return cls(folder / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)
+        return cls(folder / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads,
+                   profile_prefix=profile_prefix)
 
     # -- layout ---------------------------------------------------------------------------------
     def _kv_layout(self, ins, meta) -> tuple[int, int, type]:
@@ -156,9 +161,11 @@ class OrtCausalLM:
 
     # -- one step -------------------------------------------------------------------------------
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                past: Past | None = None) -> tuple[np.ndarray, Past]:
+                past: Past | None = None, logits_to_keep: int = 0) -> tuple[np.ndarray, Past]:
         """One graph call. Shapes: ids/positions [B, S], mask [B, P+S], past {layer: (k, v)} with
-        [B, kv_heads, P, head_dim] (None: empty). Returns (logits [B, S, V], present)."""
+        [B, kv_heads, P, head_dim] (None: empty). Returns (logits [B, S, V], present); with
+        ``logits_to_keep`` k > 0, the last k positions' logits [B, k, V] only (transformers' argument:
+        the graph's LM head runs over those rows where the engine takes the input)."""
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         attention_mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
         position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
@@ -170,11 +177,15 @@ class OrtCausalLM:
                               f"{attention_mask.shape} (want {(b, p + s)}), position_ids {position_ids.shape}")
         if set(past) != set(self.kv_layers):
             raise ConfigError(f"past has layers {sorted(past)}, the graph wants {self.kv_layers}")
+        if logits_to_keep < 0:
+            raise ConfigError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
         if self._rowwise and b > 1 and s > 1 and p > 0:
-            return self._forward_rows(input_ids, attention_mask, position_ids, past)
+            return self._forward_rows(input_ids, attention_mask, position_ids, past, logits_to_keep)
         feed = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.takes_positions:
             feed["position_ids"] = position_ids
+        if self.takes_logits_to_keep:
+            feed[LOGITS_TO_KEEP] = np.array([logits_to_keep], np.int64)
         for i, (k, v) in past.items():
             feed[past_name(i, "key")] = k
             feed[past_name(i, "value")] = v
@@ -185,15 +196,18 @@ class OrtCausalLM:
             if b > 1 and s > 1 and p > 0 and "batch_size must be 1" in str(e):
                 # ORT's CPU GroupQueryAttention takes multi-token chunks after a past only for batch 1
                 self._rowwise = True
-                return self._forward_rows(input_ids, attention_mask, position_ids, past)
+                return self._forward_rows(input_ids, attention_mask, position_ids, past, logits_to_keep)
             raise
         res = dict(zip(self._output_names, outs))
         present = {i: (res[present_name(i, "key")], res[present_name(i, "value")]) for i in self.kv_layers}
-        return res["logits"], present
+        logits = res["logits"]
+        if logits_to_keep and logits.shape[1] > logits_to_keep:  # an engine without the input
+            logits = logits[:, -logits_to_keep:]
+        return logits, present
 
-    def _forward_rows(self, ids, mask, pos, past):
+    def _forward_rows(self, ids, mask, pos, past, logits_to_keep=0):
         parts = [self.forward(ids[r:r + 1], mask[r:r + 1], pos[r:r + 1],
-                              {i: (k[r:r + 1], v[r:r + 1]) for i, (k, v) in past.items()})
+                              {i: (k[r:r + 1], v[r:r + 1]) for i, (k, v) in past.items()}, logits_to_keep)
                  for r in range(ids.shape[0])]
         logits = np.concatenate([p[0] for p in parts])
         present = {i: (np.concatenate([p[1][i][0] for p in parts]), np.concatenate([p[1][i][1] for p in parts]))
@@ -238,10 +252,52 @@ class OrtCausalLM:
         bind.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         if self.takes_positions:
             bind.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        if self.takes_logits_to_keep:
+            bind.bind_cpu_input(LOGITS_TO_KEEP, _KEEP_ALL)
         bind.bind_output("logits", "cpu")
         self.session.run_with_iobinding(bind)
         cache.length += 1
         return bind.get_outputs()[-1].numpy()  # logits is bound last
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                capacity: int) -> tuple[np.ndarray, "StaticCache | Past"]:
+        """A generator's prefill: the last position's logits [B, 1, V] and the cache to decode from
+        (a ``StaticCache`` with room for ``capacity`` tokens where the engine shares KV buffers, else
+        a ``forward``-style past).
+
+        Batch 1 on a shared-buffer engine runs in chunks of ``prefill_chunk`` tokens straight into the
+        static cache (chunked prefill): each call's GroupQueryAttention scores its chunk against the
+        keys so far, so the S x S score matrix ORT's CPU kernel fills per head (the upper triangle
+        computed, then masked) shrinks to about S^2/2 + S*chunk/2 entries in chunk-row slices, and
+        the padding bias to [1, 1, chunk, S]. Same numbers per row: each position attends to the
+        same keys (tests/test_ort_prefill.py). Batches go in one call (ORT's CPU kernel takes a
+        multi-token chunk after a past only for batch 1)."""
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        pos = np.ascontiguousarray(position_ids, dtype=np.int64)
+        b, s = ids.shape
+        if mask.shape != (b, s) or pos.shape != (b, s):
+            raise ConfigError(f"prefill takes input_ids, attention_mask and position_ids of one shape [B, S], got "
+                              f"{ids.shape}, {mask.shape}, {pos.shape}")
+        chunk = self.prefill_chunk
+        if not (b == 1 and self.shares_kv_buffer and 0 < chunk < s):
+            logits, past = self.forward(ids, mask, pos, None, logits_to_keep=1)
+            return logits, (self.static_cache(past, capacity) if self.shares_kv_buffer else past)
+        cache = StaticCache(self, self.empty_past(1), max(capacity, s))
+        bind = cache.binding
+        if self.takes_logits_to_keep:
+            bind.bind_cpu_input(LOGITS_TO_KEEP, _KEEP_LAST)
+        for start in range(0, s, chunk):
+            end = min(s, start + chunk)
+            bind.bind_cpu_input("input_ids", ids[:, start:end].copy())
+            bind.bind_cpu_input("attention_mask", mask[:, :end].copy())
+            if self.takes_positions:
+                bind.bind_cpu_input("position_ids", pos[:, start:end].copy())
+            bind.bind_output("logits", "cpu")
+            self.session.run_with_iobinding(bind)
+            cache.length = end
+        logits = bind.get_outputs()[-1].numpy()
+        return logits[:, -1:], cache
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
@@ -276,8 +332,9 @@ class OrtCausalLM:
         out = [ids]
         if max_new_tokens == 0:
             return ids
-        logits, past = self.forward(ids, mask, pos, None)
-        cache = self.static_cache(past, mask.shape[1] + max_new_tokens) if self.shares_kv_buffer else None
+        logits, cache = self.prefill(ids, mask, pos, mask.shape[1] + max_new_tokens)
+        past = None if isinstance(cache, StaticCache) else cache
+        cache = cache if isinstance(cache, StaticCache) else None
         next_pos = pos[:, -1:] + 1
         done = np.zeros(b, dtype=bool)
         for step in range(max_new_tokens):
@@ -319,80 +376,23 @@ class OrtCausalLM:
                      "tokens_per_s": (n / (t1 - t0)) if t1 > t0 else 0.0}
 
 
-class StaticCache:
-    """KV buffers ``[B, kv_heads, capacity, head_dim]`` per kept layer, bound once as both
-    ``past_key_values.*`` and ``present.*`` of one IO binding; ``length`` tokens are filled.
-    GroupQueryAttention sees the same buffer as past and present and appends at ``seqlens_k``
-    (onnxruntime ``contrib_ops/cpu/bert/group_query_attention.cc``: past_present_share_buffer);
-    the graph takes the sequence length from ``attention_mask``, never from the buffer's size.
-    ``reserve`` grows the buffers (one copy) when a step would not fit."""
-
-    def __init__(self, lm: OrtCausalLM, past: Past, capacity: int):
-        first = next(iter(past.values()))[0]
-        self.lm, self.batch, self.length = lm, first.shape[0], int(first.shape[2])
-        self.capacity = 0
-        self.buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._fill(past, max(capacity, self.length + 1))
-
-    def _fill(self, past: Past, capacity: int) -> None:
-        ort = require("onnxruntime", "ONNX Runtime sessions need it")
-
-        shape = (self.batch, self.lm.kv_heads, capacity, self.lm.head_dim)
-        self.buffers = {}
-        for i, (k, v) in past.items():
-            kb, vb = np.zeros(shape, self.lm.kv_dtype), np.zeros(shape, self.lm.kv_dtype)
-            kb[:, :, :self.length], vb[:, :, :self.length] = k[:, :, :self.length], v[:, :, :self.length]
-            self.buffers[i] = (kb, vb)
-        self.capacity = capacity
-        self.binding = self.lm.session.io_binding()
-        for i, (kb, vb) in self.buffers.items():  # numpy owns the memory; the OrtValues view it
-            for kind, buf in (("key", kb), ("value", vb)):
-                val = ort.OrtValue.ortvalue_from_numpy(buf)
-                self.binding.bind_ortvalue_input(past_name(i, kind), val)
-                self.binding.bind_ortvalue_output(present_name(i, kind), val)
-
-    def reserve(self, tokens: int) -> None:
-        if tokens > self.capacity:
-            self._fill(self.buffers, max(tokens, 2 * self.capacity))
-
-    def nbytes(self) -> int:
-        """Bytes of the filled part (what a growing cache of ``length`` tokens would hold)."""
-        return self.length * self.batch * self.lm.kv_bytes_per_token()
-
-    def past(self) -> Past:
-        """The filled part as a ``forward``-style past (views)."""
-        return {i: (k[:, :, :self.length], v[:, :, :self.length]) for i, (k, v) in self.buffers.items()}
+def _session_options(ort, level, intra_op_threads, session_config, profile_prefix):
+    """Sequential, one inter-op thread, ``intra_op_threads`` (None: ORT's default), the config entries
+    and ORT's profiler where ``profile_prefix`` is given."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.inter_op_num_threads = 1
+    if intra_op_threads:
+        so.intra_op_num_threads = int(intra_op_threads)
+    so.log_severity_level = 3
+    for k, v in (session_config or {}).items():  # e.g. session.disable_prepacking: no packed weight copies
+        so.add_session_config_entry(k, v)
+    if profile_prefix:  # ORT's profiler: session.end_profiling() writes the JSON (bench/prefill_profile.py)
+        so.enable_profiling, so.profile_file_prefix = True, profile_prefix
+    return so
 
 
-def sample_next(logits: np.ndarray, do_sample: bool, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, rng: np.random.Generator | None = None) -> np.ndarray:
-    """Next token per row from [B, V] logits: argmax, or a sample after temperature, top-k and
-    top-p (nucleus: the smallest set of tokens whose probability reaches ``top_p``)."""
-    if not do_sample:
-        return logits.argmax(-1).astype(np.int64)
-    rng = rng or np.random.default_rng()
-    x = logits.astype(np.float64) / temperature
-    if top_k and 0 < top_k < x.shape[-1]:
-        kth = np.partition(x, -top_k, axis=-1)[:, -top_k][:, None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(-1, keepdims=True)
-    probs = np.exp(x)
-    probs /= probs.sum(-1, keepdims=True)
-    if top_p < 1.0:
-        order = np.argsort(-probs, axis=-1)
-        sorted_p = np.take_along_axis(probs, order, -1)
-        before = np.cumsum(sorted_p, -1) - sorted_p      # mass of the tokens ranked above
-        keep_sorted = before < top_p                      # always keeps the top token
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, -1)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(-1, keepdims=True)
-    cum = probs.cumsum(-1)
-    u = rng.random((probs.shape[0], 1))
-    return np.minimum((cum < u * cum[:, -1:]).sum(-1), probs.shape[-1] - 1).astype(np.int64)
-
-
-# ---- helpers ------------------------------------------------------------------------------------
 def _static(shape, dim: int) -> int | None:
     try:
         v = shape[dim]

@@ -12,8 +12,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from harp_trt.builders.ort.config import OrtBuildConfig
 from harp_trt.builders.ort.gqa import FuseGroupQueryAttention
-from harp_trt.builders.ort.passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, QuantizeEmbeddingPass,
-                                         QuantizeWeightsPass, graph_passes, run_passes)
+from harp_trt.builders.ort.passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, LogitsToKeepPass,
+                                         QuantizeEmbeddingPass, QuantizeWeightsPass, graph_passes, run_passes)
 from harp_trt.errors import ConfigError
 from harp_trt.graph_rules import GraphRule, MatchResult
 from harp_trt.rewrite.graph import remove_dead
@@ -79,12 +79,13 @@ def test_remove_dead_accounts_for_what_the_library_pass_took():
 def test_the_build_orders_its_passes_from_the_config():
     kinds = lambda cfg: [type(p) for p in graph_passes(cfg, META, "build-ort")]  # noqa: E731
     gqa, fuse = [FuseGroupQueryAttentionPass, RemoveUnusedNodesPass], [FuseSiblingMatMulsPass, RemoveUnusedNodesPass]
-    assert kinds(OrtBuildConfig()) == gqa + fuse
-    assert kinds(OrtBuildConfig(quant="int8")) == gqa + fuse + [QuantizeWeightsPass]
-    assert kinds(OrtBuildConfig(quant="int4", quant_embedding=True)) == gqa + fuse + [
+    keep = [LogitsToKeepPass]
+    assert kinds(OrtBuildConfig()) == gqa + fuse + keep
+    assert kinds(OrtBuildConfig(quant="int8")) == gqa + fuse + keep + [QuantizeWeightsPass]
+    assert kinds(OrtBuildConfig(quant="int4", quant_embedding=True)) == gqa + fuse + keep + [
         QuantizeWeightsPass, QuantizeEmbeddingPass, RemoveUnusedNodesPass]
-    assert kinds(OrtBuildConfig(attention="onnx", quant="int4", fuse_matmuls=False)) == [QuantizeWeightsPass]
-    assert kinds(OrtBuildConfig(attention="onnx", fuse_matmuls=False)) == []
+    assert kinds(OrtBuildConfig(attention="onnx", quant="int4", fuse_matmuls=False)) == keep + [QuantizeWeightsPass]
+    assert kinds(OrtBuildConfig(attention="onnx", fuse_matmuls=False, logits_to_keep=False)) == []
 
 
 class _Raise(ir_passes.InPlacePass):

@@ -17,8 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from harp_trt.errors import GraphError
+from harp_trt.onnx_io import LOGITS_TO_KEEP
 
-__all__ = ["LM_HEAD_OPS", "lm_head_node", "last_position_logits", "LOGITS"]
+__all__ = ["LM_HEAD_OPS", "lm_head_node", "last_position_logits", "LOGITS", "has_logits_to_keep",
+           "pin_logits_to_keep"]
 
 LOGITS = "logits"
 LM_HEAD_OPS = frozenset({"MatMul", "MatMulNBits", "Gemm", "FusedMatMul"})
@@ -77,4 +79,35 @@ def last_position_logits(model: Any) -> Any:
     if len(dims) == 3:
         dims[1].Clear()
         dims[1].dim_value = 1
+    return model
+
+
+def has_logits_to_keep(model: Any) -> bool:
+    """Whether the graph takes the ORT engine's ``logits_to_keep`` input (builders/ort/logits_to_keep.py)."""
+    return any(i.name == LOGITS_TO_KEEP for i in model.graph.input)
+
+
+def pin_logits_to_keep(model: Any, keep: int) -> Any:
+    """Edit ``model`` in place so that ``logits_to_keep`` is a constant ``[keep]`` (an initializer, no
+    longer an input: genai feeds only the inputs its config names). 1: ``logits`` is ``[B, 1, V]``,
+    the last position's; 0: every position's. Returns it."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    kept = [i for i in graph.input if i.name != LOGITS_TO_KEEP]
+    if len(kept) == len(graph.input):
+        raise GraphError(f"the graph has no {LOGITS_TO_KEEP!r} input")
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.initializer.append(helper.make_tensor(LOGITS_TO_KEEP, TensorProto.INT64, [1], [int(keep)]))
+    # genai sizes its logits buffer from the output's shape: 1 position, or the prompt's (input_ids' dim)
+    out = next((o for o in graph.output if o.name == LOGITS), None)
+    ids = next((i for i in graph.input if i.name == "input_ids"), None)
+    if out is not None and len(out.type.tensor_type.shape.dim) == 3:
+        dim = out.type.tensor_type.shape.dim[1]
+        dim.Clear()
+        if keep == 1:
+            dim.dim_value = 1
+        elif ids is not None and len(ids.type.tensor_type.shape.dim) == 2:
+            dim.CopyFrom(ids.type.tensor_type.shape.dim[1])
     return model

@@ -40,6 +40,7 @@ from harp_trt.stage import Stage
 from harp_trt.store import MANIFEST, Artifact
 
 from .config import GenaiConfig
+from .last_logits import has_logits_to_keep, pin_logits_to_keep
 
 __all__ = ["GenaiStage", "EngineInfo", "inspect_engine", "genai_config_for", "write_genai_folder",
            "deploy_genai", "GENAI_CONFIG", "REPORT", "STAGE"]
@@ -222,14 +223,23 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
     cfg = genai_config_for(info, config)
     graph = info.onnx
     weights = sorted(q for q in info.path.glob(graph.name + EXTERNAL_DATA_SUFFIX + "*") if q.is_file())
-    for f in [*([] if config.last_logits else [graph]), *weights, engine_json(info.path)]:
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    # an ORT engine's logits_to_keep input (builders/ort/logits_to_keep.py), which genai never feeds,
+    # is pinned to a constant in the folder's graph: 1 with --last-logits (the LM head over the last
+    # position, what genai reads), else 0 (every position); an engine without it gets the Slice edit
+    edit = config.last_logits or has_logits_to_keep(proto)
+    for f in [*([] if edit else [graph]), *weights, engine_json(info.path)]:
         _place(f, out / f.name, config.link)
-    if config.last_logits:   # the graph proto edited, its weights still the engine's external file
-        import onnx
+    if edit:   # the graph proto edited, its weights still the engine's external file
+        if has_logits_to_keep(proto):
+            pin_logits_to_keep(proto, 1 if config.last_logits else 0)
+        else:
+            from .last_logits import last_position_logits
 
-        from .last_logits import last_position_logits
-
-        onnx.save(last_position_logits(onnx.load(str(graph), load_external_data=False)), str(out / graph.name))
+            last_position_logits(proto)
+        onnx.save(proto, str(out / graph.name))
     tokenizer = [n for n in TOKENIZER_FILES if (info.path / n).is_file()]
     for n in tokenizer:
         shutil.copy2(info.path / n, out / n)

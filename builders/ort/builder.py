@@ -54,8 +54,8 @@ class OrtBuilder:
         from harp_trt.ort_session import default_providers
 
         from .gqa import GqaReport
-        from .passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, QuantizeEmbeddingPass,
-                             QuantizeWeightsPass, graph_passes)
+        from .passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, LogitsToKeepPass,
+                             QuantizeEmbeddingPass, QuantizeWeightsPass, graph_passes)
 
         config = config or OrtBuildConfig()
         src = Path(onnx_path)
@@ -78,6 +78,7 @@ class OrtBuilder:
         if quant is not None and emb is not None:
             quant = {**quant, "embedding": emb}
         fused = next((p.report.to_dict() for p in passes if isinstance(p, FuseSiblingMatMulsPass)), None)
+        keep = next((p.report for p in passes if isinstance(p, LogitsToKeepPass)), None)
         providers = list(config.providers) or default_providers()
         try:
             self._optimize(src, staged, out / MODEL_FILE, config, providers, external)
@@ -109,7 +110,7 @@ class OrtBuilder:
             "external_data": (out / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "providers": providers,
             "intra_op_threads": config.intra_op_threads, "graph_optimization_level": config.optimization_level,
             "attention": report.to_dict(), "kv": self._kv_layout(out / MODEL_FILE, meta),
-            "verify": check, "quant": quant, "fused_matmuls": fused,
+            "verify": check, "quant": quant, "fused_matmuls": fused, "logits_to_keep": keep,
             "source": {"onnx": str(src), "export_meta": meta.get("format")},
             "tokenizer_files": copied, "versions": {"onnxruntime": ort.__version__},
         }

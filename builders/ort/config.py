@@ -45,20 +45,23 @@ class OrtBuildConfig(StageConfig):
     the saved model. ``intra_op_threads``: recorded for ``generate`` (0 = ORT's default).
     ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``fuse_matmuls``: MatMuls
     of one activation (q/k/v, gate/up) become one MatMul and a Split (``fuse_matmuls.py``, exact:
-    onnxruntime-genai's fused QKV). ``verify_rtol``: logits
+    onnxruntime-genai's fused QKV). ``logits_to_keep``: a ``logits_to_keep`` input (default 0 = every
+    position) that a generator sets to 1 so the LM head runs over the last position only
+    (``logits_to_keep.py``). ``verify_rtol``: logits
     tolerance vs the source graph, relative to max(1, max|logits|). ``quant``: none (exact fp32) |
     int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``), with ``quant_block_size``,
     ``quant_symmetric``, ``quant_accuracy_level`` and ``quant_embedding`` (the embedding table too,
     ``quant_embedding.py``); a quantized engine is verified against its
     quantized graph before ORT's optimizations, and its gap to the fp32 source is recorded."""
 
-    VERSION = 3
+    VERSION = 4     # 4: the logits_to_keep input
     attention: str = "gqa"
     optimization_level: str = "all"
     intra_op_threads: int = 0
     providers: tuple[str, ...] = ()
     verify_rtol: float = 1e-4
     fuse_matmuls: bool = True
+    logits_to_keep: bool = True
     quant: str = option("none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
     quant_block_size: int = option(32, help="weights per scale along K (default %(default)s)")
     quant_symmetric: bool = option(True, flag="--quant-asymmetric", negate=True,

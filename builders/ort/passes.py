@@ -4,6 +4,7 @@ composes its own:
 
     FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
     FuseSiblingMatMulsPass -> RemoveUnusedNodesPass          (fuse_matmuls)
+    LogitsToKeepPass                                         (logits_to_keep)
     QuantizeWeightsPass                                      (quant="int4" | "int8")
     QuantizeEmbeddingPass -> RemoveUnusedNodesPass           (quant_embedding, with quant)
 
@@ -22,10 +23,11 @@ from harp_trt.errors import HarpError
 from .config import OrtBuildConfig, QuantSpec
 from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
 from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
+from .logits_to_keep import LogitsToKeep
 from .quant import quantize_weights
 from .quant_embedding import QuantizeEmbedding
 
-__all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "QuantizeWeightsPass", "graph_passes",
+__all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "LogitsToKeepPass", "QuantizeWeightsPass", "graph_passes",
            "QuantizeEmbeddingPass", "run_passes"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,30 @@ class FuseSiblingMatMulsPass(ir_passes.InPlacePass):
         return ir_passes.PassResult(model, modified=bool(report.fused))
 
 
+class LogitsToKeepPass(ir_passes.InPlacePass):
+    """The ``logits_to_keep`` input in front of the LM head (``logits_to_keep.py``); ``report`` says
+    which head it cut, or why it left the graph alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.report: dict[str, Any] = {}
+
+    def call(self, model: ir.Model) -> ir_passes.PassResult:
+        rule, graph = LogitsToKeep(), model.graph
+        self.report = {"rule": rule.name, "lm_head": None, "skipped": ""}
+        for logits in rule.pattern(graph):
+            found = rule.check(graph, logits)
+            if not found:
+                self.report["skipped"] = found.reason
+                log.info("LogitsToKeep: left alone: %s", found.reason)
+                return ir_passes.PassResult(model, modified=False)
+            rule.rewrite(graph, found.match)
+            self.report["lm_head"] = found.match.head.name
+            return ir_passes.PassResult(model, modified=True)
+        self.report["skipped"] = "the graph has no logits output"
+        return ir_passes.PassResult(model, modified=False)
+
+
 class QuantizeWeightsPass(ir_passes.InPlacePass):
     """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``), weight by weight in place (the tied
     LM head's weight is folded first); ``report`` is what changed."""
@@ -140,6 +166,8 @@ def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) ->
         passes += [FuseGroupQueryAttentionPass(meta), RemoveUnusedNodesPass()]
     if config.fuse_matmuls:
         passes += [FuseSiblingMatMulsPass(), RemoveUnusedNodesPass()]
+    if config.logits_to_keep:
+        passes.append(LogitsToKeepPass())
     if config.quant != "none":
         passes.append(QuantizeWeightsPass(config.quant_spec(), stage))
         if config.quant_embedding:

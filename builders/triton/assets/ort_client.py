@@ -46,6 +46,8 @@ def greedy_generate(infer, metadata, prompt_ids, max_new_tokens, eos_ids=()):
                 "attention_mask": np.ones((1, total), dtype=dt["attention_mask"])}
         if "position_ids" in inputs:
             feed["position_ids"] = np.arange(total - len(step), total, dtype=dt["position_ids"])[None, :]
+        if "logits_to_keep" in inputs:   # an ORT engine's: the LM head over the last position only
+            feed["logits_to_keep"] = np.array([1], dtype=dt["logits_to_keep"])
         feed.update(past)
         out = infer(feed)
         token = int(np.asarray(out["logits"])[0, -1].argmax())
