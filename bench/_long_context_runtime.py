@@ -28,7 +28,7 @@ def element_bytes(runtime: str, pair, quant: str) -> tuple[float, float]:
         from harp_trt.bench.stage.gguf_meta import matrix_bytes_per_param
 
         return matrix_bytes_per_param(pair.dense.path), float(pair.dense.kv_dtype_bytes)
-    weights = {"none": 4.0, "int8": 1.0, "int4": 0.5}[quant]
+    weights = {"none": 4.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}[quant]
     if runtime == "ort":
         return weights, float(np.dtype(pair.dense.session.kv_dtype).itemsize)
     return weights, 4.0   # genai runs the ORT engine's graph: its fp32 KV

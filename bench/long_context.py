@@ -48,7 +48,7 @@ __all__ = ["main", "parse_args", "run", "parse_bytes", "RUNTIMES"]
 log = logging.getLogger("long_context")
 
 RUNTIMES = {"ort": "ort", "genai": "genai", "llamacpp": "gguf"}   # runtime -> pipeline backend
-WEIGHT_BYTES = {"none": 4, "int8": 1, "int4": 0.5}                 # ORT weight element size per --quant
+WEIGHT_BYTES = {"none": 4, "int8": 1, "w8a8": 1, "int4": 0.5}                 # ORT weight element size per --quant
 QUIET_LOAD = 0.5   # 1-minute load average before the run at or below which the machine counts as quiet
 
 

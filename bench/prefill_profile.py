@@ -1,9 +1,9 @@
 """Prefill on the CPU, where the time goes and against whom (issue 36): our ORT engines (fp32, int4,
-int8) before and after the generator's prefill path, PyTorch eager fp32 (sdpa) and onnxruntime-genai's
+int8, w8a8) before and after the generator's prefill path, PyTorch eager fp32 (sdpa) and onnxruntime-genai's
 int4 model, one process, the same threads, interleaved.
 
     python bench/prefill_profile.py [--model smollm2-135m] [--lengths 512,2048,8192] [--threads 2]
-        [--repeats 3] [--engines none,int4,int8] [--one-call none] [--genai] [--out docs/results/prefill_profile.json]
+        [--repeats 3] [--engines none,int4,int8,w8a8] [--one-call none] [--genai] [--out FILE.json]
 
 Sides, each timed as a generator's prefill (the prompt in, the last position's logits out):
 
@@ -51,7 +51,8 @@ log = logging.getLogger("prefill_profile")
 PACKAGES = ("onnxruntime", "onnxruntime-genai", "torch", "transformers")
 CATEGORIES = ("lm_head", "gemm", "attention", "other")
 REFERENCE = "torch"     # the side every speed-up is over
-_GEMM_OPS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"}
+_GEMM_OPS = {"MatMul", "MatMulNBits", "FusedMatMul", "Gemm", "MatMulInteger", "MatMulIntegerToFloat",
+             "DynamicQuantizeMatMul"}
 _ATTN_OPS = {"GroupQueryAttention", "Attention", "MultiHeadAttention", "Softmax"}
 
 
@@ -208,15 +209,24 @@ class GenaiSide:
 
 # -- GEMM peak --------------------------------------------------------------------------------------
 def gemm_peak(m: int, k: int, n: int, quant: str, threads: int, block: int = 32) -> float:
-    """FLOP/s of the best of 3 ORT calls of one [m, k] x [k, n] GEMM with ``quant``'s weights
-    (fp32 MatMul, or MatMulNBits at our engines' settings: block 32, symmetric, accuracy level 4)."""
+    """FLOP/s of the best of 3 ORT calls of one [m, k] x [k, n] GEMM with ``quant``'s weights: fp32
+    MatMul; MatMulNBits at our engines' settings (block 32, symmetric, accuracy level 4); for w8a8 the
+    integer GEMM alone (MatMulIntegerToFloat on uint8 activations, without their quantization)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
+    a_type, a = TensorProto.FLOAT, rng.standard_normal((m, k)).astype(np.float32)
     if quant == "none":
         node = helper.make_node("MatMul", ["A", "W"], ["Y"])
         inits = [numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), "W")]
+    elif quant == "w8a8":
+        a_type, a = TensorProto.UINT8, rng.integers(0, 255, (m, k), dtype=np.uint8)
+        inits = [numpy_helper.from_array(rng.integers(-127, 127, (k, n), dtype=np.int8), "W"),
+                 numpy_helper.from_array(np.array(0.01, np.float32), "sa"),
+                 numpy_helper.from_array((rng.random(n) * 0.01).astype(np.float32), "sw"),
+                 numpy_helper.from_array(np.array(128, np.uint8), "zp")]
+        node = helper.make_node("MatMulIntegerToFloat", ["A", "W", "sa", "sw", "zp"], ["Y"], domain="com.microsoft")
     else:
         bits = 4 if quant == "int4" else 8
         nb = (k + block - 1) // block
@@ -224,13 +234,12 @@ def gemm_peak(m: int, k: int, n: int, quant: str, threads: int, block: int = 32)
                  numpy_helper.from_array((rng.random(n * nb) * 0.01).astype(np.float32), "S")]
         node = helper.make_node("MatMulNBits", ["A", "W", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
                                 block_size=block, accuracy_level=4)
-    g = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, k])],
+    g = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("A", a_type, [m, k])],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])], inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    a = rng.standard_normal((m, k)).astype(np.float32)
     sess.run(None, {"A": a})
     best = min(_timed(lambda: sess.run(None, {"A": a})) for _ in range(3))
     return 2 * m * k * n / best
@@ -253,6 +262,29 @@ def build_engines(model: str, quants: list[str], store: Any) -> tuple[Any, dict[
     resolved = resolve_model(model, store.root)
     export = ExportStage().execute(store, ExportConfig(), {"model": resolved})
     return resolved, {q: OrtBuildStage().execute(store, OrtBuildConfig(quant=q), {"onnx": export}).path for q in quants}
+
+
+def heldout_perplexity(sides: dict[str, Any], quants: list[str], resolved: Any, store: Any, tokens: int) -> dict:
+    """Perplexity of PyTorch and each ORT engine on the same held-out Wikipedia windows of 512 tokens
+    (``harp_trt.data``, ``harp_trt.ppl``): the accuracy side of each engine's speed."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from harp_trt.data import load_corpus, token_windows
+    from harp_trt.ppl import model_ids, perplexity, perplexity_from_logits_fn
+
+    tok = AutoTokenizer.from_pretrained(str(resolved.folder))
+    windows = token_windows(tok, load_corpus("wiki", store.root), "heldout", 512, tokens)
+    out = {"tokens": int(windows.numel()), "seq_len": 512, REFERENCE: perplexity(sides[REFERENCE].model, windows)}
+    for q in quants:
+        lm = sides[f"ort_{q}"].lm
+
+        def logits(i: int, ids: torch.Tensor, lm=lm) -> torch.Tensor:
+            x = model_ids(ids).numpy()
+            return torch.from_numpy(lm.forward(x, np.ones_like(x), np.arange(x.shape[1])[None])[0])
+
+        out[f"ort_{q}"] = perplexity_from_logits_fn(logits, windows)
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}
 
 
 def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], quants: list[str], threads: int,
@@ -299,12 +331,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lengths", default="512,2048,8192")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--engines", default="none,int4,int8", help="our ORT engines by --quant")
+    p.add_argument("--engines", default="none,int4,int8,w8a8", help="our ORT engines by --quant")
     p.add_argument("--one-call", default=None, help="engines (by --quant) also timed on the path before issue "
                                                     "36, one call with every position's logits (default: --engines)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default OrtCausalLM's)")
     p.add_argument("--genai", action="store_true", help="onnxruntime-genai's int4 model too")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--ppl-tokens", type=int, default=16384,
+                   help="held-out Wikipedia tokens for each side's perplexity, windows of 512 (0: none)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -354,6 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
         decode[name] = round(statistics.median(sides[name].decode_ms(prompt, args.decode_steps)
                                                for _ in range(args.repeats)), 3)
     out["decode_ms_per_token_at_512"] = decode
+    if args.ppl_tokens:
+        out["heldout_perplexity"] = heldout_perplexity(sides, quants, resolved, store, args.ppl_tokens)
     out["machine"]["load_avg_end"] = list(os.getloadavg())
     out["peak_rss_gb"] = round(peak_rss_bytes() / 1e9, 2)
     text = json.dumps(out)

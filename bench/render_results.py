@@ -200,7 +200,7 @@ def _side_name(name: str) -> str:
     if name in _SIDE_NAMES:
         return _SIDE_NAMES[name]
     quant = name.split("_")[1]
-    what = {"none": "fp32", "int4": "int4", "int8": "int8"}.get(quant, quant)
+    what = {"none": "fp32"}.get(quant, quant)
     return f"our ORT {what}, " + ("one call, all logits (before)" if name.endswith("_one_call")
                                    else "chunked, last logits (generate)")
 
@@ -224,9 +224,13 @@ def prefill_profile(d: dict[str, Any]) -> str:
     dec = ", ".join(f"{_side_name(k).split(',')[0]} {v:.1f}" for k, v in d["decode_ms_per_token_at_512"].items())
     peaks = "; ".join(f"{n}: " + ", ".join(f"{q} {v / 1e9:.0f}" for q, v in r["gemm_peak_flops"].items())
                       for n, r in d["lengths"].items())
+    ppl = d.get("heldout_perplexity")
+    ppl_text = (f" Held-out Wikipedia perplexity ({ppl['tokens']} tokens, windows of {ppl['seq_len']}): "
+                + ", ".join(f"{_side_name(k).split(',')[0]} {v:.3f}" for k, v in ppl.items() if k not in ("tokens", "seq_len"))
+                + "." if ppl else "")
     return ("\n".join(rows) + f"\n\nMedians of {d['repeats']} interleaved repeats, {d['threads']} threads, chunk "
             f"{d['chunk']}; profile columns: seconds of one profiled call (GFLOP/s against the part's FLOPs). "
-            f"Decode ms/token after a 512-token prompt: {dec}. GEMM peaks (GFLOP/s, one MLP-shaped GEMM, M = the "
+            f"Decode ms/token after a 512-token prompt: {dec}.{ppl_text} GEMM peaks (GFLOP/s, one MLP-shaped GEMM, M = the "
             f"prompt): {peaks}. CPU: {m['cpu']} ({', '.join(m['cpu_features'])}); load average "
             f"{m['load_avg_start'][0]:.2f} before, {m['load_avg_end'][0]:.2f} after; peak RSS {d['peak_rss_gb']} GB. "
             f"`{d['provenance']['command']}` at {d['provenance']['commit']}.\n")

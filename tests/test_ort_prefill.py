@@ -110,21 +110,18 @@ def test_prefill_profile_bench_on_a_tiny_model(tmp_path):
     stdout line is the JSON; every side is timed, our sides profiled into the four parts (their sum
     within the call's time) with a speed-up, interval and ceiling over PyTorch; FLOPs count the
     causal triangle; the renderer turns it into the table."""
-    import importlib
-    import sys as _sys
-    from pathlib import Path
-
     from conftest import save_tiny
+    from harp_trt.bench import prefill_profile as bench
+    from harp_trt.bench import render_results as render
 
-    root = Path(__file__).resolve().parents[1]
-    _sys.path.insert(0, str(root))
-    bench = importlib.import_module("bench.prefill_profile")
-    render = importlib.import_module("bench.render_results")
     folder = save_tiny("llama", tmp_path / "tiny", seed=0)
     out = bench.main(["--model", str(folder), "--workdir", str(tmp_path / "cache"), "--lengths", "40",
-                      "--repeats", "2", "--engines", "none,int4", "--chunk", "16", "--decode-steps", "2"])
+                      "--repeats", "2", "--engines", "none,int4,w8a8", "--one-call", "none,int4", "--chunk", "16",
+                      "--decode-steps", "2", "--ppl-tokens", "0"])
     row = out["lengths"]["40"]
-    assert set(row["sides"]) == {"ort_none_one_call", "ort_none", "ort_int4_one_call", "ort_int4", "torch"}
+    assert set(row["sides"]) == {"ort_none_one_call", "ort_none", "ort_int4_one_call", "ort_int4", "ort_w8a8", "torch"}
+    assert row["sides"]["ort_w8a8"]["profile_s"]["gemm"] > 0           # MatMulIntegerToFloat counted as GEMM
+    assert set(row["gemm_peak_flops"]) == {"none", "int4", "w8a8"}
     for name, f in row["sides"].items():
         assert len(f["samples"]) == 2 and f["seconds"] > 0
         assert set(f["profile_s"]) == set(bench.CATEGORIES) and sum(f["profile_s"].values()) > 0
@@ -138,4 +135,4 @@ def test_prefill_profile_bench_on_a_tiny_model(tmp_path):
     assert f == {"lm_head": 80, "gemm": 3 * 2 * (16 + 16 + 16 + 96), "attention": 4 * 4 * 6, "other": 0}
     assert out["machine"]["cpu_features"] is not None and out["decode_ms_per_token_at_512"]["ort_none"] > 0
     table = render.prefill_profile(out)
-    assert table.count("\n| 40 |") == 5 and "chunked, last logits" in table
+    assert table.count("\n| 40 |") == 6 and "chunked, last logits" in table

@@ -10,14 +10,15 @@ from harp_trt.errors import ConfigError
 __all__ = ["OrtBuildConfig", "QuantSpec", "LEVELS", "QUANT_MODES", "ACCURACY_LEVELS"]
 
 LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimization levels, by name
-QUANT_MODES = {"none": 0, "int4": 4, "int8": 8}
+QUANT_MODES = {"none": 0, "int4": 4, "int8": 8, "w8a8": 8}   # mode -> weight bits
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """``mode``: none | int4 | int8. ``block_size``: weights per scale along K (a power of two
-    >= 16, MatMulNBits' rule) that must divide every quantized K."""
+    """``mode``: none | int4 | int8 (weight-only MatMulNBits) | w8a8 (int8 weights per channel and
+    activations per token, ``quant_w8a8.py``). ``block_size``: weights per scale along K (a power of
+    two >= 16, MatMulNBits' rule) that must divide every quantized K; w8a8 has no blocks."""
 
     mode: str = "none"
     block_size: int = 32
@@ -49,7 +50,7 @@ class OrtBuildConfig(StageConfig):
     position) that a generator sets to 1 so the LM head runs over the last position only
     (``logits_to_keep.py``). ``verify_rtol``: logits
     tolerance vs the source graph, relative to max(1, max|logits|). ``quant``: none (exact fp32) |
-    int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``), with ``quant_block_size``,
+    int4 | int8 weight-only MatMulNBits (``builders/ort/quant.py``) | w8a8 (``quant_w8a8.py``), with ``quant_block_size``,
     ``quant_symmetric``, ``quant_accuracy_level`` and ``quant_embedding`` (the embedding table too,
     ``quant_embedding.py``); a quantized engine is verified against its
     quantized graph before ORT's optimizations, and its gap to the fp32 source is recorded."""
@@ -62,7 +63,8 @@ class OrtBuildConfig(StageConfig):
     verify_rtol: float = 1e-4
     fuse_matmuls: bool = True
     logits_to_keep: bool = True
-    quant: str = option("none", help="none (exact fp32) | int4 | int8 (default %(default)s)")
+    quant: str = option("none", help="none (exact fp32) | int4 | int8 (weight-only) | w8a8 (int8 weights and "
+                                     "activations: the int8 matrix units, fastest prefill) (default %(default)s)")
     quant_block_size: int = option(32, help="weights per scale along K (default %(default)s)")
     quant_symmetric: bool = option(True, flag="--quant-asymmetric", negate=True,
                                    help="zero points per block (default: symmetric)")

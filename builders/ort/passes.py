@@ -5,7 +5,7 @@ composes its own:
     FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
     FuseSiblingMatMulsPass -> RemoveUnusedNodesPass          (fuse_matmuls)
     LogitsToKeepPass                                         (logits_to_keep)
-    QuantizeWeightsPass                                      (quant="int4" | "int8")
+    QuantizeWeightsPass                                      (quant="int4" | "int8" | "w8a8")
     QuantizeEmbeddingPass -> RemoveUnusedNodesPass           (quant_embedding, with quant)
 
 ONNX Runtime's own graph optimizations run after these, on the saved graph (``builder.py``)."""

@@ -1,4 +1,5 @@
-"""Weight-only int4 / int8 quantization of an engine graph with ONNX Runtime's own quantizer.
+"""Weight-only int4 / int8 quantization of an engine graph with ONNX Runtime's own quantizer, and
+W8A8 (``--quant w8a8``: int8 weights and per-token int8 activations, ``quant_w8a8.py``).
 
 Every ``MatMul`` whose right-hand side is a constant weight (the q/k/v/o projections, the MLP, the
 LM head and HARP's folded V.O GEMMs alike) becomes ``com.microsoft::MatMulNBits``: weights stored
@@ -151,22 +152,31 @@ def quantize_weights(model: ir.Model, spec: QuantSpec, stage: str = "build-ort")
     if not found:
         raise GraphError(stage, "no MatMul with a constant weight to quantize",
                          "quantize an export or rewrite artifact of harp-trt")
-    ks = sorted({k for _, (k, _) in found})
-    bad = [k for k in ks if k % spec.block_size]
-    if bad:
-        raise ConfigError(f"--quant-block-size {spec.block_size} does not divide K = {bad} of the model's "
-                          f"weights (K sizes: {ks})", f"use a power of two that divides {min(ks)}, e.g. 32")
     weight_bytes = sum(k * n * 4 for _, (k, n) in found)
-    q_bytes = sum(_quantize_node(model.graph, node, k, n, spec) for node, (k, n) in found)
+    if spec.mode == "w8a8":   # int8 x int8 GEMMs (quant_w8a8.py): no blocks along K
+        from .quant_w8a8 import quantize_node_w8a8
+
+        q_bytes = sum(quantize_node_w8a8(model.graph, node, k, n) for node, (k, n) in found)
+        op, quantizer = "MatMulIntegerToFloat", "per-channel symmetric int8 weights, per-token int8 activations"
+    else:
+        ks = sorted({k for _, (k, _) in found})
+        bad = [k for k in ks if k % spec.block_size]
+        if bad:
+            raise ConfigError(f"--quant-block-size {spec.block_size} does not divide K = {bad} of the model's "
+                              f"weights (K sizes: {ks})", f"use a power of two that divides {min(ks)}, e.g. 32")
+        q_bytes = sum(_quantize_node(model.graph, node, k, n, spec) for node, (k, n) in found)
+        op, quantizer = "MatMulNBits", "onnxruntime quantize_matmul_{4,8}bits per weight (MatMulNBitsQuantizer's kernels)"
     model.opset_imports.setdefault("com.microsoft", 1)
     ops = Counter(n.op_type for n in model.graph)
-    if ops.get("MatMulNBits", 0) != len(found) or _weight_matmuls(model):
-        raise GraphError(stage, f"the quantizer converted {ops.get('MatMulNBits', 0)} of {len(found)} weight MatMuls",
+    if ops.get(op, 0) != len(found) or _weight_matmuls(model):
+        raise GraphError(stage, f"the quantizer converted {ops.get(op, 0)} of {len(found)} weight MatMuls",
                          "report this with the graph")
-    report = {"mode": spec.mode, "bits": spec.bits, "block_size": spec.block_size, "symmetric": spec.symmetric,
-              "accuracy_level": spec.accuracy_level, "matmuls": len(found),
-              "weight_bytes_fp32": weight_bytes, "weight_bytes_quantized": int(q_bytes),
-              "quantizer": "onnxruntime quantize_matmul_{4,8}bits per weight (MatMulNBitsQuantizer's kernels)"}
+    w8a8 = spec.mode == "w8a8"
+    report = {"mode": spec.mode, "bits": spec.bits, "block_size": None if w8a8 else spec.block_size,
+              "symmetric": True if w8a8 else spec.symmetric, "accuracy_level": None if w8a8 else spec.accuracy_level,
+              "activations": "int8 per token" if w8a8 else ("int8 per block" if spec.accuracy_level else "fp32"),
+              "matmuls": len(found), "weight_bytes_fp32": weight_bytes, "weight_bytes_quantized": int(q_bytes),
+              "quantizer": quantizer}
     log.info("quantized %d MatMuls to %s (block %d): %.1f MB -> %.1f MB", len(found), spec.mode, spec.block_size,
              weight_bytes / 1e6, q_bytes / 1e6)
     return model, report
