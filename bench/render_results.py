@@ -236,11 +236,39 @@ def prefill_profile(d: dict[str, Any]) -> str:
             f"`{d['provenance']['command']}` at {d['provenance']['commit']}.\n")
 
 
+def prefill_headline(ds: list[dict[str, Any]]) -> str:
+    """Several ``bench/prefill_profile.py`` JSONs side by side: per side, at every prompt length, the
+    seconds and the speed-up over PyTorch [95 % CI] with its ceiling, and the held-out perplexity."""
+    lengths = [(n, row) for d in ds for n, row in d["lengths"].items()]
+    sides = list(dict.fromkeys(s for _, row in lengths for s in row["sides"] if not s.endswith("_one_call")))
+    ppl = next((d["heldout_perplexity"] for d in ds if d.get("heldout_perplexity")), {})
+    head = "| side | " + " | ".join(f"prefill {n}: s, vs PyTorch [95 % CI] (ceiling)" for n, _ in lengths) + \
+        " | held-out perplexity |"
+    rows = [head, "|---|" + "---|" * len(lengths) + "---|"]
+    for side in sides:
+        cells = []
+        for _, row in lengths:
+            f = row["sides"].get(side)
+            sp = (f or {}).get("speedup_vs_torch")
+            cells.append("-" if f is None else f"{f['seconds']:.2f}" + (
+                f" ({sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, {sp['speedup_ci95_high']:.2f}] "
+                f"({sp['ceiling']:.1f}))" if sp else ""))
+        p = ppl.get(side)
+        rows.append(f"| {_side_name(side).split(',')[0]} | " + " | ".join(cells) + f" | {p:.3f} |" if p
+                    else f"| {_side_name(side).split(',')[0]} | " + " | ".join(cells) + " | - |")
+    m = ds[0]["machine"]
+    cmds = "; ".join(f"`{d['provenance']['command']}` at {d['provenance']['commit']}" for d in ds)
+    return ("\n".join(rows) + f"\n\nOur engines through `OrtCausalLM.prefill` (generate's path); medians of "
+            f"{ds[0]['repeats']} interleaved repeats, {ds[0]['threads']} threads each, on {m['cpu']} "
+            f"({', '.join(m['cpu_features'])}). {cmds}.\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
                                                          "long_context": long_context,
                                                          "long_context_headline": long_context_headline,
                                                          "long_context_dense": long_context_dense,
-                                                         "prefill_profile": prefill_profile}
+                                                         "prefill_profile": prefill_profile,
+                                                         "prefill_headline": prefill_headline}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import ConfigError
-from .ort_session import OrtCausalLM, sample_next
+from .ort_session import OrtCausalLM, StaticCache, sample_next
 
 __all__ = ["SamplingParams", "GenerationRequest", "BatchedGenerator", "SAMPLING_KEYS"]
 
@@ -181,8 +181,9 @@ class BatchedGenerator:
             return
         ids = np.asarray(r.prompt_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
-        logits, past = self.lm.forward(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None], None)
-        r.past, r.length = past, n
+        # generate's prefill: chunked into a static cache (batch 1), the last position's logits only
+        logits, cache = self.lm.prefill(ids, np.ones_like(ids), np.arange(n, dtype=np.int64)[None], n + 1)
+        r.past, r.length = (cache.past() if isinstance(cache, StaticCache) else cache), n
         self._accept(r, self._sample(r, logits[0, -1]))
 
     def _decode(self, batch: list[GenerationRequest]) -> None:
