@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 import numpy as np  # noqa: E402
 
+from harp_trt.bench.ort_vs_torch import TorchSide as _TorchBase  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 
 __all__ = ["main", "flop_parts", "ort_profile_parts", "CATEGORIES"]
@@ -153,25 +154,19 @@ class OrtSide:
         return 1e3 * t["decode_s"] / (t["new_tokens"] - 1)
 
 
-class TorchSide:
-    """The Hugging Face model, fp32, sdpa, as its ``generate`` prefills (``logits_to_keep=1``)."""
+class TorchSide(_TorchBase):
+    """The Hugging Face model, fp32, sdpa (``bench/ort_vs_torch.py``'s side), prefilling as its
+    ``generate`` does (``logits_to_keep=1``)."""
 
     def __init__(self, resolved: Any, threads: int):
-        import torch
-
-        from harp_trt.models import load_model
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model, _ = load_model(resolved, dtype="float32", attn_implementation="sdpa")
+        super().__init__(resolved, threads)
         self.vocab = int(self.model.config.vocab_size)
 
-    def _call(self, x: Any, **kw: Any) -> Any:
-        with self.torch.inference_mode():
-            return self.model(input_ids=x, attention_mask=self.torch.ones_like(x), use_cache=True, **kw)
-
     def prefill(self, ids: np.ndarray) -> np.ndarray:
-        return self._call(self.torch.from_numpy(ids), logits_to_keep=1).logits[:, -1].numpy()
+        x = self.torch.from_numpy(ids)
+        with self.torch.inference_mode():
+            out = self.model(input_ids=x, attention_mask=self.torch.ones_like(x), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].numpy()
 
     def profile(self, ids: np.ndarray) -> dict[str, float]:
         from torch.profiler import ProfilerActivity, profile
@@ -181,19 +176,7 @@ class TorchSide:
         return torch_profile_parts(prof, self.vocab)
 
     def decode_ms(self, ids: np.ndarray, steps: int) -> float:
-        t = self.torch
-        x = t.from_numpy(ids)
-        out = self._call(x, logits_to_keep=1)
-        mask, cache, times = t.ones_like(x), out.cache, []
-        with t.inference_mode():
-            for _ in range(steps):
-                tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                mask = t.cat([mask, t.ones_like(tok)], 1)
-                t0 = time.perf_counter()
-                out = self.model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True)
-                times.append(time.perf_counter() - t0)
-                cache = out.cache
-        return 1e3 * statistics.median(times)
+        return 1e3 * statistics.median(self.decode(ids, steps))
 
 
 class GenaiSide:
