@@ -1,6 +1,7 @@
 """What a decode loop over an ORT engine holds besides the session: the ``StaticCache`` KV buffers a
-GroupQueryAttention engine appends to in place, and ``sample_next`` (greedy or sampled next tokens).
-``harp_trt.ort_session.OrtCausalLM`` drives both."""
+GroupQueryAttention engine appends to in place, the ``BatchKV`` rows a continuously batched server
+decodes in place, and ``sample_next`` (greedy or sampled next tokens). ``harp_trt.ort_session.
+OrtCausalLM`` and ``harp_trt.serving.BatchedGenerator`` drive them."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ from .onnx_io import past_name, present_name
 if TYPE_CHECKING:
     from .ort_session import OrtCausalLM
 
-__all__ = ["StaticCache", "sample_next", "Past"]
+__all__ = ["StaticCache", "BatchKV", "sample_next", "Past"]
 
 Past = dict[int, tuple[np.ndarray, np.ndarray]]
 
@@ -61,6 +62,105 @@ class StaticCache:
     def past(self) -> Past:
         """The filled part as a ``forward``-style past (views)."""
         return {i: (k[:, :, :self.length], v[:, :, :self.length]) for i, (k, v) in self.buffers.items()}
+
+
+class BatchKV:
+    """In-place KV rows for continuous batching on a GroupQueryAttention engine: buffers
+    ``[slots, kv_heads, capacity, head_dim]`` per kept layer, the first ``rows`` rows decoding
+    together. Every row ends at the common ``length`` T (left padding, as a left-padded batch: GQA
+    appends each row's new token at T, ``seqlens_k``), row j's sequence of ``lens[j]`` tokens
+    filling ``[T - lens[j], T)``; the mask hides the rest. A step writes one token per row in place,
+    so a decode reads the cache once and copies none of it (a growing past, ``forward``, has ORT
+    copy every row's whole KV into a new present each step). Joining copies the new sequence's KV
+    in once; leaving moves the last row into the freed one; the padding all rows share is trimmed
+    when it grows (one move of the live KV); buffers grow by doubling."""
+
+    TRIM = 64  # shared padding (tokens) that triggers a trim
+
+    def __init__(self, lm: OrtCausalLM):
+        self.lm, self.rows, self.length, self.lens = lm, 0, 0, []
+        self.slots, self.capacity = 0, 0
+        self.buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._bound = -1
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        slots, capacity = max(slots, 2 * self.slots, 1), max(capacity, 2 * self.capacity, 64)
+        shape = (slots, self.lm.kv_heads, capacity, self.lm.head_dim)
+        new = {}
+        for i in self.lm.kv_layers:
+            kb, vb = np.zeros(shape, self.lm.kv_dtype), np.zeros(shape, self.lm.kv_dtype)
+            if self.buffers:
+                k, v = self.buffers[i]
+                kb[:self.rows, :, :self.length], vb[:self.rows, :, :self.length] = \
+                    k[:self.rows, :, :self.length], v[:self.rows, :, :self.length]
+            new[i] = (kb, vb)
+        self.buffers, self.slots, self.capacity, self._bound = new, slots, capacity, -1
+
+    def _shift(self, by: int) -> None:
+        """Move every row's live KV ``by`` tokens right (positive) or left (negative)."""
+        T, b = self.length, self.rows
+        for k, v in self.buffers.values():
+            for buf in (k, v):
+                if by > 0:
+                    buf[:b, :, by:T + by] = buf[:b, :, :T].copy()
+                else:
+                    buf[:b, :, :T + by] = buf[:b, :, -by:T].copy()
+        self.length += by
+
+    def add(self, past: Past) -> int:
+        """Append one sequence (a batch-1 past of n tokens) as the last row; returns its row."""
+        n = int(next(iter(past.values()))[0].shape[2])
+        if n > self.length:
+            self._grow(self.rows + 1, n + 1)
+            self._shift(n - self.length)
+        self._grow(self.rows + 1, self.length + 1)
+        T, j = self.length, self.rows
+        for i, (k, v) in past.items():
+            kb, vb = self.buffers[i]
+            kb[j, :, T - n:T], vb[j, :, T - n:T] = k[0], v[0]
+        self.rows += 1
+        self.lens.append(n)
+        return j
+
+    def remove(self, j: int) -> None:
+        """Drop row ``j``; the last row moves into it (the caller's row order changes the same way)."""
+        last = self.rows - 1
+        if j != last:
+            for k, v in self.buffers.values():
+                k[j, :, :self.length], v[j, :, :self.length] = k[last, :, :self.length], v[last, :, :self.length]
+            self.lens[j] = self.lens[last]
+        self.lens.pop()
+        self.rows -= 1
+        if not self.rows:
+            self.length = 0
+        elif self.length - max(self.lens) >= self.TRIM:
+            self._shift(-(self.length - max(self.lens)))
+
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """One token for every row, appended in place; returns logits [rows, 1, V]."""
+        ort = require("onnxruntime", "ONNX Runtime sessions need it")
+
+        b, T = self.rows, self.length
+        self._grow(b, T + 1)
+        if self._bound != b:  # views of the first b rows: contiguous, so ORT reads and writes them in place
+            self.binding = self.lm.session.io_binding()
+            self._views = []
+            for i, (kb, vb) in self.buffers.items():
+                for kind, buf in (("key", kb), ("value", vb)):
+                    val = ort.OrtValue.ortvalue_from_numpy(buf[:b])
+                    self._views.append(val)
+                    self.binding.bind_ortvalue_input(past_name(i, kind), val)
+                    self.binding.bind_ortvalue_output(present_name(i, kind), val)
+            self._bound = b
+        mask = np.zeros((b, T + 1), np.int64)
+        for j, n in enumerate(self.lens):
+            mask[j, T - n:] = 1
+        logits = self.lm.bind_step(self.binding, input_ids, mask, position_ids)
+        self.length += 1
+        self.lens = [n + 1 for n in self.lens]
+        return logits
 
 
 def sample_next(logits: np.ndarray, do_sample: bool, temperature: float = 1.0, top_k: int = 0,

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -247,7 +247,13 @@ class OrtCausalLM:
             raise ConfigError(f"decode_step takes input_ids [B, 1] and attention_mask [B, {cache.length + 1}], "
                               f"got {input_ids.shape} and {attention_mask.shape}")
         cache.reserve(cache.length + 1)
-        bind = cache.binding
+        logits = self.bind_step(cache.binding, input_ids, attention_mask, position_ids)
+        cache.length += 1
+        return logits
+
+    def bind_step(self, bind, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """One call through an IO binding whose KV buffers are bound as both past and present
+        (``StaticCache``, ``BatchKV``): the token inputs bound, every position's logits returned."""
         bind.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         bind.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         if self.takes_positions:
@@ -256,22 +262,30 @@ class OrtCausalLM:
             bind.bind_cpu_input(LOGITS_TO_KEEP, _KEEP_ALL)
         bind.bind_output("logits", "cpu")
         self.session.run_with_iobinding(bind)
-        cache.length += 1
         return bind.get_outputs()[-1].numpy()  # logits is bound last
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 capacity: int) -> tuple[np.ndarray, "StaticCache | Past"]:
         """A generator's prefill: the last position's logits [B, 1, V] and the cache to decode from
         (a ``StaticCache`` with room for ``capacity`` tokens where the engine shares KV buffers, else
-        a ``forward``-style past).
+        a ``forward``-style past). All of ``prefill_chunks`` at once."""
+        for out in self.prefill_chunks(input_ids, attention_mask, position_ids, capacity):
+            pass
+        return out
+
+    def prefill_chunks(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                       capacity: int) -> Iterator["tuple[np.ndarray, StaticCache | Past] | None"]:
+        """``prefill`` one graph call at a time: yields None after every call but the last, then
+        ``(logits, cache)``. A server runs decode steps of other sequences between the calls
+        (chunked prefill: a long prompt then stalls them one chunk, not its whole prefill).
 
         Batch 1 on a shared-buffer engine runs in chunks of ``prefill_chunk`` tokens straight into the
-        static cache (chunked prefill): each call's GroupQueryAttention scores its chunk against the
-        keys so far, so the S x S score matrix ORT's CPU kernel fills per head (the upper triangle
-        computed, then masked) shrinks to about S^2/2 + S*chunk/2 entries in chunk-row slices, and
-        the padding bias to [1, 1, chunk, S]. Same numbers per row: each position attends to the
-        same keys (tests/test_ort_prefill.py). Batches go in one call (ORT's CPU kernel takes a
-        multi-token chunk after a past only for batch 1)."""
+        static cache: each call's GroupQueryAttention scores its chunk against the keys so far, so
+        the S x S score matrix ORT's CPU kernel fills per head (the upper triangle computed, then
+        masked) shrinks to about S^2/2 + S*chunk/2 entries in chunk-row slices, and the padding bias
+        to [1, 1, chunk, S]. Same numbers per row: each position attends to the same keys
+        (tests/test_ort_prefill.py). Batches go in one call (ORT's CPU kernel takes a multi-token
+        chunk after a past only for batch 1)."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
         pos = np.ascontiguousarray(position_ids, dtype=np.int64)
@@ -282,7 +296,8 @@ class OrtCausalLM:
         chunk = self.prefill_chunk
         if not (b == 1 and self.shares_kv_buffer and 0 < chunk < s):
             logits, past = self.forward(ids, mask, pos, None, logits_to_keep=1)
-            return logits, (self.static_cache(past, capacity) if self.shares_kv_buffer else past)
+            yield logits, (self.static_cache(past, capacity) if self.shares_kv_buffer else past)
+            return
         cache = StaticCache(self, self.empty_past(1), max(capacity, s))
         bind = cache.binding
         if self.takes_logits_to_keep:
@@ -296,8 +311,10 @@ class OrtCausalLM:
             bind.bind_output("logits", "cpu")
             self.session.run_with_iobinding(bind)
             cache.length = end
+            if end < s:
+                yield None
         logits = bind.get_outputs()[-1].numpy()
-        return logits[:, -1:], cache
+        yield logits[:, -1:], cache
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None,
