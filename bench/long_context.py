@@ -31,7 +31,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 from harp_trt.errors import ConfigError, HarpError  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
+from harp_trt.memory import parse_bytes  # noqa: E402
 
 __all__ = ["main", "parse_args", "run", "parse_bytes", "RUNTIMES"]
 
@@ -59,15 +59,6 @@ def machine_note(load_before: float, load_after: float) -> str:
     return (f"{state} machine: load average {load_before:.2f} before the run (others' jobs), {load_after:.2f} "
             "after it (this run's threads included); speed-up intervals cover this run's repeat-to-repeat "
             "noise only" + ("" if state == "quiet" else ", not the other jobs' load"))
-
-
-def parse_bytes(text: str, flag: str = "--kv-budget") -> int:
-    """``2GiB``, ``512MiB``, ``64KiB`` or a plain byte count."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*", text)
-    if not m:
-        raise ConfigError(f"{flag} takes a size like 2GiB, 512MiB or a byte count, got {text!r}")
-    scale = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
-    return int(float(m.group(1)) * scale)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:

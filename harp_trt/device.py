@@ -9,7 +9,6 @@ when asked to, or when its weights at the compute dtype would not fit in the mem
 device (``choose_sequential``)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -103,12 +102,9 @@ def available_memory(device: str) -> int:
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
-    from harp_trt.memory import proc_kib
+    from harp_trt.memory import host_available
 
-    avail = proc_kib("/proc/meminfo", "MemAvailable")
-    if avail is not None:
-        return avail
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return host_available()
 
 
 def choose_sequential(placement: Placement, weight_bytes: int) -> bool:

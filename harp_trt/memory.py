@@ -12,8 +12,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import re
+from typing import Callable
 
-__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields", "proc_kib"]
+__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields", "proc_kib", "parse_bytes", "host_available", "memory_share", "kv_budget_bytes"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -73,3 +75,52 @@ def peak_rss_bytes() -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
     except (ImportError, OSError):
         return 0
+
+
+def parse_bytes(text: str, flag: str = "--kv-budget") -> int:
+    """``2GiB``, ``512MiB``, ``64KiB`` or a plain byte count; ConfigError names ``flag``."""
+    from .errors import ConfigError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB)?\s*", text)
+    if not m:
+        raise ConfigError(f"{flag} takes a size like 2GiB, 512MiB or a byte count, got {text!r}")
+    scale = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def host_available() -> int:
+    """Bytes of host memory free for new allocations: MemAvailable, else the free pages."""
+    import os
+
+    avail = proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is not None:
+        return avail
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def memory_share(text: str) -> float | None:
+    """The share of free memory a ``--kv-budget`` of ``0.4`` or ``40%`` asks for; None for a size."""
+    from .errors import ConfigError
+
+    t = text.strip()
+    m = re.fullmatch(r"(\d*\.?\d+)\s*%", t) or re.fullmatch(r"(\d*\.\d+|0)", t)
+    if not m:
+        return None
+    share = float(m.group(1)) / (100 if t.endswith("%") else 1)
+    if not 0 < share <= 1:
+        raise ConfigError(f"--kv-budget as a share of free memory must lie in (0, 100%], got {text!r}")
+    return share
+
+
+def kv_budget_bytes(text: str, available: Callable[[], int] | None = None) -> int:
+    """A KV budget: a size (``2GiB``, ``512MiB``, bytes) or a share of the memory free now
+    (``0.4`` or ``40%`` of MemAvailable, read when the server loads the model)."""
+    from .errors import ConfigError
+
+    share = memory_share(text)
+    if share is not None:
+        return int(share * (available or host_available)())
+    n = parse_bytes(text.strip(), "--kv-budget")
+    if n <= 0:
+        raise ConfigError(f"--kv-budget must be positive, got {text!r}")
+    return n
