@@ -133,7 +133,7 @@ def _largest_batches_logged(srv, since: int, timeout: float = 10.0) -> list[int]
 
     t0 = time.monotonic()
     while True:
-        found = [int(n) for n in re.findall(rb"harp: largest decode batch so far: (\d+) sequences",
+        found = [int(n) for n in re.findall(rb"harp\[\w+\]: largest decode batch so far: (\d+) sequences",
                                             srv.log.read_bytes()[since:])]
         if found or time.monotonic() - t0 > timeout:
             return found

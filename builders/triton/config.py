@@ -24,8 +24,9 @@ class TritonRepoConfig(StageConfig):
     graph on Triton's onnxruntime backend, the client keeps the KV cache), ``device`` (``cpu`` ->
     KIND_CPU, ``gpu`` -> KIND_GPU instances), ``instances``, ``threads`` (ORT intra-op threads; 0 =
     ORT's default), ``link`` (hard-link model files instead of copying where the filesystem
-    allows), ``max_active`` / ``max_input_len`` / ``max_seq_len`` (python serving: concurrent
-    sequences batched together, prompt and total token limits; 0 = the model's), and
+    allows), ``max_active`` / ``kv_budget`` / ``max_input_len`` / ``max_seq_len`` (python serving: most
+    sequences batched together, the KV memory that admits them, prompt and total token limits; 0 =
+    the model's), and
     ``triton_release``: the tritonserver release the repository is for (onnx serving: its ONNX Runtime
     must load the graph; TensorRT-LLM: its TensorRT-LLM must be the one the checkpoint targets;
     default: the first release carrying that TensorRT-LLM, ``releases.DEFAULT_TRITON_RELEASE``).
@@ -34,7 +35,7 @@ class TritonRepoConfig(StageConfig):
     copy the tokenizer from; empty = the artifact's ``hf/`` or the plan's model folder), and the
     tensorrtllm-backend settings of the same names."""
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     model_name: str = option("harp", group=ORT, help="Triton model name (default %(default)s)")
     serving: str = option("python", group=ORT, choices=("python", "onnx"), help=(
         "python: text in/out, generation + KV cache + batching inside the server (vLLM-backend I/O); onnx: "
@@ -66,7 +67,13 @@ class TritonRepoConfig(StageConfig):
     max_queue_size: int = 0
     preprocessing_instances: int = option(1, group=LLM, help="(default %(default)s)")
     postprocessing_instances: int = option(1, group=LLM, help="(default %(default)s)")
-    max_active: int = option(8, group=ORT, help="python serving: sequences decoded together (default %(default)s)")
+    max_active: int = option(0, group=ORT, help=(
+        "python serving: most sequences decoded together; 0 = as many as --kv-budget admits, 8 without a budget "
+        "(default %(default)s)"))
+    kv_budget: str = option("", group=ORT, help=(
+        "python serving: KV memory the admitted sequences may hold at their longest (prompt + max_tokens), as a "
+        "size (2GiB, 512MiB) or a share of the memory free when the server loads the model (0.4 or 40%%); the "
+        "rest queue (default: none, --max-active alone bounds it)"))
     max_input_len: int = option(0, group=ORT, flag="--prompt-limit", help=(
         "python serving: longest prompt in tokens, 0 = the model's context (default %(default)s)"))
     max_seq_len: int = option(0, group=ORT, flag="--context-limit", help=(
@@ -84,8 +91,8 @@ class TritonRepoConfig(StageConfig):
                 or self.model_name in ("ensemble", "preprocessing", "postprocessing", "tensorrt_llm"):
             raise ConfigError(f"model_name {self.model_name!r} is not a usable Triton model name",
                               "use letters, digits, '_', '-' or '.'")
-        self.check_ints(("instances", "preprocessing_instances", "postprocessing_instances", "max_active"), 1)
-        self.check_ints(("threads", "max_batch_size", "max_queue_delay_microseconds", "max_queue_size",
+        self.check_ints(("instances", "preprocessing_instances", "postprocessing_instances"), 1)
+        self.check_ints(("threads", "max_active", "max_batch_size", "max_queue_delay_microseconds", "max_queue_size",
                          "max_input_len", "max_seq_len"), 0)
         if not 0.0 < float(self.kv_cache_free_gpu_mem_fraction) <= 1.0:
             raise ConfigError(f"kv_cache_free_gpu_mem_fraction must lie in (0, 1], got "
@@ -98,6 +105,10 @@ class TritonRepoConfig(StageConfig):
             raise ConfigError(f"batching_strategy must be 'inflight_fused_batching', got {self.batching_strategy!r}",
                               "TensorRT-LLM 1.x refuses V1 (static batching) when it loads the model (\"Static "
                               "batching type is deprecated\"): use inflight_fused_batching")
+        if self.kv_budget:
+            from harp_trt.memory import kv_budget_bytes
+
+            kv_budget_bytes(self.kv_budget, available=lambda: 1)  # its form only: the share is of the server's memory
         if self.serving not in ("python", "onnx"):
             raise ConfigError(f"serving must be 'python' (text in/out, generation in the server) or 'onnx' "
                               f"(Triton's onnxruntime backend), got {self.serving!r}")

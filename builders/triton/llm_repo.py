@@ -100,7 +100,9 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
     shutil.copy2(asset, mdir / "1" / "model.py")
     meta_cfg = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else {}
     max_seq = int(config.max_seq_len or meta_cfg.get("max_position_embeddings") or 4096)
-    params = {"engine_dir": "engine", "max_active": str(config.max_active), "max_seq_len": str(max_seq),
+    max_active = config.max_active or (0 if config.kv_budget else 8)  # 0: the KV budget decides
+    params = {"engine_dir": "engine", "max_active": str(max_active), "kv_budget": config.kv_budget,
+              "max_seq_len": str(max_seq),
               "max_input_len": str(min(config.max_input_len or max_seq, max_seq)),
               "intra_op_threads": str(config.threads or (engine or {}).get("intra_op_threads") or 0),
               "providers": "CUDAExecutionProvider,CPUExecutionProvider" if config.device == "gpu" else "CPUExecutionProvider",
@@ -118,4 +120,23 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
         "inside this model (1/model.py, harp_trt.serving). Needs harp-trt, onnxruntime and transformers",
         "in the Python environment of the Python backend."]))
     return {"model": name, "serving": "python", "files": files, "placed_by": how, "tokenizer_files": tok,
-            "parameters": params, "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
+            "parameters": params, "admission": admission(config, (engine or {}).get("kv") or {}, max_seq, max_active), "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
+
+
+def admission(config, kv: dict, max_seq: int, max_active: int) -> list[dict]:
+    """Sequences the served model admits at once at a few prompt + max_tokens lengths, this engine
+    and the dense model of the same shape (``engine.json``'s ``kv``), under a fixed ``--kv-budget``
+    size; a share of free memory is resolved by the server at load (its log says)."""
+    from harp_trt.memory import kv_budget_bytes, memory_share
+
+    per, dense = int(kv.get("bytes_per_token") or 0), int(kv.get("dense_bytes_per_token") or 0)
+    fixed = config.kv_budget and memory_share(config.kv_budget) is None
+    budget = kv_budget_bytes(config.kv_budget) if fixed else None
+    rows = []
+    for tokens in sorted({t for t in (1024 + 128, 4096 + 1024, max_seq) if t <= max_seq}):
+        row = {"tokens": tokens, "max_active": max_active or None}
+        for key, b in (("admits", per), ("dense_admits", dense)):
+            by_kv = budget // (tokens * b) if budget and b else None
+            row[key] = min(c for c in (by_kv, max_active or None) if c is not None) if (by_kv or max_active) else None
+        rows.append(row)
+    return rows

@@ -52,8 +52,10 @@ harp_triton.json           what was written, from which artifact
 The model speaks the I/O of Triton's vLLM backend: `text_input` (string), optional `stream`
 (bool), `sampling_parameters` (JSON string: max_tokens, temperature, top_k, top_p, seed,
 stop_token_ids, ignore_eos; default greedy) and `exclude_input_in_output` (bool) -> `text_output`.
-Concurrent requests share one decode batch (up to {p['max_active']} sequences); prompts are
-limited to {p['max_input_len']} tokens and prompt + max_tokens to {p['max_seq_len']}.
+Concurrent requests share one decode batch; prompts are limited to {p['max_input_len']} tokens and
+prompt + max_tokens to {p['max_seq_len']}.
+
+{_admission_text(p, s.get('admission') or [])}
 
 ## Start the server
 
@@ -75,6 +77,23 @@ curl -sN localhost:8000/v2/models/{config.model_name}/generate_stream \
 python client.py "The capital of France is" --max-tokens 32 --url localhost:8001
 ```
 """
+
+
+def _admission_text(p: dict[str, str], rows: list[dict]) -> str:
+    """How many sequences the model admits at once, as the README says it (``llm_repo.admission``)."""
+    cap = f"at most {p['max_active']} sequences" if p.get("max_active", "0") != "0" else "no fixed cap"
+    if not p.get("kv_budget"):
+        return (f"Admission: {cap}, no KV budget (`--kv-budget` admits by memory); requests beyond it "
+                "queue, in arrival order.")
+    head = (f"Admission: a KV budget of `{p['kv_budget']}` ({cap}): a request is admitted while the KV of "
+            "every admitted sequence at its longest (prompt + max_tokens, kept layers only) fits in it; the "
+            "rest queue in arrival order, never refused for lack of room (a request larger than the whole "
+            "budget is refused at once).")
+    if not rows or rows[0].get("admits") is None:
+        return head + " The budget is a share of the memory free at load: the server log says what it admits."
+    table = "\n".join(f"| {r['tokens']} | {r['admits']} | {r['dense_admits']} |" for r in rows)
+    return (head + "\n\n| tokens per sequence | sequences at once (this engine) | the dense model |\n"
+            "|---|---|---|\n" + table)
 
 
 def readme_onnx(config, info, s: dict[str, Any], has_tokenizer: bool) -> str:

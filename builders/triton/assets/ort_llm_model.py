@@ -66,6 +66,7 @@ class TritonPythonModel:
         from harp_trt.serving import BatchedGenerator
 
         config = json.loads(args["model_config"])
+        self.name = args.get("model_name", "harp")
         params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
         engine = Path(args["model_repository"]) / args["model_version"] / params.get("engine_dir", "engine")
         spec = read_engine_spec(engine) if is_engine(engine) else {}
@@ -79,19 +80,41 @@ class TritonPythonModel:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.largest_batch = 0
-        self.gen = BatchedGenerator(self.lm, tuple(eos), max_active=int(params.get("max_active") or 8),
+        self.gen = BatchedGenerator(self.lm, tuple(eos), max_active=int(params.get("max_active") or 0) or None,
                                     max_seq_len=int(params.get("max_seq_len") or 0) or None,
-                                    on_decode=self._log_batch)
+                                    on_decode=self._log_batch, kv_budget=self._kv_budget(params))
+        self._log_admission(params)
         self.stop = threading.Event()
         self.worker = threading.Thread(target=self.gen.serve, args=(self.stop,), daemon=True)
         self.worker.start()
+
+    @staticmethod
+    def _kv_budget(params):
+        from harp_trt.memory import kv_budget_bytes
+
+        text = params.get("kv_budget", "").strip()
+        return kv_budget_bytes(text) if text else None
+
+    def _log_admission(self, params):
+        """What this model admits at once, in the server log (the repository README says the same
+        at the lengths it was written for)."""
+        g = self.gen
+        at = g.max_seq_len or 4096
+        budget = "no KV budget" if g.kv_budget is None else f"KV budget {g.kv_budget} B"
+        n = g.admits(at)
+        pb_utils.Logger.log_info(
+            f"harp[{self.name}]: {budget}, {g.kv_per_token} B of KV per token over {len(self.lm.kv_layers)} KV layers, "
+            f"max_active {g.max_active or 'unbounded'}: admits "
+            f"{'every request' if n is None else n} sequence(s) of {at} tokens (prompt + max_tokens) at once; "
+            "the rest queue")
 
     def _log_batch(self, size):
         """Each new largest decode batch goes to the server log (Triton counts one execution per
         request here: the batching happens inside this model, so only it can say)."""
         if size > self.largest_batch:
             self.largest_batch = size
-            pb_utils.Logger.log_info(f"harp: largest decode batch so far: {size} sequences")
+            pb_utils.Logger.log_info(f"harp[{self.name}]: largest decode batch so far: {size} sequences "
+                                     f"({self.gen.waiting} queued, {self.gen.kv_reserved} B of KV reserved)")
 
     def execute(self, requests):
         from harp_trt.errors import HarpError
@@ -103,7 +126,7 @@ class TritonPythonModel:
                 prompt = _scalar(request, "text_input")
                 if prompt is None:
                     raise ValueError("text_input is required")
-                if not prompt.strip():
+                if prompt == "":  # whitespace is text (its tokens); no tokens at all is refused by submit
                     raise ValueError("text_input is empty")
                 stream = bool(_scalar(request, "stream", False))
                 exclude = bool(_scalar(request, "exclude_input_in_output", False))
