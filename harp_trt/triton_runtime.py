@@ -1,5 +1,6 @@
 """Start the real ``tritonserver`` (2.51, the 24.10 release) from the ``nvidia-pytriton`` wheel on
-PyPI, on the CPU, for integration tests. Not a test module.
+PyPI, on the CPU: the test suite's server (``tests/_tritonserver.py``) and the serving benchmark's
+(``bench/serve_load.py``).
 
 What it takes (measured here; see docs/deploy.md, "Triton Inference Server"):
 * the wheel, downloaded (never installed) and unzipped; the Python-backend stub for this Python
@@ -9,7 +10,8 @@ What it takes (measured here; see docs/deploy.md, "Triton Inference Server"):
   its ``site-packages`` from the ``python3`` on ``PATH``; it must hold numpy < 2 (the 24.10 stub
   corrupts string tensors under numpy 2), and reaches this project's packages through a ``.pth``;
 * free loopback ports, a unique shared-memory prefix per server.
-``available()`` says why a server cannot run here (the tests skip with that reason)."""
+``available()`` says why a server cannot run here. pip fetches the wheels with this process's
+settings (in the suite: from its wheelhouse only)."""
 from __future__ import annotations
 
 import glob
@@ -28,8 +30,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import wheelhouse
-
 PYTRITON = "nvidia-pytriton==0.7.0"
 STUB_NUMPY = "numpy==1.26.4"
 
@@ -45,7 +45,15 @@ def available() -> str | None:
     return None
 
 
-def fetch_server(root: Path) -> Path:
+def _pip_fetch(requirement: str, dest: Path) -> Path:
+    """``requirement``'s wheel (no dependencies), downloaded by pip into ``dest``."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+                    "-d", str(dest), requirement], check=True)
+    name = requirement.split("==")[0].replace("-", "_").lower()
+    return next(f for f in dest.glob("*.whl") if f.name.lower().startswith(name))
+
+
+def fetch_server(root: Path, wheel: Path | None = None) -> Path:
     """The unzipped wheel, in a folder under ``root`` named by the pinned requirement and this
     Python (``root`` is the tests' persistent cache): downloaded once, unzipped into a temporary
     folder and renamed into place, so an interrupted download never looks complete and another pin
@@ -57,7 +65,7 @@ def fetch_server(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{home.name}-", dir=root))
     try:
-        whl = wheelhouse.require(PYTRITON)
+        whl = wheel or _pip_fetch(PYTRITON, tmp)
         tree = tmp / "tree"
         with zipfile.ZipFile(whl) as z:
             z.extractall(tree)
@@ -87,9 +95,8 @@ def stub_venv(dest: Path) -> Path:
         subprocess.run([str(base), "-m", "venv", "--without-pip", str(dest)], check=True)
     if not (sp / "numpy").is_dir():  # installed beside, then renamed: never half a numpy
         part = Path(tempfile.mkdtemp(prefix=".site-packages-", dir=dest))
-        wheelhouse.require(STUB_NUMPY)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(part), STUB_NUMPY],
-                       check=True, env=wheelhouse.pip_env())
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+                        "--target", str(part), STUB_NUMPY], check=True)
         shutil.rmtree(sp, ignore_errors=True)
         os.rename(part, sp)
     (sp / "zz_project_site.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n"
@@ -135,6 +142,14 @@ class Server:
     def log_tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
 
+    def kill(self) -> int:
+        """SIGKILL the server and its stubs mid-work (what an OOM killer or a node loss does)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.wait()
+
     def stop(self, timeout: float = 20.0) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -152,9 +167,10 @@ class Server:
         return self.proc.returncode
 
 
-def start(repo: Path, root: Path, timeout: float = 120.0) -> Server:
-    """Start tritonserver on ``repo`` and wait until it is ready (raises with the log tail)."""
-    root = fetch_server(root)
+def start(repo: Path | list[Path], root: Path, timeout: float = 120.0, wheel: Path | None = None) -> Server:
+    """Start tritonserver on ``repo`` (one repository or several) and wait until it is ready (raises
+    with the log tail). ``root``: where the unzipped wheel, its stub venv and the server logs live."""
+    root = fetch_server(root, wheel)
     venv = stub_venv(root / "stubvenv")
     ts = root / "pytriton" / "tritonserver"
     http, grpc, metrics = _ports(3)
@@ -165,7 +181,8 @@ def start(repo: Path, root: Path, timeout: float = 120.0) -> Server:
                                                          env.get("LD_LIBRARY_PATH")) if p)
     env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
     env.pop("PYTHONPATH", None)
-    cmd = [str(ts / "bin" / "tritonserver"), f"--model-repository={repo}",
+    repos = [repo] if isinstance(repo, (str, Path)) else list(repo)
+    cmd = [str(ts / "bin" / "tritonserver"), *(f"--model-repository={r}" for r in repos),
            f"--backend-directory={ts / 'backends'}", f"--cache-directory={ts / 'caches'}",
            "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
            f"--metrics-port={metrics}", "--allow-metrics=false", "--pinned-memory-pool-byte-size=0",

@@ -10,7 +10,7 @@ can pass a test only if a cold one would. What makes that hold:
   requirement; a release's files never change), the folder converted from it (``harp_trt.models``:
   named by the GGUF's identity *and* the converter, ``models.py``'s source and the converting
   libraries' versions, so a folder another converter wrote is not reused; its *weight digest* is
-  the model's identity in every key), and the tritonserver wheel (``_tritonserver.fetch_server``:
+  the model's identity in every key), and the tritonserver wheel (``harp_trt.triton_runtime.fetch_server``:
   named by its pin and this Python).
 - Stage artifacts in it (tests that run stages into ``test_cache``) are keyed by complete keys:
   stage version, config, upstream keys, content digests, and the code version
