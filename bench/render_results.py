@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from harp_trt.bench._render_serve import serve_load
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -268,7 +270,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check,
                                                          "long_context_headline": long_context_headline,
                                                          "long_context_dense": long_context_dense,
                                                          "prefill_profile": prefill_profile,
-                                                         "prefill_headline": prefill_headline}
+                                                         "prefill_headline": prefill_headline,
+                                                         "serve_load": serve_load}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

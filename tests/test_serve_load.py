@@ -1,0 +1,103 @@
+"""``bench/serve_load.py`` at a small size (issue 32): a tiny dense and HARP engine (P = 2 of 4
+layers) behind one real tritonserver (2.51, the nvidia-pytriton wheel), driven by real AIPerf
+(0.13.0, its pinned tool venv installed from the wheelhouse) through Triton's ``generate_stream``.
+
+What must hold: every AIPerf request completes; a KV budget of two dense sequences admits two dense
+and four HARP ones (L/(L-P) = 2) and the load never decodes more together than that; malformed
+requests mixed into the load get error responses while AIPerf's requests complete; a soak ends
+without a failure, with greedy answers equal to ``harp-trt generate``'s and RSS grown < 5 %; the
+server SIGKILLed mid-load leaves the repository and engines unchanged and serves again."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import _tritonserver
+import wheelhouse
+from conftest import save_tiny
+from harp_trt.bench import serve_load
+from test_calibrate_cli import write_corpus
+
+ISL, OSL = 16, 128
+DENSE_KV_PER_TOKEN = 4 * 2 * 2 * 16 * 4   # tiny llama: 4 layers x K,V x 2 KV heads x head_dim 16 x fp32
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory, test_cache):
+    if (why := _tritonserver.available()) is not None:
+        pytest.fail(f"tritonserver cannot run here: {why}", pytrace=False)
+    wheelhouse.require("aiperf==0.13.0")
+    wheelhouse.require(_tritonserver.STUB_NUMPY)
+    wheelhouse.require(_tritonserver.PYTRITON)
+    root = tmp_path_factory.mktemp("serve-load")
+    model = save_tiny("llama", root / "tiny")
+    corpus = write_corpus(root / "corpus.txt")
+    # AIPerf's prompts of ISL tokens take ISL to 2 ISL of the tiny character tokenizer's: this budget admits
+    # two dense sequences and four HARP ones at any length in between
+    budget = 2 * (2 * ISL + OSL) * DENSE_KV_PER_TOKEN + 100
+    out = root / "out"
+    argv = ["--model", str(model), "--prune-layers", "2,3", "--quant", "none", "--corpus", str(corpus),
+            "--calib-tokens", "256", "--isl", str(ISL), "--osl", str(OSL), "--concurrency", "1,4",
+            "--requests", "8", "--runs", "1", "--kv-budget", str(budget), "--soak-s", "10", "--kill-after", "3",
+            "--workdir", str(root / "cache"), "--tools", str(test_cache), "--out", str(out)]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = serve_load.main(argv)
+    assert code == 0, buf.getvalue()[-2000:]
+    last = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert last == json.loads((out / "serve_load.json").read_text())
+    return last
+
+
+def test_every_request_completes_through_aiperf(result):
+    points = result["points"]
+    assert {(p["model"], p["concurrency"]) for p in points} == {(m, c) for m in ("dense", "harp") for c in (1, 4)}
+    for p in points:
+        assert p["errors"] == 0 and p["requests"] == 8, p
+        assert p["output_tokens_per_s"]["avg"] > 0 and p["itl_ms"]["p99"] > 0 and p["ttft_ms"]["p99"] > 0
+        assert "--endpoint-type" in p["command"] and "generate_stream" in " ".join(p["command"])
+    g = result["goodput_per_run"][0]
+    assert g["slo"]["itl_ms"] > 0 and g["dense"]["saturation_tokens_per_s"] > 0
+    assert result["summary"]["saturation_tokens_per_s"]["harp_over_dense"]["runs"] == 1
+
+
+def test_kv_budget_admits_l_over_l_minus_p_and_the_load_respects_it(result):
+    a = result["admission"]
+    assert a["dense"]["kv_bytes_per_token"] == DENSE_KV_PER_TOKEN
+    assert a["harp"]["kv_bytes_per_token"] == DENSE_KV_PER_TOKEN // 2
+    assert (a["dense"]["admits"], a["harp"]["admits"]) == (2, 4)
+    assert a["harp_over_dense"] == a["ceiling"] == 2.0
+    # at concurrency 4 the dense model never decoded more than its budget admits; HARP reached its 4
+    assert a["dense"]["largest_batch_seen"] == 2 and a["harp"]["largest_batch_seen"] == 4
+
+
+def test_bad_requests_in_the_load_get_errors_and_the_load_completes(result):
+    bad = result["bad_requests"]
+    assert bad["all_refused"], bad["rows"]
+    assert all(r["error"] for r in bad["rows"])
+    assert bad["load_errors"] == 0 and bad["load_requests"] >= 4
+
+
+def test_soak_loses_nothing(result):
+    soak = result["soak"]
+    assert soak["failures"] == 0 and soak["requests"] >= 2
+    assert soak["greedy_all_equal"], soak["greedy"]
+    assert soak["rss_growth"] < 0.05, soak
+
+
+def test_server_killed_mid_load_serves_again_from_the_same_repository(result):
+    kill = result["kill"]
+    assert kill["exit_code"] == -9
+    assert kill["repository_and_engines_unchanged"] and kill["first_answer_ok"], kill
+
+
+@pytest.mark.parametrize("extra, match", [(["--kv-budget", "lots"], "--kv-budget"),
+                                          (["--concurrency", "1,4", "--requests", "2,4,8"], "--requests"),
+                                          (["--concurrency", "0"], "--concurrency")])
+def test_bad_arguments_exit_2_before_anything_runs(extra, match, capsys):
+    assert serve_load.main(["--model", "smollm2-135m", "--prune-layers", "28,29", *extra]) == 2
+    assert match in capsys.readouterr().err
