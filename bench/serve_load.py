@@ -262,6 +262,10 @@ def decode_speedup_beside(args) -> dict[str, Any] | None:
         return None
     path = Path(args.engine_json)
     data = json.loads(path.read_text())
+    if "summary" not in data and "runtimes" in data:  # a --runs 1 JSON: summarised as --runs N summarises
+        from harp_trt.bench._long_context_runs import summarize
+
+        data = {**data, "summary": summarize([data])}
     rows = (((data.get("summary") or {}).get("runtimes") or {}).get("ort") or {}).get("decode") or []
     if not rows:
         raise ConfigError(f"{path}: no ORT decode figures (a bench/long_context.py --runtime ort JSON)")
