@@ -32,6 +32,7 @@ AIPERF = "aiperf==0.13.0"
 CONSTRAINTS = Path(__file__).with_name("aiperf-constraints.txt")
 TEMPLATE = ('{"text_input": {{ text|tojson }}, "stream": {{ stream|tojson }}, "exclude_input_in_output": true, '
             '"sampling_parameters": {{ {"max_tokens": max_tokens, "ignore_eos": true}|tojson|tojson }}}')
+REFILL_RATE = 20  # requests/s AIPerf may start at most: paces its loop (see profile)
 # AIPerf's metric tags -> our names; the unit is AIPerf's (ms, tokens/s, requests/s)
 METRICS = {"request_throughput": "requests_per_s", "output_token_throughput": "output_tokens_per_s",
            "time_to_first_token": "ttft_ms", "inter_token_latency": "itl_ms", "request_latency": "latency_ms",
@@ -79,6 +80,9 @@ def profile(aiperf: Path, url: str, model: str, tokenizer: Path, isl: int, osl: 
            "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
            "--tokenizer", str(tokenizer), "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl),
            "--osl-stddev", "0", "--concurrency", str(concurrency), "--random-seed", str(seed),
+           # a request rate beside the concurrency: with none, AIPerf's timing manager polls for a free slot
+           # without sleeping (one core at 100 %, half of this machine); at 20/s a freed slot waits <= 50 ms
+           "--request-rate", str(REFILL_RATE),
            "--output-artifact-dir", str(out), "--ui-type", "none",
            # one worker and one record processor (asyncio holds every in-flight request), no GPU telemetry
            # and no /metrics scraping: the load generator shares this machine's cores with the server

@@ -101,3 +101,20 @@ def test_server_killed_mid_load_serves_again_from_the_same_repository(result):
 def test_bad_arguments_exit_2_before_anything_runs(extra, match, capsys):
     assert serve_load.main(["--model", "smollm2-135m", "--prune-layers", "28,29", *extra]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_engine_speedup_beside_reads_either_long_context_json(tmp_path):
+    """``--engine-json``: a ``--runs N`` JSON and the single run inside it give the same figures."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "results" / "long_context_smollm2_ort_4608.json"
+    data = json.loads(path.read_text())
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps(data["runs"][0]))
+    args = SimpleNamespace(isl=4096, osl=1024, engine_json=str(path))
+    many = serve_load.decode_speedup_beside(args)
+    one = serve_load.decode_speedup_beside(SimpleNamespace(**{**vars(args), "engine_json": str(single)}))
+    assert many["context"] == one["context"] == 4608 and many["batches"] == one["batches"]
+    assert {b["batch"] for b in many["batches"]} == {1, 4}
+    assert all(1 < b["speedup_median"] <= b["ceiling"] for b in many["batches"])
