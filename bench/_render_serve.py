@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["serve_load"]
+__all__ = ["serve_load", "serve_load_headline"]
 
 
 def _spread(s: dict[str, Any] | None, fmt: str = "{:.1f}") -> str:
@@ -96,3 +96,12 @@ def serve_load(d: dict[str, Any]) -> str:
             f"<= {a['slo_ttft']:g} x dense's p50 at concurrency {min(p['concurrency'] for p in d['points'])} "
             f"(run 0: {slo[0]['itl_ms']:.0f} ms, {slo[0]['ttft_ms'] / 1000:.1f} s). Medians [min, max] of "
             f"{a['runs']} runs. `{d['provenance']['command']}` at {d['provenance']['commit']}.\n")
+
+
+def serve_load_headline(d: dict[str, Any]) -> str:
+    """The README's table: admission, saturation and goodput, HARP over dense beside L/(L-P), and the
+    engine-level decode speed-up without the server."""
+    a = d["args"]
+    return ("\n".join(_headline(d)) + f"\n\nMedians [min, max] of {a['runs']} runs of AIPerf "
+            f"{d['provenance']['versions']['aiperf']}; `{d['provenance']['command']}` at "
+            f"{d['provenance']['commit']}.\n")
