@@ -24,11 +24,13 @@ def _median(rows: list[dict[str, Any]], metric: str, stat: str) -> float | None:
 def _headline(d: dict[str, Any]) -> list[str]:
     a, s, adm = d["args"], d["summary"], d["admission"]
     ceiling = adm.get("ceiling")
+    frac = {m: adm[m]["kv_budget_bytes"] / (adm[m]["tokens"] * adm[m]["kv_bytes_per_token"]) for m in ("dense", "harp")}
     rows = ["| | dense | HARP | HARP / dense | ceiling L/(L-P) |", "|---|---|---|---|---|",
-            f"| sequences admitted at {a['isl'] + a['osl']} tokens (largest decode batch seen) | "
-            f"{adm['dense']['admits']} ({adm['dense']['largest_batch_seen']}) | "
-            f"{adm['harp']['admits']} ({adm['harp']['largest_batch_seen']}) | {adm['harp_over_dense']:.2f} | "
-            f"{ceiling:.2f} |"]
+            f"| sequences of {a['isl'] + a['osl']} tokens the KV budget admits: whole (budget / sequence KV; "
+            f"largest decode batch seen) | {adm['dense']['admits']} ({frac['dense']:.2f}; "
+            f"{adm['dense']['largest_batch_seen']}) | {adm['harp']['admits']} ({frac['harp']:.2f}; "
+            f"{adm['harp']['largest_batch_seen']}) | {adm['harp_over_dense']:.2f} (unrounded "
+            f"{frac['harp'] / frac['dense']:.3f}) | {ceiling:.3f} |"]
     for key, what in (("saturation_tokens_per_s", "output tokens/s at saturation"),
                       ("goodput_tokens_per_s", "goodput: output tokens/s within the SLO")):
         rows.append(f"| {what} | {_spread(s[key]['dense'])} | {_spread(s[key]['harp'])} | "

@@ -43,7 +43,7 @@ from harp_trt.errors import ConfigError, HarpError  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 from harp_trt.memory import parse_bytes  # noqa: E402
 
-__all__ = ["main", "parse_args", "run", "parse_bytes", "RUNTIMES"]
+__all__ = ["main", "parse_args", "run", "parse_bytes", "parse_ints", "RUNTIMES"]
 
 log = logging.getLogger("long_context")
 
@@ -61,7 +61,7 @@ def machine_note(load_before: float, load_after: float) -> str:
             "noise only" + ("" if state == "quiet" else ", not the other jobs' load"))
 
 
-def _ints(text: str, flag: str) -> tuple[int, ...]:
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -123,9 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="long_context_out", help="folder for the JSON and the plot")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    a.contexts, a.batches = _ints(a.contexts, "--contexts"), _ints(a.batches, "--batches")
-    a.prefill_lens = _ints(a.prefill_lens, "--prefill-lens") if a.prefill_lens.strip() not in ("", "none") else ()
-    a.layers = _ints(a.prune_layers, "--prune-layers") if a.prune_layers else ()
+    a.contexts, a.batches = parse_ints(a.contexts, "--contexts"), parse_ints(a.batches, "--batches")
+    a.prefill_lens = parse_ints(a.prefill_lens, "--prefill-lens") if a.prefill_lens.strip() not in ("", "none") else ()
+    a.layers = parse_ints(a.prune_layers, "--prune-layers") if a.prune_layers else ()
     if (a.model or a.shape) and not a.layers:
         raise ConfigError("--model/--shape need --prune-layers (the layers to prune), e.g. --prune-layers 28,29")
     if a.plan and a.layers:

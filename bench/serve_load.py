@@ -37,6 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harp_trt.bench.long_context import parse_ints  # noqa: E402
 from harp_trt.errors import ConfigError, HarpError  # noqa: E402
 
 __all__ = ["main", "parse_args", "goodput", "summarize"]
@@ -44,16 +45,6 @@ __all__ = ["main", "parse_args", "goodput", "summarize"]
 log = logging.getLogger("serve_load")
 ADMITS = re.compile(r"harp\[(\w+)\]: KV budget (\d+) B, (\d+) B of KV per token over (\d+) KV layers")
 LARGEST = re.compile(r"harp\[(\w+)\]: largest decode batch so far: (\d+) sequences")
-
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise ConfigError(f"{flag} takes positive integers, got {text!r}")
-    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,12 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                      "speed-up is reported beside the server's")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    a.levels = _ints(a.concurrency, "--concurrency")
-    counts = _ints(a.requests, "--requests") if a.requests.strip() else tuple(max(4, 2 * c) for c in a.levels)
+    a.levels = parse_ints(a.concurrency, "--concurrency")
+    counts = parse_ints(a.requests, "--requests") if a.requests.strip() else tuple(max(4, 2 * c) for c in a.levels)
     if len(counts) not in (1, len(a.levels)):
         raise ConfigError(f"--requests takes one count or one per concurrency ({len(a.levels)}), got {a.requests!r}")
     a.counts = dict(zip(a.levels, counts * len(a.levels) if len(counts) == 1 else counts))
-    a.layers = _ints(a.prune_layers, "--prune-layers")
+    a.layers = parse_ints(a.prune_layers, "--prune-layers")
     if min(a.isl, a.osl, a.runs, a.calib_tokens) < 1 or a.soak_s < 0 or a.kill_after < 0:
         raise ConfigError("--isl, --osl, --runs, --calib-tokens must be >= 1; --soak-s, --kill-after >= 0")
     from harp_trt.memory import kv_budget_bytes
