@@ -15,7 +15,8 @@ import logging
 import re
 from typing import Callable
 
-__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields", "proc_kib", "parse_bytes", "host_available", "memory_share", "kv_budget_bytes"]
+__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields", "proc_kib", "parse_bytes", "host_available",
+           "memory_share", "kv_budget_bytes", "sequences_admitted"]
 
 log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -124,3 +125,13 @@ def kv_budget_bytes(text: str, available: Callable[[], int] | None = None) -> in
     if n <= 0:
         raise ConfigError(f"--kv-budget must be positive, got {text!r}")
     return n
+
+
+def sequences_admitted(tokens: int, kv_bytes_per_token: int, kv_budget: int | None = None,
+                       max_active: int | None = None) -> int | None:
+    """The admission rule of ``harp_trt.serving.BatchedGenerator``: how many sequences of ``tokens``
+    tokens each (prompt + max_tokens) are admitted at once, as many as their KV at the longest fits
+    in ``kv_budget`` and at most ``max_active``; None when neither bounds them."""
+    by_kv = None if kv_budget is None else kv_budget // max(1, tokens * kv_bytes_per_token)
+    caps = [c for c in (by_kv, max_active) if c is not None]
+    return min(caps) if caps else None

@@ -33,11 +33,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .errors import ConfigError
-from .memory import kv_budget_bytes
+from .memory import sequences_admitted
 from .decoding import BatchKV
 from .ort_session import OrtCausalLM, StaticCache, sample_next
 
-__all__ = ["SamplingParams", "GenerationRequest", "BatchedGenerator", "SAMPLING_KEYS", "kv_budget_bytes"]
+__all__ = ["SamplingParams", "GenerationRequest", "BatchedGenerator", "SAMPLING_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +151,7 @@ class BatchedGenerator:
     def admits(self, tokens: int) -> int | None:
         """How many sequences of ``tokens`` tokens each (prompt + max_tokens) are admitted at once;
         None when nothing but the clients bounds it."""
-        by_kv = None if self.kv_budget is None else self.kv_budget // max(1, tokens * self.kv_per_token)
-        caps = [c for c in (by_kv, self.max_active) if c is not None]
-        return min(caps) if caps else None
+        return sequences_admitted(tokens, self.kv_per_token, self.kv_budget, self.max_active)
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request; ConfigError when it could never be served."""

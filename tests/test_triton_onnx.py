@@ -309,3 +309,35 @@ def test_bf16_graph_is_refused_for_onnx_serving(tmp_path):
     export_folder(folder, tmp_path / "bf16", dtype="bfloat16")
     with pytest.raises(HarpError, match="bfloat16 graph"):
         write_repository(tmp_path / "bf16", tmp_path / "repo", ONNX)
+
+
+def test_kv_budget_admission_in_the_repository(engine, tmp_path, capsys):
+    """``deploy triton --kv-budget``: the model's parameters carry the budget (max_active 0: the budget
+    decides), harp_triton.json and the repository README give the sequences admitted at the model's
+    context for this HARP engine and its dense shape (L/(L-P) = 2 here); a share of free memory is
+    left to the server's log; a malformed budget exits 2 before anything is written."""
+    from harp_trt.builders.ort.builder import OrtBuilder
+
+    folder, _ = engine
+    spec = OrtBuilder().build(folder / "model.onnx", tmp_path / "engine")
+    per, dense = spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"]
+    assert dense == 2 * per
+    budget = 3 * 2048 * dense + 1   # three dense sequences of 2048 tokens, six HARP ones
+    assert main(["deploy", "triton", "--artifact", str(tmp_path / "engine"), "--out", str(tmp_path / "repo"),
+                 "--kv-budget", str(budget), "--context-limit", "2048"]) == 0
+    cfg = parse_model_config(tmp_path / "repo" / "harp" / "config.pbtxt")
+    assert cfg.parameters["kv_budget"].string_value == str(budget) and cfg.parameters["max_active"].string_value == "0"
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert f"a KV budget of `{budget}`" in readme
+    assert "| 1152 | 10 | 5 |" in readme and "| 2048 | 6 | 3 |" in readme
+    r = write_repository(tmp_path / "engine", tmp_path / "none", TritonRepoConfig(serving="python"))
+    assert r["admission"][0]["admits"] == 8 and r["parameters"]["max_active"] == "8"  # no budget: 8, as before
+    for share in ("40%", "0.4"):
+        r = write_repository(tmp_path / "engine", tmp_path / f"share{share}", TritonRepoConfig(serving="python",
+                                                                                         kv_budget=share))
+        assert r["admission"][0]["admits"] is None and r["parameters"]["kv_budget"] == share
+        assert "the server log says what it admits" in (tmp_path / f"share{share}" / "README.md").read_text()
+    capsys.readouterr()
+    assert main(["deploy", "triton", "--artifact", str(tmp_path / "engine"), "--out", str(tmp_path / "bad"),
+                 "--kv-budget", "lots"]) == 2
+    assert "--kv-budget" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -120,14 +120,15 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
         "inside this model (1/model.py, harp_trt.serving). Needs harp-trt, onnxruntime and transformers",
         "in the Python environment of the Python backend."]))
     return {"model": name, "serving": "python", "files": files, "placed_by": how, "tokenizer_files": tok,
-            "parameters": params, "admission": admission(config, (engine or {}).get("kv") or {}, max_seq, max_active), "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
+            "parameters": params, "admission": admission(config, (engine or {}).get("kv") or {}, max_seq, max_active),
+            "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
 
 
 def admission(config, kv: dict, max_seq: int, max_active: int) -> list[dict]:
     """Sequences the served model admits at once at a few prompt + max_tokens lengths, this engine
     and the dense model of the same shape (``engine.json``'s ``kv``), under a fixed ``--kv-budget``
     size; a share of free memory is resolved by the server at load (its log says)."""
-    from harp_trt.memory import kv_budget_bytes, memory_share
+    from harp_trt.memory import kv_budget_bytes, memory_share, sequences_admitted
 
     per, dense = int(kv.get("bytes_per_token") or 0), int(kv.get("dense_bytes_per_token") or 0)
     fixed = config.kv_budget and memory_share(config.kv_budget) is None
@@ -136,7 +137,6 @@ def admission(config, kv: dict, max_seq: int, max_active: int) -> list[dict]:
     for tokens in sorted({t for t in (1024 + 128, 4096 + 1024, max_seq) if t <= max_seq}):
         row = {"tokens": tokens, "max_active": max_active or None}
         for key, b in (("admits", per), ("dense_admits", dense)):
-            by_kv = budget // (tokens * b) if budget and b else None
-            row[key] = min(c for c in (by_kv, max_active or None) if c is not None) if (by_kv or max_active) else None
+            row[key] = sequences_admitted(tokens, b, budget if b else None, max_active or None)
         rows.append(row)
     return rows
