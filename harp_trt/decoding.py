@@ -19,6 +19,22 @@ __all__ = ["StaticCache", "BatchKV", "sample_next", "Past"]
 Past = dict[int, tuple[np.ndarray, np.ndarray]]
 
 
+def bind_in_place(lm: OrtCausalLM, buffers: dict[int, tuple[np.ndarray, np.ndarray]], rows: int | None = None):
+    """An IO binding of ``lm``'s session with each KV buffer (its first ``rows`` rows: still one
+    contiguous block) bound as both ``past_key_values.*`` and ``present.*``, and the OrtValues that
+    view the numpy memory (kept alive beside the binding)."""
+    ort = require("onnxruntime", "ONNX Runtime sessions need it")
+
+    binding, views = lm.session.io_binding(), []
+    for i, (kb, vb) in buffers.items():
+        for kind, buf in (("key", kb), ("value", vb)):
+            val = ort.OrtValue.ortvalue_from_numpy(buf if rows is None else buf[:rows])
+            views.append(val)
+            binding.bind_ortvalue_input(past_name(i, kind), val)
+            binding.bind_ortvalue_output(present_name(i, kind), val)
+    return binding, views
+
+
 class StaticCache:
     """KV buffers ``[B, kv_heads, capacity, head_dim]`` per kept layer, bound once as both
     ``past_key_values.*`` and ``present.*`` of one IO binding; ``length`` tokens are filled.
@@ -35,8 +51,6 @@ class StaticCache:
         self._fill(past, max(capacity, self.length + 1))
 
     def _fill(self, past: Past, capacity: int) -> None:
-        ort = require("onnxruntime", "ONNX Runtime sessions need it")
-
         shape = (self.batch, self.lm.kv_heads, capacity, self.lm.head_dim)
         self.buffers = {}
         for i, (k, v) in past.items():
@@ -44,12 +58,7 @@ class StaticCache:
             kb[:, :, :self.length], vb[:, :, :self.length] = k[:, :, :self.length], v[:, :, :self.length]
             self.buffers[i] = (kb, vb)
         self.capacity = capacity
-        self.binding = self.lm.session.io_binding()
-        for i, (kb, vb) in self.buffers.items():  # numpy owns the memory; the OrtValues view it
-            for kind, buf in (("key", kb), ("value", vb)):
-                val = ort.OrtValue.ortvalue_from_numpy(buf)
-                self.binding.bind_ortvalue_input(past_name(i, kind), val)
-                self.binding.bind_ortvalue_output(present_name(i, kind), val)
+        self.binding, self._views = bind_in_place(self.lm, self.buffers)
 
     def reserve(self, tokens: int) -> None:
         if tokens > self.capacity:
@@ -140,19 +149,10 @@ class BatchKV:
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """One token for every row, appended in place; returns logits [rows, 1, V]."""
-        ort = require("onnxruntime", "ONNX Runtime sessions need it")
-
         b, T = self.rows, self.length
         self._grow(b, T + 1)
         if self._bound != b:  # views of the first b rows: contiguous, so ORT reads and writes them in place
-            self.binding = self.lm.session.io_binding()
-            self._views = []
-            for i, (kb, vb) in self.buffers.items():
-                for kind, buf in (("key", kb), ("value", vb)):
-                    val = ort.OrtValue.ortvalue_from_numpy(buf[:b])
-                    self._views.append(val)
-                    self.binding.bind_ortvalue_input(past_name(i, kind), val)
-                    self.binding.bind_ortvalue_output(present_name(i, kind), val)
+            self.binding, self._views = bind_in_place(self.lm, self.buffers, b)
             self._bound = b
         mask = np.zeros((b, T + 1), np.int64)
         for j, n in enumerate(self.lens):
