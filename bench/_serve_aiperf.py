@@ -69,7 +69,7 @@ def tool_venv(root: Path) -> Path:
 
 def profile(aiperf: Path, url: str, model: str, tokenizer: Path, isl: int, osl: int, concurrency: int,
             requests: int, out: Path, seed: int = 0, warmup: int = 0, duration_s: float = 0.0,
-            timeout_s: float = 7200.0) -> dict[str, Any]:
+            timeout_s: float = 7200.0, rate: float = REFILL_RATE) -> dict[str, Any]:
     """One AIPerf run at a fixed concurrency, streaming: ``requests`` requests, or as many as
     ``duration_s`` seconds take (those in flight then complete); returns ``figures`` of its export."""
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,7 @@ def profile(aiperf: Path, url: str, model: str, tokenizer: Path, isl: int, osl: 
            "--osl-stddev", "0", "--concurrency", str(concurrency), "--random-seed", str(seed),
            # a request rate beside the concurrency: with none, AIPerf's timing manager polls for a free slot
            # without sleeping (one core at 100 %, half of this machine); at 20/s a freed slot waits <= 50 ms
-           "--request-rate", str(REFILL_RATE),
+           "--request-rate", str(rate),
            "--output-artifact-dir", str(out), "--ui-type", "none",
            # one worker and one record processor (asyncio holds every in-flight request), no GPU telemetry
            # and no /metrics scraping: the load generator shares this machine's cores with the server

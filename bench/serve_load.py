@@ -11,6 +11,8 @@ tritonserver of the nvidia-pytriton wheel (``harp_trt.triton_runtime``); AIPerf 
 tool venv (``bench/_serve_aiperf.py``) through Triton's ``generate_stream`` endpoint. Per run, per
 concurrency, dense and HARP alternate (the first one swaps each run). Figures are AIPerf's:
 request and output-token throughput, TTFT and ITL p50/p99, errors.
+AIPerf starts at most ``--request-rate`` requests/s (default 20): paced, its loop sleeps; without a
+rate it polls for a free slot on a whole core, which on this 2-core machine halved the server.
 
 Goodput: per model, the highest output tokens/s at a concurrency whose p99 ITL and p99 TTFT stay
 under the SLO (``--slo-itl`` x and ``--slo-ttft`` x the dense model's p50 at concurrency 1). The
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8", help="AIPerf concurrencies (default 1,2,4,8)")
     p.add_argument("--requests", default="", help="requests per concurrency, one number or one per --concurrency "
                                                   "(default 2 x concurrency, >= 4)")
+    p.add_argument("--request-rate", type=float, default=20.0,
+                   help="most requests/s AIPerf starts (paces its loop: without a rate it polls a core at 100 %%; "
+                        "default 20)")
     p.add_argument("--kv-budget", default="1GiB", help="KV budget of both served models (default 1GiB)")
     p.add_argument("--runs", type=int, default=3, help="runs of the whole sweep (default 3)")
     p.add_argument("--slo-itl", type=float, default=3.0, help="SLO: p99 ITL under this x dense's p50 at concurrency 1")
@@ -125,13 +130,16 @@ def deploy(engine_dirs: dict[str, Path], args, out: Path) -> Path:
 
 def admitted(log_text: str, tokens: int) -> dict[str, dict[str, Any]]:
     """Per model: the budget and KV bytes per token its log line states (``ort_llm_model.
-    _log_admission``), the sequences of ``tokens`` tokens that admits (``BatchedGenerator.admits``'
-    rule), and the largest decode batch it logged, which the load must not push past that."""
+    _log_admission``), the sequences of ``tokens`` tokens that admits (the server's own rule,
+    ``harp_trt.memory.sequences_admitted``), and the largest decode batch it logged, which the load
+    must not push past that."""
+    from harp_trt.memory import sequences_admitted
+
     out: dict[str, dict[str, Any]] = {}
     for m in ADMITS.finditer(log_text):
         name, budget, per, layers = m.group(1), *map(int, m.groups()[1:])
         out[name] = {"kv_budget_bytes": budget, "kv_bytes_per_token": per, "kv_layers": layers,
-                     "tokens": tokens, "admits": budget // (tokens * per), "largest_batch_seen": 0}
+                     "tokens": tokens, "admits": sequences_admitted(tokens, per, budget), "largest_batch_seen": 0}
     for m in LARGEST.finditer(log_text):
         if m.group(1) in out:
             out[m.group(1)]["largest_batch_seen"] = max(out[m.group(1)]["largest_batch_seen"], int(m.group(2)))
@@ -143,22 +151,29 @@ def admitted(log_text: str, tokens: int) -> dict[str, dict[str, Any]]:
 
 # ---- the sweep ----------------------------------------------------------------------------------
 def sweep(aiperf: Path, server, tokenizer: Path, args, out: Path, run: int) -> list[dict[str, Any]]:
-    from harp_trt.bench._serve_aiperf import profile
-
     rows = []
     order = ("dense", "harp") if run % 2 == 0 else ("harp", "dense")
     for c in args.levels:
         n = args.counts[c]
         for model in order:
             t0 = time.perf_counter()
-            fig = profile(aiperf, server.http, model, tokenizer, args.isl, args.osl, c, n,
-                          out / f"aiperf-run{run}-{model}-c{c}", seed=args.seed + run)
+            fig = _aiperf(aiperf, server, tokenizer, args, model, c, n, out / f"aiperf-run{run}-{model}-c{c}",
+                          seed=args.seed + run)
             rows.append({"run": run, "model": model, "concurrency": c, "requests": n,
                          "seconds": round(time.perf_counter() - t0, 1), **fig})
             log.info("run %d %s c=%d: %.1f output tok/s, ITL p99 %.1f ms, TTFT p99 %.0f ms, %s errors", run, model,
                      c, _get(rows[-1], "output_tokens_per_s", "avg"), _get(rows[-1], "itl_ms", "p99"),
                      _get(rows[-1], "ttft_ms", "p99"), rows[-1]["errors"])
     return rows
+
+
+def _aiperf(aiperf: Path, server, tokenizer: Path, args, model: str, concurrency: int, requests: int, out: Path,
+            **kw) -> dict[str, Any]:
+    """One AIPerf run on ``model`` at the bench's lengths and request rate (``_serve_aiperf.profile``)."""
+    from harp_trt.bench._serve_aiperf import profile
+
+    return profile(aiperf, server.http, model, tokenizer, args.isl, args.osl, concurrency, requests, out,
+                   rate=args.request_rate, **kw)
 
 
 def _get(row: dict, metric: str, stat: str) -> float:
@@ -206,11 +221,10 @@ def bad_requests_under_load(aiperf: Path, server, tokenizer: Path, args, out: Pa
     """Malformed requests to ``harp`` while AIPerf loads it: every one an error response, and
     AIPerf's requests around them without an error."""
     from harp_trt.bench import _serve_checks as checks
-    from harp_trt.bench._serve_aiperf import profile
 
     c = max(args.levels)
-    thread, box = checks.in_background(lambda: profile(aiperf, server.http, "harp", tokenizer, args.isl, args.osl,
-                                                       c, max(4, c), out / "aiperf-bad-requests", seed=args.seed))
+    thread, box = checks.in_background(lambda: _aiperf(aiperf, server, tokenizer, args, "harp", c, max(4, c),
+                                                       out / "aiperf-bad-requests", seed=args.seed))
     time.sleep(3)
     rows = checks.bad_requests(server.http, "harp")
     thread.join()
@@ -223,14 +237,12 @@ def soak(aiperf: Path, server, tokenizer: Path, dirs: dict[str, Path], args, out
     """``--soak-s`` of AIPerf at the top concurrency on ``harp``; RSS of the server's processes
     sampled every 5 s (start: after the first tenth, the warm-up), then greedy answers checked."""
     from harp_trt.bench import _serve_checks as checks
-    from harp_trt.bench._serve_aiperf import profile
 
     c = max(args.levels)
     samples: list[tuple[float, int]] = []
     t0 = time.monotonic()
-    thread, box = checks.in_background(lambda: profile(aiperf, server.http, "harp", tokenizer, args.isl, args.osl,
-                                                       c, 0, out / "aiperf-soak", seed=args.seed,
-                                                       duration_s=args.soak_s))
+    thread, box = checks.in_background(lambda: _aiperf(aiperf, server, tokenizer, args, "harp", c, 0,
+                                                       out / "aiperf-soak", seed=args.seed, duration_s=args.soak_s))
     while thread.is_alive():
         samples.append((time.monotonic() - t0, checks.server_rss(server.proc.pid)))
         thread.join(timeout=5)
@@ -308,10 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.soak_s:
                 result["soak"] = soak(aiperf, server, tokenizer, dirs, args, out)
             if args.kill_after:
-                from harp_trt.bench._serve_aiperf import profile
-
-                load = lambda: profile(aiperf, server.http, "harp", tokenizer, args.isl, args.osl,  # noqa: E731
-                                       max(args.levels), 2 * max(args.levels), out / "aiperf-kill", seed=args.seed)
+                load = lambda: _aiperf(aiperf, server, tokenizer, args, "harp", max(args.levels),  # noqa: E731
+                                       2 * max(args.levels), out / "aiperf-kill", seed=args.seed)
                 server, result["kill"] = checks.kill_and_restart(
                     server, lambda: triton_runtime.start(repo, root, timeout=600), load, [repo, *dirs.values()],
                     "harp", args.kill_after)

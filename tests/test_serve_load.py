@@ -39,7 +39,10 @@ def result(tmp_path_factory, test_cache):
     out = root / "out"
     argv = ["--model", str(model), "--prune-layers", "2,3", "--quant", "none", "--corpus", str(corpus),
             "--calib-tokens", "256", "--isl", str(ISL), "--osl", str(OSL), "--concurrency", "1,4",
-            "--requests", "8", "--runs", "1", "--kv-budget", str(budget), "--soak-s", "10", "--kill-after", "3",
+            # --request-rate 1000: the four concurrent requests start within a few ms, so they overlap on any
+            # machine (at the default 20/s the fourth may start after the first has finished)
+            "--requests", "8", "--request-rate", "1000", "--runs", "1", "--kv-budget", str(budget),
+            "--soak-s", "10", "--kill-after", "3",
             "--workdir", str(root / "cache"), "--tools", str(test_cache), "--out", str(out)]
     import contextlib
     import io
