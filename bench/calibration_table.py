@@ -1,16 +1,34 @@
 """Calibration results table: held-out perplexity dense / alpha=1 / searched for several P with
-`top`, and the other strategies at one P, all on the same model, corpus and budget.
+`top`, the other strategies at one P, and with ``--replacements`` the fitted maps of issue 34
+(``calibrate --replacement rrr | lmmse``) beside HARP's searched alpha, on the corpus's held-out
+half and, with ``--other-corpus``, on the held-out half of a second text.
 
     python bench/calibration_table.py [--model smollm2-135m] [--ps 2,4,8] [--compare-p 4]
                                       [--strategies gate-norm,sink,bi,attn-sim] [--tokens 4096]
+                                      [--replacements harp,rrr,lmmse] [--other-corpus c4] [--out F.json]
 
 Every run is a cached calibrate artifact, so rerunning is cheap. Prints a markdown table to stderr;
-the last stdout line is one JSON object with one row per (strategy, P)."""
+the last stdout line is one JSON object with one row per (strategy, P, replacement)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
+
+
+def _other(plan, art, args, store, resolved) -> dict:
+    """Perplexities on the held-out half of ``--other-corpus`` (a text the search never read)."""
+    from harp_trt.evaluate import plan_perplexities
+    from harp_trt.data import load_corpus, token_windows
+    from harp_trt.device import resolve_placement
+    from harp_trt.models import load_tokenizer
+
+    corpus = load_corpus(args.other_corpus, store.root)
+    windows = token_windows(load_tokenizer(resolved.folder), corpus, "heldout", args.seq_len, args.tokens)
+    return {"corpus": corpus.name, "tokens": int(windows.numel()),
+            **plan_perplexities(plan, resolved.folder, windows, resolve_placement("cpu", "float32"))}
 
 
 def main(argv=None) -> int:
@@ -19,36 +37,57 @@ def main(argv=None) -> int:
     ap.add_argument("--ps", default="2,4,8")
     ap.add_argument("--compare-p", type=int, default=4)
     ap.add_argument("--strategies", default="gate-norm,sink,bi,attn-sim")
+    ap.add_argument("--replacements", default="harp", help="harp,rrr,lmmse: one calibrate run each (default harp)")
+    ap.add_argument("--other-corpus", default="", help="a second text's held-out half: c4 or a file (default none)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
 
     from harp_trt.calib import run_calibrate
     from harp_trt.calib.config import CalibrateConfig
+    from harp_trt.models import resolve_model
     from harp_trt.plan import Plan
     from harp_trt.store import ArtifactStore
+    from harp_trt.memory import peak_rss_bytes
+    from harp_trt.versions import provenance
 
     store = ArtifactStore(args.workdir)
     runs = [("top", int(p)) for p in args.ps.split(",")]
     runs += [(s, args.compare_p) for s in args.strategies.split(",") if s]
     rows = []
     for strategy, p in runs:
-        cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len)
-        art = run_calibrate(args.model, cfg, store)
-        plan = Plan.load(art.path)
-        q = plan.ppl
-        rows.append({"strategy": strategy, "P": p, "layers": list(plan.layers), "alphas": list(plan.alphas),
-                     "heldout_dense": q["heldout_dense"], "heldout_alpha1": q["heldout_alpha1"],
-                     "heldout_searched": q["heldout_searched"], "calib_searched": q["searched"],
-                     "search_seconds": plan.extra["timings"]["search"], "artifact": art.key})
-        print(f"done {strategy} P={p}: {q['heldout_searched']:.3f}", file=sys.stderr, flush=True)
-    print("| strategy | P | pruned layers | alphas | held-out PPL dense | alpha=1 | searched |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|", file=sys.stderr)
+        for rep in args.replacements.split(","):
+            cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len,
+                                  replacement=rep)
+            t = time.perf_counter()
+            art = run_calibrate(args.model, cfg, store)
+            plan = Plan.load(art.path)
+            q = plan.ppl
+            row = {"strategy": strategy, "P": p, "replacement": rep, "layers": list(plan.layers),
+                   "alphas": list(plan.alphas), "fitted_layers": list(plan.fitted_layers),
+                   "heldout_dense": q["heldout_dense"], "heldout_alpha1": q["heldout_alpha1"],
+                   "heldout_searched": q["heldout_searched"], "calib_searched": q["searched"],
+                   "search_seconds": plan.extra["timings"]["search"], "fit_seconds": plan.extra["timings"].get("fit"),
+                   "replacement_record": plan.extra.get("replacement"), "artifact": art.key,
+                   "cached": art.cached, "seconds": round(time.perf_counter() - t, 1)}
+            if args.other_corpus:
+                row["other"] = _other(plan, art, args, store, resolve_model(args.model, store.root))
+            rows.append(row)
+            print(f"done {strategy} P={p} {rep}: {q['heldout_searched']:.3f}", file=sys.stderr, flush=True)
+    print("| strategy | P | replacement | pruned layers | alphas | fitted | held-out PPL dense | alpha=1 | searched |",
+          file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for r in rows:
-        print(f"| {r['strategy']} | {r['P']} | {r['layers']} | {r['alphas']} | {r['heldout_dense']:.2f} | "
-              f"{r['heldout_alpha1']:.2f} | {r['heldout_searched']:.2f} |", file=sys.stderr)
-    print(json.dumps({"model": args.model, "tokens": args.tokens, "seq_len": args.seq_len, "rows": rows}))
+        print(f"| {r['strategy']} | {r['P']} | {r['replacement']} | {r['layers']} | {r['alphas']} | {r['fitted_layers']} "
+              f"| {r['heldout_dense']:.2f} | {r['heldout_alpha1']:.2f} | {r['heldout_searched']:.2f} |", file=sys.stderr)
+    out = {"provenance": provenance(sys.argv[1:] if argv is None else list(argv)), "model": args.model,
+           "tokens": args.tokens, "seq_len": args.seq_len, "other_corpus": args.other_corpus,
+           "rows": rows, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out))
     return 0
 
 

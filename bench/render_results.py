@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from harp_trt.bench._render_calibration import replacement
 from harp_trt.bench._render_serve import serve_load, serve_load_headline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,7 +272,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check,
                                                          "long_context_dense": long_context_dense,
                                                          "prefill_profile": prefill_profile,
                                                          "prefill_headline": prefill_headline,
-                                                         "serve_load": serve_load, "serve_load_headline": serve_load_headline}
+                                                         "serve_load": serve_load, "serve_load_headline": serve_load_headline,
+                                                         "replacement": replacement}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

@@ -12,10 +12,11 @@ from harp_trt.errors import ConfigError
 
 from .strategies import STRATEGIES
 
-__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "SEARCH_SPLITS", "PAPER_BOS"]
+__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "REPLACEMENTS", "SEARCH_SPLITS", "PAPER_BOS"]
 
 DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
 METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (harp_trt.calib.search)
+REPLACEMENTS = ("harp", "rrr", "lmmse")  # what a pruned block becomes (calib.fit): HARP's alpha, or a fitted map
 SEARCH_SPLITS = ("halves", "all")  # which documents the search reads (see CalibrateConfig)
 GIVEN = "given layers and alphas (no search)"  # help section of the flags that skip scoring or search
 
@@ -52,7 +53,7 @@ class CalibrateConfig(StageConfig):
     seq_len: int = option(512, parse=parse_seq_len, cli_default=None, help=(
         "window length, or 'max' (the model's maximum length) (default %(field_default)s; "
         "with --objective paper: max)"))
-    corpus: str = option("wiki", help="'wiki' or a .txt/.jsonl file (default %(default)s)")
+    corpus: str = option("wiki", help="'wiki', 'c4' or a .txt/.jsonl file (default %(default)s)")
     objective: str = option("windows", choices=("windows", "paper"), help=(
         "windows: fixed windows of --seq-len over the corpus (default); paper: the HARP paper's objective, "
         "lm-eval wikitext style: whole documents prefixed with BOS in rolling windows of the model's "
@@ -66,6 +67,10 @@ class CalibrateConfig(StageConfig):
     paper_bos: str = option("once", choices=PAPER_BOS, help=(
         "with --objective paper: once = one BOS before each document (default); lm-eval-0.4.7 = as that "
         "version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored"))
+    replacement: str = option("harp", choices=REPLACEMENTS, help=(
+        "harp: alpha * V.O, the paper (default); rrr: a fitted rank-kv_dim map B.A at HARP's cost (reduced-rank "
+        "regression on the calibration text); lmmse: a fitted full-rank hidden x hidden map with bias (Neural "
+        "Block Linearization), PyTorch only. A fitted map is kept in a layer only where it beats the searched alpha"))
     prune_layers: tuple[int, ...] = option((), parse=parse_ints, cli_default=None, group=GIVEN, help=(
         "prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)"))
     alphas: tuple[float, ...] = option((), parse=parse_grid, cli_default=None, group=GIVEN, help=(
@@ -106,6 +111,11 @@ class CalibrateConfig(StageConfig):
             bad = [a for a in self.alphas if not 0.0 <= float(a) <= 1.0]
             if bad:
                 raise ConfigError(f"--alphas values must lie in [0, 1]; got {bad}")
+        if self.replacement not in REPLACEMENTS:
+            raise ConfigError(f"--replacement must be one of {', '.join(REPLACEMENTS)}, got {self.replacement!r}")
+        if self.replacement != "harp" and self.alphas:
+            raise ConfigError(f"--replacement {self.replacement} is chosen by the alpha search, which --alphas skips",
+                              "drop --alphas, or use --replacement harp")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.device not in ("cpu", "cuda"):
@@ -132,4 +142,6 @@ class CalibrateConfig(StageConfig):
         d = super().key_material()
         d["alpha_grid"] = [round(float(a), 6) for a in self.alpha_grid]
         d["alphas"] = [round(float(a), 6) for a in self.alphas]
+        if d.get("replacement") == "harp":  # the paper's plans keep the keys they had before fitted maps
+            d.pop("replacement")
         return d

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -40,9 +40,21 @@ from harp_trt.families import FamilySpec
 from harp_trt.harp import apply_harp, set_alpha, vo_output
 from harp_trt.layerwise import LayerStack
 
-__all__ = ["SearchResult", "search_alphas", "given_alphas", "golden_search"]
+__all__ = ["SearchResult", "Fitted", "FIT", "search_alphas", "given_alphas", "golden_search", "fitted_output"]
 
 log = logging.getLogger(__name__)
+
+
+FIT = "fit"  # the fitted-map candidate of a layer (beside its alphas)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A layer's fitted candidate: the map (``calib.fit.FittedMap``) and the checkpoint tensors
+    that carry it (``calib.fit.hf_tensors``)."""
+
+    map: Any
+    tensors: Mapping[str, torch.Tensor]
 
 
 # progress(layer, candidate_index, n_candidates, alpha, ppl)
@@ -61,6 +73,7 @@ class SearchResult:
     method: str = "exhaustive"
     evaluations: dict[int, int] = field(default_factory=dict)   # layer -> candidates evaluated
     fallbacks: list[int] = field(default_factory=list)          # layers where golden fell back to the grid
+    fitted: list[int] = field(default_factory=list)             # layers where the fitted map beat the grid
 
 
 def _budget_bytes(stack: LayerStack) -> int:
@@ -129,7 +142,8 @@ def golden_search(grid: Sequence[float], evaluate: Evaluate) -> tuple[float, dic
 def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windows: torch.Tensor,
                   layers_to_prune: Sequence[int], grid: Sequence[float] = DEFAULT_GRID,
                   naive: bool = False, progress: Progress | None = None,
-                  state_budget_bytes: int | None = None, method: str = "exhaustive") -> SearchResult:
+                  state_budget_bytes: int | None = None, method: str = "exhaustive",
+                  fitted: Mapping[int, Fitted] | None = None) -> SearchResult:
     """Run Algorithm 1 on ``model`` (a loaded HF model or a ``LayerStack``; patched in place: on
     return it is the searched HARP model).
 
@@ -137,9 +151,17 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
     while that layer is resident, so a sequential stack reads each layer once per evaluation
     round, and the numbers are those of the in-memory model to float rounding (batched GEMMs
     may round differently; tests hold them to 1e-5 relative). Candidates are split into groups
-    when their states would exceed ``state_budget_bytes``."""
+    when their states would exceed ``state_budget_bytes``.
+
+    ``fitted`` (layer -> ``Fitted``: a map and the checkpoint tensors that carry it, ``calib.fit``)
+    adds one candidate to those layers: the fitted map, unscaled. It is kept only where its
+    perplexity is strictly lower than the best grid value's, so the search text never reads worse
+    than Algorithm 1's answer."""
     if method not in METHODS:
         raise ConfigError(f"search method must be one of {', '.join(METHODS)}, got {method!r}")
+    fitted = dict(fitted or {})
+    if fitted and naive:
+        raise ConfigError("the naive search has no fitted candidate; drop --replacement or the naive reference")
     t0 = time.perf_counter()
     stack = model if isinstance(model, LayerStack) else LayerStack.wrap(model, family)
     selected = sorted(set(int(l) for l in layers_to_prune))
@@ -167,7 +189,7 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
                 return out
         else:
             h_l = stack.run(h_lo, cap, lo, l)  # layers below l: alpha = 1 where selected
-            evaluate = _cached_evaluator(stack, family, cap, windows, l, h_l, budget)
+            evaluate = _cached_evaluator(stack, family, cap, windows, l, h_l, budget, fitted.get(l))
         if method == "golden":
             best_a, seen, fell_back = golden_search(grid, evaluate)
             tried = [a for a in grid if a in seen]
@@ -181,13 +203,15 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         for ci, (a, p) in enumerate(zip(tried, ppls)):
             if p < best:  # strictly lower: ties keep the earlier grid value
                 best_a, best = a, p
-            res.trace.append({"step": step, "layer": l, "alpha": a, "ppl": p,
+            res.trace.append({"step": step, "layer": l, "candidate": "harp", "alpha": a, "ppl": p,
                               "best_alpha": best_a, "best_ppl": best, "seconds": seconds})
             if progress:
                 progress(l, ci, len(tried), a, p)
         res.alphas[l] = best_a
         res.evaluations[l] = len(tried)
         set_alpha(stack.model, l, best_a, family)
+        if l in fitted:
+            best = _offer_fitted(stack, res, l, step, fitted[l], evaluate, best, seconds)
         res.ppl_searched = best
         log.info("layer %d: alpha=%.2f ppl=%.4f (%d evaluations)", l, best_a, best, len(tried))
     if not selected:
@@ -196,13 +220,36 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
     return res
 
 
+def _offer_fitted(stack: LayerStack, res: SearchResult, l: int, step: int, fitted: Fitted, evaluate: Evaluate,
+                  best: float, seconds: float) -> float:
+    """Evaluate layer ``l``'s fitted map after its grid; keep it (alpha 1, the map installed) only
+    where its perplexity is strictly lower than ``best``, the grid's. Returns the layer's best."""
+    p_fit = evaluate([FIT])[0]
+    won = p_fit < best
+    res.trace.append({"step": step, "layer": l, "candidate": fitted.map.method, "alpha": 1.0, "ppl": p_fit,
+                      "best_alpha": 1.0 if won else res.alphas[l], "best_ppl": min(best, p_fit), "seconds": seconds})
+    log.info("layer %d: fitted %s ppl=%.4f (%s)", l, fitted.map.method, p_fit, "kept" if won else "not kept")
+    if not won:
+        return best
+    res.alphas[l] = 1.0
+    res.fitted.append(l)
+    set_alpha(stack.model, l, 1.0, stack.family)
+    stack.install_fitted(l, fitted.tensors)
+    return p_fit
+
+
 def _cached_evaluator(stack: LayerStack, family: FamilySpec, cap, windows: torch.Tensor, l: int,
-                      h_l: list[torch.Tensor], budget: int) -> Evaluate:
-    """Perplexity of each candidate alpha of layer ``l``, from the fixed state ``h_l`` entering it."""
+                      h_l: list[torch.Tensor], budget: int, fitted: "Fitted | None" = None) -> Evaluate:
+    """Perplexity of each candidate of layer ``l`` (an alpha, or ``FIT``: the fitted map), from the
+    fixed state ``h_l`` entering it."""
     per_candidate = sum(h.numel() * h.element_size() for h in h_l)
     group = max(1, budget // max(1, per_candidate))
     with stack.layer(l) as layer:
         vo = [vo_output(family, layer, h) for h in h_l]
+        fit = [fitted_output(family, layer, h, fitted.map) for h in h_l] if fitted is not None else None
+
+    def term(w: int, h: torch.Tensor, a) -> torch.Tensor:
+        return h + fit[w] if a is FIT else h + a * vo[w]
 
     def evaluate(cands: Sequence[float]) -> list[float]:
         ppls: list[float] = []
@@ -210,8 +257,8 @@ def _cached_evaluator(stack: LayerStack, family: FamilySpec, cap, windows: torch
             part = list(cands[g0: g0 + group])
             # one batch per window: [candidates, S, D]
             with stack.layer(l) as layer:
-                states = [family.mlp_residual(layer, torch.cat([h + a * v for a in part]))
-                          for h, v in zip(h_l, vo)]
+                states = [family.mlp_residual(layer, torch.cat([term(w, h, a) for a in part]))
+                          for w, h in enumerate(h_l)]
             states = stack.run(states, cap, l + 1)
             totals = torch.zeros(len(part), dtype=torch.float64)
             count = 0
@@ -224,6 +271,17 @@ def _cached_evaluator(stack: LayerStack, family: FamilySpec, cap, windows: torch
         return ppls
 
     return evaluate
+
+
+def fitted_output(family: FamilySpec, layer: torch.nn.Module, h: torch.Tensor, fmap) -> torch.Tensor:
+    """The fitted map's contribution to the residual stream, where HARP's V.O term goes (after
+    Gemma2's post-attention norm, which follows the fitted pre-norm output as it follows V.O)."""
+    x = layer.input_layernorm(h)
+    out = fmap.apply(x).to(h.dtype)
+    if family.alpha_after_post_attn_norm:
+        norm = layer.post_attention_layernorm
+        out = getattr(norm, "norm", norm)(out)
+    return out
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 from harp_trt.errors import PreconditionError
 from harp_trt.extras import figures_skipped
-from harp_trt.plan import Plan
+from harp_trt.plan import FITTED_FILE, Plan
 from harp_trt.ppl import PAD
 from harp_trt.stage import Stage
 from harp_trt.versions import library_versions
@@ -117,24 +117,23 @@ class CalibrateStage(Stage[CalibrateConfig]):
 
         phase("dense perplexity")
         t = time.perf_counter()
-        ppl_dense = stack.perplexity(calib)
-        ppl_held_dense = stack.perplexity(held)
+        ppl_dense, ppl_held_dense = stack.perplexity(calib), stack.perplexity(held)
         timings["dense_ppl"] = time.perf_counter() - t
 
+        fitted, held_at = _fit_and_fixed(config, stack, calib, held, selected, phase, timings)
         if config.alphas:
             phase(f"given alphas on layers {selected}")
             res = given_alphas(stack, family, calib, selected, config.alphas)
         else:
             phase(f"alpha search over layers {selected}")
             res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
-                                progress=inp.progress, method=config.search)
+                                progress=inp.progress, method=config.search, fitted=fitted)
         timings["search"] = res.seconds
 
         phase("held-out perplexity")
         t = time.perf_counter()
         ppl_held_searched = stack.perplexity(held)
-        held_at = _heldout_at_fixed_alphas(stack, held, selected)
-        timings["heldout_ppl"] = time.perf_counter() - t
+        timings["heldout_ppl"] += time.perf_counter() - t
 
         ppl = {"dense": ppl_dense, "alpha1": res.ppl_alpha1, "searched": res.ppl_searched,
                "heldout_dense": ppl_held_dense, "heldout_alpha1": held_at[1.0], "heldout_alpha0": held_at[0.0],
@@ -157,6 +156,8 @@ class CalibrateStage(Stage[CalibrateConfig]):
                            "placement": _placement_record(placement, stack),
                            "timings": {k: round(v, 3) for k, v in timings.items()},
                            "versions": library_versions()})
+        if fitted:
+            plan.extra["replacement"] = _save_fitted(out_dir, config.replacement, fitted, res, stack)
         plan.save(out_dir / "plan.json")
         pl.DataFrame(res.trace).write_parquet(out_dir / "search_trace.parquet")
         pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
@@ -197,11 +198,51 @@ def _select_layers(config: CalibrateConfig, inp: CalibrateInputs, stack, calib, 
     return config.strategy, scores, strategy.select(scores, config.layers)
 
 
-def _heldout_at_fixed_alphas(stack, held, selected: list[int]) -> dict[float, float]:
-    """Held-out perplexity with every selected layer at alpha = 1 (HARP unscaled) and at alpha = 0
-    (the sublayer removed, as Gate-Norm does); leaves the model at alpha = 0."""
-    from harp_trt.harp import set_alpha
+def _fit_and_fixed(config: CalibrateConfig, stack, calib, held, selected: list[int], phase, timings) -> tuple[dict, dict]:
+    """(the fitted candidates of ``--replacement``, from the dense model; held-out perplexity at
+    HARP's alpha = 1 and 0, measured before any fitted map is installed)."""
+    fitted = {}
+    if config.replacement != "harp":
+        from .fit import fit_candidates
 
+        phase(f"fitting {config.replacement} maps of layers {selected}")
+        t = time.perf_counter()
+        fitted = fit_candidates(stack, calib, selected, config.replacement)
+        timings["fit"] = time.perf_counter() - t
+    t = time.perf_counter()
+    held_at = _heldout_at_fixed_alphas(stack, held, selected)
+    timings["heldout_ppl"] = time.perf_counter() - t
+    return fitted, held_at
+
+
+def _save_fitted(out_dir: Path, method: str, fitted: dict, res, stack) -> dict[str, Any]:
+    """``replacement.safetensors`` (the checkpoint tensors of the layers where the fitted map won,
+    ``harp_trt.plan.Plan.fitted_tensors``) and the plan's record of every fitted candidate."""
+    from safetensors.torch import save_file
+
+    from harp_trt.dims import ModelDims
+    from harp_trt.onnx_io import file_digest
+
+    from .fit import cost_record
+
+    kept = sorted(res.fitted)
+    tensors = {k: v for l in kept for k, v in fitted[l].tensors.items()}
+    digest = None
+    if tensors:
+        save_file(tensors, str(out_dir / FITTED_FILE), metadata={"format": "harp-fitted/1", "method": method})
+        digest = file_digest(out_dir / FITTED_FILE)  # in plan.json, so later stages' keys cover the maps
+    fit_ppl = {int(r["layer"]): r["ppl"] for r in res.trace if r.get("candidate", "harp") != "harp"}
+    return {"method": method, "layers": kept, "file": FITTED_FILE if tensors else None, "sha256": digest,
+            "cost": cost_record(method, ModelDims.from_config(stack.model.config)),
+            "candidates": {str(l): {**f.map.record(), "ppl": fit_ppl.get(l)} for l, f in sorted(fitted.items())}}
+
+
+def _heldout_at_fixed_alphas(stack, held, selected: list[int]) -> dict[float, float]:
+    """Held-out perplexity with every selected layer pruned at alpha = 1 (HARP unscaled) and at
+    alpha = 0 (the sublayer removed, as Gate-Norm does); leaves the model at alpha = 0."""
+    from harp_trt.harp import apply_harp, set_alpha
+
+    apply_harp(stack.model, {l: 1.0 for l in selected}, stack.family)
     out = {}
     for a in (1.0, 0.0):
         for layer in selected:

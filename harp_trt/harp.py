@@ -24,7 +24,7 @@ from .dims import ModelDims
 from .families import FamilySpec, family_of
 from .hf_compat import cache_kwarg, holds_no_kv, no_kv_layer
 
-__all__ = ["HarpAttention", "ScaledNorm", "apply_harp", "set_alpha", "harp_alphas", "vo_output"]
+__all__ = ["HarpAttention", "ScaledNorm", "apply_harp", "set_alpha", "harp_alphas", "vo_output", "install_fitted"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class HarpAttention(nn.Module):
         super().__init__()
         self.v_proj = v_proj
         self.o_proj = o_proj
+        self.harp_linear: nn.Linear | None = None  # a fitted full-rank map (calib.fit "lmmse") instead of V.O
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -47,7 +48,10 @@ class HarpAttention(nn.Module):
         self.alpha = float(alpha)
 
     def vo(self, x: torch.Tensor) -> torch.Tensor:
-        """``o_proj(repeat_kv(v_proj(x)))`` per token; each query head h reads KV head h // n_rep."""
+        """``o_proj(repeat_kv(v_proj(x)))`` per token; each query head h reads KV head h // n_rep
+        (or the fitted ``harp_linear(x)`` where one is installed)."""
+        if self.harp_linear is not None:
+            return self.harp_linear(x)
         v = self.v_proj(x)
         n_rep = self.num_heads // self.num_kv_heads
         if n_rep > 1:
@@ -149,6 +153,40 @@ def vo_output(family: FamilySpec, layer: nn.Module, h: torch.Tensor) -> torch.Te
         norm = layer.post_attention_layernorm
         out = (norm.norm if isinstance(norm, ScaledNorm) else norm)(out)
     return out
+
+
+def install_fitted(model: nn.Module, layer_idx: int, tensors: Mapping[str, torch.Tensor],
+                   family: FamilySpec | None = None) -> None:
+    """Put a fitted map (``calib.fit.hf_tensors``: checkpoint names -> tensors) into pruned layer
+    ``layer_idx``: new v_proj/o_proj weights (``rrr``) or a ``harp_linear`` (``lmmse``). A layer
+    whose parameters are on ``meta`` (a sequential ``LayerStack``) only gets the modules' shapes;
+    the stack reads the tensors by name (``LayerStack.overlay``)."""
+    family = family or family_of(model.config)
+    layer = family.layers(model)[layer_idx]
+    attn = layer.self_attn
+    if not isinstance(attn, HarpAttention) or attn.v_proj is None:
+        raise ValueError(f"layer {layer_idx} is not pruned with its V/O kept")
+    prefix = family.layer_prefix.format(i=layer_idx) + "self_attn."
+    local = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    meta = attn.o_proj.weight.device.type == "meta"
+    if "harp_linear.weight" in local:
+        w = local["harp_linear.weight"]
+        lin = nn.Linear(w.shape[1], w.shape[0], bias="harp_linear.bias" in local, device=attn.o_proj.weight.device,
+                        dtype=attn.o_proj.weight.dtype)
+        if not meta:
+            with torch.no_grad():
+                lin.weight.copy_(w)
+                if lin.bias is not None:
+                    lin.bias.copy_(local["harp_linear.bias"])
+        attn.harp_linear = lin.requires_grad_(False)
+        return
+    if meta:
+        return
+    with torch.no_grad():
+        for name in ("v_proj.weight", "o_proj.weight", "v_proj.bias"):
+            if name in local:
+                mod, _, p = name.partition(".")
+                getattr(getattr(attn, mod), p).copy_(local[name])
 
 
 # ---- KV cache: no entries for pruned layers ----------------------------------------------------

@@ -97,6 +97,7 @@ class LayerStack:
     stream_embeddings: bool = False
     round_to: torch.dtype | None = None
     loads: int = field(default=0, init=False)  # layers read from disk (sequential mode)
+    overlay: dict = field(default_factory=dict, init=False)  # checkpoint name -> tensor read instead (fitted maps)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -167,7 +168,29 @@ class LayerStack:
         if out is not None and out.weight.device.type == "meta" and not self.stream_embeddings:
             out.weight = inp.weight
 
+    def apply_plan(self, alphas, fitted: dict | None = None) -> None:
+        """The plan's HARP model: ``alphas`` (layer -> alpha, ``Plan.alpha_map``) by
+        ``harp_trt.harp.apply_harp``, and the fitted maps (``Plan.fitted_tensors``) in their layers."""
+        from .harp import apply_harp
+
+        apply_harp(self.model, dict(alphas), self.family)
+        for layer in _fitted_layers(fitted or {}, self.family):
+            self.install_fitted(layer, {k: v for k, v in fitted.items()
+                                        if k.startswith(self.family.layer_prefix.format(i=layer))})
+
+    def install_fitted(self, layer: int, tensors: dict) -> None:
+        """Use a fitted map in pruned layer ``layer`` (``harp_trt.harp.install_fitted``); a
+        sequential stack reads its tensors from ``overlay`` whenever the layer is loaded."""
+        from .harp import install_fitted
+
+        self.overlay.update(tensors)
+        install_fitted(self.model, layer, tensors, self.family)
+
     def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if name in self.overlay:
+            t = self.overlay[name]
+            t = (t if rows is None else t[rows[0]: rows[1]]).to(self.round_to or self.dtype)
+            return t.to(self.device, self.dtype)
         t = self.reader.get(name, self.round_to or self.dtype, rows=rows)
         return t.to(self.device, self.dtype)
 
@@ -312,6 +335,12 @@ class LayerStack:
         cap = self.capture(windows)
         total, count = self.nll(self.run(cap.h0, cap), windows)
         return math.exp(total / count)
+
+
+def _fitted_layers(tensors: dict, family: FamilySpec) -> list[int]:
+    """The layer indices that checkpoint names in ``tensors`` belong to."""
+    head, _, tail = family.layer_prefix.partition("{i}")
+    return sorted({int(k[len(head):].split(".", 1)[0]) for k in tensors if k.startswith(head)})
 
 
 def _skeleton(cfg, family: FamilySpec, dtype: torch.dtype) -> nn.Module:

@@ -13,9 +13,10 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Plan", "PLAN_FORMAT", "open_plan"]
+__all__ = ["Plan", "PLAN_FORMAT", "FITTED_FILE", "open_plan"]
 
 PLAN_FORMAT = "harp-plan/1"
+FITTED_FILE = "replacement.safetensors"  # fitted maps (calib/fit.py), beside plan.json in the calibrate artifact
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,55 @@ class Plan:
     def alpha_map(self) -> dict[int, float]:
         return dict(zip(self.layers, self.alphas))
 
+    # ---- fitted maps (calibrate --replacement rrr | lmmse, calib/fit.py) ----------------------
+    @property
+    def replacement(self) -> str:
+        """``harp`` (alpha * V.O, the paper) or the fitted method the plan's layers may use."""
+        return str((self.extra.get("replacement") or {}).get("method", "harp"))
+
+    @property
+    def fitted_layers(self) -> tuple[int, ...]:
+        """Pruned layers whose block is a fitted map (their alpha is 1), not HARP's scaled V.O."""
+        return tuple(int(l) for l in (self.extra.get("replacement") or {}).get("layers", ()))
+
+    def fitted_tensors(self) -> dict[str, Any]:
+        """The fitted layers' checkpoint tensors (names as in the model's safetensors; ``rrr``:
+        v_proj / o_proj, ``lmmse``: ``self_attn.harp_linear.*``), read from ``FITTED_FILE`` beside
+        the plan.json this plan was loaded from; {} when no layer is fitted."""
+        if not self.fitted_layers:
+            return {}
+        folder = getattr(self, "_folder", None)
+        path = Path(folder or ".") / FITTED_FILE
+        if folder is None or not path.is_file():
+            raise ConfigError(f"plan fits layers {list(self.fitted_layers)} but {path} is missing",
+                              "pass the calibrate artifact folder the plan came from, with its " + FITTED_FILE)
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+
+    def refuse_fitted(self, stage: str, why: str = "", allowed: tuple[str, ...] = ()) -> None:
+        """PreconditionError when the plan's fitted maps cannot go where ``stage`` writes (methods
+        in ``allowed`` can); so no target silently writes HARP's V.O where a fitted map was chosen."""
+        from .errors import PreconditionError
+
+        if self.fitted_layers and self.replacement not in allowed:
+            raise PreconditionError(stage, f"the plan replaces layers {list(self.fitted_layers)} by a fitted "
+                                    f"{self.replacement} map, which {stage} does not carry{': ' + why if why else ''}",
+                                    "calibrate with --replacement rrr (carried by the ONNX rewrite and the ORT, genai and "
+                                    "Triton engines built from it) or harp")
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         return {"format": PLAN_FORMAT, **{k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}}
 
     def save(self, path: Path) -> None:
+        """Write plan.json at ``path``; a plan with fitted maps takes its ``FITTED_FILE`` along."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        src = getattr(self, "_folder", None)
+        if self.fitted_layers and src is not None and Path(src).resolve() != Path(path).parent.resolve():
+            import shutil
+
+            shutil.copyfile(Path(src) / FITTED_FILE, Path(path).parent / FITTED_FILE)
 
     @property
     def search_split(self) -> str:
@@ -112,7 +156,9 @@ class Plan:
         if p.is_dir():
             p = p / "plan.json"
         try:
-            return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
+            plan = cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
+            object.__setattr__(plan, "_folder", p.parent)  # where its fitted maps are (fitted_tensors)
+            return plan
         except FileNotFoundError:
             raise ConfigError(f"no plan at {p}", "pass a calibrate artifact folder, its key (harp-trt cache ls) "
                               "or its plan.json") from None

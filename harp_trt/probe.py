@@ -57,6 +57,15 @@ def probe_alphas(layers: Sequence[int], alphas: Mapping[int, float]) -> dict[int
     return {j: float(alphas[i]) for j, i in enumerate(layers) if i in alphas}
 
 
+def probe_fitted(layers: Sequence[int], tensors: Mapping[str, Any], layer_prefix: str) -> dict[str, Any]:
+    """The plan's fitted maps (``Plan.fitted_tensors``) renamed onto the probe's layers."""
+    out = {}
+    for j, i in enumerate(layers):
+        old, new = layer_prefix.format(i=i), layer_prefix.format(i=j)
+        out.update({new + k[len(old):]: v for k, v in tensors.items() if k.startswith(old)})
+    return out
+
+
 def write_probe_folder(src: Path, layers: Sequence[int], out: Path, vocab: int = PROBE_VOCAB) -> dict[str, Any]:
     """A Hugging Face folder holding ``layers`` of the model in ``src`` (renumbered 0..k-1, tensors
     copied at their stored dtype) and the first ``vocab`` rows of the embedding and LM head."""

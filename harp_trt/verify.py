@@ -93,11 +93,11 @@ def _positions(mask: np.ndarray, new: int) -> np.ndarray:
     return (np.cumsum(mask, -1) - 1).clip(min=0)[:, -new:].astype(np.int64)
 
 
-def _reference_stack(reference, alphas: Mapping[int, float]):
+def _reference_stack(reference, alphas: Mapping[int, float], fitted: Mapping | None = None):
     """A LayerStack for the reference: a loaded model (patched in place) or a folder (sequential,
-    streamed embeddings: one layer resident)."""
+    streamed embeddings: one layer resident); ``fitted``: the plan's fitted maps
+    (``Plan.fitted_tensors``) in their layers."""
     from .device import Placement
-    from .harp import apply_harp
     from .layerwise import LayerStack
 
     if isinstance(reference, (str, Path)):
@@ -105,7 +105,7 @@ def _reference_stack(reference, alphas: Mapping[int, float]):
     else:
         stack = LayerStack.wrap(reference)
     if alphas:
-        apply_harp(stack.model, dict(alphas), stack.family)
+        stack.apply_plan(alphas, dict(fitted or {}))
     stack.model.eval()
     return stack
 
@@ -123,10 +123,10 @@ def _reference_logits(stack, rows: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def verify_rewrite(onnx_path: Path, reference, alphas: Mapping[int, float],
-                   cfg: VerifyConfig = VerifyConfig(), session_options: Mapping[str, str] | None = None) -> VerifyResult:
-    """Compare the graph at ``onnx_path`` with the HARP model of ``alphas`` built from
-    ``reference`` (a loaded ``*ForCausalLM``, patched in place, or a model folder read layer by
-    layer). See the module docstring."""
+                   cfg: VerifyConfig = VerifyConfig(), session_options: Mapping[str, str] | None = None,
+                   fitted: Mapping | None = None) -> VerifyResult:
+    """Compare the graph at ``onnx_path`` with the HARP model of ``alphas`` (and ``fitted`` maps) built
+    from ``reference`` (a loaded ``*ForCausalLM``, patched in place, or a folder read layer by layer)."""
     from .ort_session import OrtCausalLM
 
     try:
@@ -157,7 +157,7 @@ def verify_rewrite(onnx_path: Path, reference, alphas: Mapping[int, float],
     del sess, past
     gen = np.stack(chosen, 1) if chosen else np.zeros((2, 0), np.int64)
     rows = [np.concatenate([ids[b][mask[b] > 0], gen[b]]) for b in range(2)]
-    stack = _reference_stack(reference, alphas)
+    stack = _reference_stack(reference, alphas, fitted)
     ref_rows = _reference_logits(stack, rows)
     del stack
 

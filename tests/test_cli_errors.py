@@ -124,6 +124,14 @@ CASES = [
      "--heldout-corpus wiki is the search corpus"),
     (["calibrate", "--model", "T", "--paper-bos", "lm-eval-0.4.7"], ConfigError,
      "--paper-bos lm-eval-0.4.7 applies to --objective paper only"),
+    # fitted replacements (calib/fit.py): where no engine or no search can take them
+    (["calibrate", "--model", "T", "--replacement", "rrr", "--alphas", "0.5,0.5"], ConfigError,
+     "--replacement rrr is chosen by the alpha search, which --alphas skips"),
+    (["build", "--model", "T", "--replacement", "lmmse"], ConfigError, "--replacement lmmse has no engine"),
+    (["build", "--model", "T", "--replacement", "rrr", "--backend", "gguf"], ConfigError,
+     "--replacement rrr cannot go to --backend gguf"),
+    (["build", "--model", "T", "--replacement", "rrr", "--backend", "trtllm"], ConfigError,
+     "--replacement rrr cannot go to --backend trtllm"),
 ]
 
 

@@ -70,7 +70,7 @@ def torch_pair_from_models(dense: torch.nn.Module, harp: torch.nn.Module, tokeni
 def load_torch_pair(plan, source, config) -> EnginePair:
     """``source``: the ``ResolvedModel`` whose weights the plan was calibrated on. Loads the
     model twice (dense and HARP) in ``config.dtype``."""
-    from harp_trt.harp import apply_harp
+    from harp_trt.harp import apply_harp, install_fitted
     from harp_trt.models import load_model, load_tokenizer
 
     device = getattr(config, "device", "cpu")
@@ -79,6 +79,9 @@ def load_torch_pair(plan, source, config) -> EnginePair:
     dense.to(device)
     harp.to(device)
     apply_harp(harp, plan.alpha_map, family)
+    fitted = plan.fitted_tensors()
+    for layer in plan.fitted_layers:  # calibrate --replacement: the plan's fitted maps where it kept them
+        install_fitted(harp, layer, fitted, family)
     tok = load_tokenizer(source.folder)
     log.info("torch engines: %s (%s), pruned layers %s", source.ref, config.dtype, list(plan.layers))
     return torch_pair_from_models(dense, harp, tok, plan.alpha_map,

@@ -91,6 +91,8 @@ class GgufStage(Stage[GgufConfig]):
         if plan is not None:
             check_plan_weights(plan.model_digest, model.digest, self.name, f"model {model.ref}")
             plan.check_model(family.name, dims.num_layers, self.name)
+            plan.refuse_fitted(self.name, "its deci writer folds HARP's alpha * V.O (issue 34 leaves the fitted "
+                               "fold to a later step)")
         check_supported(family, cfg, dims)
 
     def run(self, config: GgufConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:

@@ -39,5 +39,15 @@ def calibrate_summary(art, seconds: float) -> dict:
     return {"artifact": str(art.path), "plan": str(art.path / "plan.json"), "model": plan.model_ref,
             "strategy": plan.strategy, "layers": list(plan.layers), "alphas": list(plan.alphas),
             "ppl": plan.ppl, "search_split": plan.search_split, "placement": plan.extra.get("placement"),
+            **_replacement(plan),
             "seconds": round(seconds, 3),
             "cached": art.cached}
+
+
+def _replacement(plan) -> dict:
+    """With ``--replacement rrr | lmmse``: the method, the layers where its fitted map won, and its
+    cost per token beside HARP's V.O (``calib/fit.py: cost_record``)."""
+    rec = plan.extra.get("replacement")
+    if not rec:
+        return {}
+    return {"replacement": rec["method"], "fitted_layers": list(plan.fitted_layers), "replacement_cost": rec["cost"]}

@@ -7,7 +7,7 @@ from ._common import add_placement_arguments, placement_from_args
 from ._options import add_config_arguments
 
 NAME = "eval"
-HELP = "perplexity of dense / alpha=1 / searched alphas of a plan on any text"
+HELP = "perplexity of dense / alpha=1 / the plan (searched alphas, fitted maps) on any text"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,9 +44,8 @@ def on_search_text(plan, corpus, split: str) -> bool:
 
 
 def run(args) -> dict:
+    from ..evaluate import plan_perplexities
     from ..data import load_corpus, token_windows
-    from ..harp import apply_harp, set_alpha
-    from ..layerwise import LayerStack
     from ..models import load_tokenizer, resolve_model
     from ..onnx_io import check_plan_weights
     from ..plan import open_plan
@@ -60,18 +59,10 @@ def run(args) -> dict:
     corpus = load_corpus(args.corpus, store.root)
     search_text = on_search_text(plan, corpus, args.split)
     windows = token_windows(load_tokenizer(resolved.folder), corpus, args.split, args.seq_len, args.tokens)
-    stack = LayerStack.open(resolved.folder, placement)
-    model, family = stack.model, stack.family
-    dense = stack.perplexity(windows)
-    apply_harp(model, {l: 1.0 for l in plan.layers}, family)
-    alpha1 = stack.perplexity(windows)
-    for l, a in plan.alpha_map.items():
-        set_alpha(model, l, a, family)
-    searched = stack.perplexity(windows)
+    ppl = plan_perplexities(plan, resolved.folder, windows, placement)
     return {"plan": str(args.plan), "corpus": corpus.name, "split": args.split, "search_text": search_text,
             "tokens": int(windows.numel()),
             "layers": list(plan.layers), "alphas": list(plan.alphas),
-            "dense": dense, "alpha1": alpha1, "searched": searched,
-            "device": placement.device, "dtype": placement.dtype,
-            "path": "sequential" if stack.sequential else "in-memory"}
+            "replacement": plan.replacement, "fitted_layers": list(plan.fitted_layers),
+            **ppl, "device": placement.device, "dtype": placement.dtype}
 

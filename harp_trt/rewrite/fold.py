@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["fold_o_proj", "scale_norm_gain"]
+__all__ = ["fold_o_proj", "scale_norm_gain", "fitted_weights"]
 
 
 def fold_o_proj(w_o: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
@@ -42,3 +42,21 @@ def scale_norm_gain(gain: np.ndarray, alpha: float) -> np.ndarray:
     constant-folds ``1 + w`` into the initializer), so the fold is a plain product; a graph that
     stores ``w`` and adds the offset at run time is handled by the rule, not here."""
     return (np.asarray(gain, dtype=np.float64) * alpha).astype(gain.dtype)
+
+
+def fitted_weights(tensors, family_name: str) -> dict[int, dict[str, np.ndarray]]:
+    """A plan's fitted ``rrr`` maps (``Plan.fitted_tensors``: checkpoint names -> tensors) by layer,
+    as the rewrite rules take them: ``v`` [kv_dim, hidden], ``o`` [hidden, heads * head_dim] and a
+    zero ``vb`` where the family has a v bias, float32 numpy, checkpoint layout."""
+    from ..families import FAMILIES
+
+    fam = FAMILIES.get(family_name)()
+    head, _, _ = fam.layer_prefix.partition("{i}")
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for role in ("v", "o", "vb"):
+        suffix = "." + fam.weight_names[role]
+        for name, t in tensors.items():
+            if name.startswith(head) and name.endswith(suffix):
+                layer = int(name[len(head):].split(".", 1)[0])
+                out.setdefault(layer, {})[role] = t.float().numpy()
+    return out

@@ -256,7 +256,8 @@ def _reroute_shape_reads(graph: ir.Graph, v: ir.Value, matches: Mapping[int, Att
 class HarpRewritePass(ir_passes.InPlacePass):
     """Rewrite the pruned layers of ``model`` in place (HARP Eq. 4-5, ``rules/``).
 
-    ``alphas`` maps layer index -> alpha. ``num_layers`` is the model's decoder depth (the plan's);
+    ``alphas`` maps layer index -> alpha; ``fitted`` layer index -> a fitted map's V/O weights
+    (``fitted_weights``) used there instead of the layer's own. ``num_layers`` is the model's decoder depth (the plan's);
     the graph must have exactly that many attention cores. ``head_dim`` is an optional hint for
     graphs whose head size cannot be read from the graph.
 
@@ -265,9 +266,11 @@ class HarpRewritePass(ir_passes.InPlacePass):
     layer keeps a KV-cache input/output or an attention core."""
 
     def __init__(self, alphas: Mapping[int, float], num_layers: int,
-                 rules: Sequence[AttentionRule] = DEFAULT_RULES, head_dim: int | None = None):
+                 rules: Sequence[AttentionRule] = DEFAULT_RULES, head_dim: int | None = None,
+                 fitted: Mapping[int, Mapping[str, Any]] | None = None):
         super().__init__()
         self.alphas = {int(k): float(v) for k, v in alphas.items()}
+        self.fitted = {int(k): v for k, v in (fitted or {}).items()}  # layer -> fitted V/O (rules/base.py rewrite)
         self.num_layers = int(num_layers)
         self.rules = tuple(rules)
         self.head_dim = head_dim
@@ -327,7 +330,7 @@ class HarpRewritePass(ir_passes.InPlacePass):
             alpha = self.alphas[layer]
             rule = next(r for r in self.rules if r.name == m.rule)
             harp, replaced = _block_constants(m, alpha == 0.0)
-            edit = rule.rewrite(graph, m, alpha)
+            edit = rule.rewrite(graph, m, alpha, self.fitted.get(layer))
             outs = [v for v in m.kv_outputs if v in list(graph.outputs)]
             for v in outs:
                 graph.outputs.remove(v)

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from ..onnx_io import EXPORT_META_KEY, MODEL_FILE
 from ..plan import Plan
-from ..probe import check_structure, layer_signatures, probe_alphas
+from ..families import FAMILIES
+from ..probe import check_structure, layer_signatures, probe_alphas, probe_fitted
 from ..store import Artifact
 from ..verify import VerifyConfig, verify_rewrite
 from .graph import STAGE
@@ -68,8 +69,9 @@ def check_probe(probe: Artifact, plan: Plan, cfg: VerifyConfig, work: Path,
     work.mkdir(parents=True, exist_ok=True)
     try:
         rewritten = work / MODEL_FILE
-        rewrite_onnx(probe.path / probe.manifest.get("onnx", MODEL_FILE), probe_plan, rewritten)
-        res = verify_rewrite(rewritten, probe.path / info["folder"], probe_plan.alpha_map, cfg)
+        fitted = probe_fitted(layers, plan.fitted_tensors(), FAMILIES.get(plan.family).layer_prefix)
+        rewrite_onnx(probe.path / probe.manifest.get("onnx", MODEL_FILE), probe_plan, rewritten, fitted=fitted)
+        res = verify_rewrite(rewritten, probe.path / info["folder"], probe_plan.alpha_map, cfg, fitted=fitted)
         signatures = layer_signatures(ir.load(str(rewritten)), info["vocab"])  # dtypes and shapes, no data
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -31,6 +31,7 @@ from ..stage import Stage
 from ..store import Artifact
 from .config import RewriteConfig
 from .graph import STAGE, check_onnx, fix_constant_shapes, load_graph, save_graph
+from .fold import fitted_weights
 from .passes import HarpRewritePass
 from ..verify import verify_rewrite
 
@@ -104,12 +105,16 @@ def check_foreign_graph(plan: Plan, facts: Mapping[str, Any], model_config: Mapp
 
 def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = EXTERNAL_DATA_THRESHOLD >> 20,
                  head_dim: int | None = None, model_config: Mapping[str, Any] | None = None,
-                 model_ref: str | None = None) -> dict[str, Any]:
+                 model_ref: str | None = None, fitted: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Load ``src`` (with external data), apply the HARP pass for ``plan``, save to ``out_path``
     and run ``onnx.checker`` (full) and strict shape inference on the result. Returns the report.
     A graph without harp-trt's export metadata (optimum, onnxruntime-genai, ...) is first checked
     against the plan and ``model_config`` (the reference model's ``config.json``) by
-    ``check_foreign_graph``."""
+    ``check_foreign_graph``. ``fitted`` (checkpoint names -> tensors; default the plan's
+    ``fitted_tensors``) are the fitted ``rrr`` maps of the plan's fitted layers."""
+    plan.refuse_fitted(STAGE, "an ONNX graph carries rrr's two GEMMs; lmmse's hidden x hidden map is measured "
+                       "in PyTorch only", allowed=("rrr",))
+    fitted = fitted_weights(plan.fitted_tensors() if fitted is None else fitted, plan.family)
     model = load_graph(src)
     expand(model)  # a compact export's weights as fp32 initializers again, lazily (harp_trt.compact)
     meta_raw = model.metadata_props.get(EXPORT_META_KEY)
@@ -119,7 +124,7 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     if not meta:
         facts = graph_facts(model.graph, head_dim)
         check_foreign_graph(plan, facts, model_config, model_ref)
-    result = HarpRewritePass(plan.alpha_map, plan.num_layers, head_dim=head_dim)(model)
+    result = HarpRewritePass(plan.alpha_map, plan.num_layers, head_dim=head_dim, fitted=fitted)(model)
     if meta:
         meta = {**meta, "kv_layers": [i for i in meta.get("kv_layers", range(plan.num_layers))
                                       if i not in plan.alpha_map],
@@ -217,7 +222,8 @@ class RewriteStage(Stage[RewriteConfig]):
             verify = probe_check.structure(out_dir / MODEL_FILE, plan)
         elif config.verify:  # the reference is read layer by layer from the weights: bounded memory
             verify = {**verify_rewrite(out_dir / MODEL_FILE, Path(resolved.folder), plan.alpha_map,
-                                       config.verify_config()).to_dict(), "path": "whole graph"}
+                                       config.verify_config(), fitted=plan.fitted_tensors()).to_dict(),
+                      "path": "whole graph"}
         report["verification"] = verify if verify is not None else {"skipped": "config.verify is false"}
         report["plan"] = {"layers": list(plan.layers), "alphas": list(plan.alphas),
                           "model_digest": plan.model_digest}

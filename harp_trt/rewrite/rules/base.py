@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -232,12 +232,18 @@ class AttentionRule(GraphRule[AttentionMatch]):
         return ins, outs
 
     # ---- rewrite ---------------------------------------------------------------------------------
-    def rewrite(self, graph: ir.Graph, m: AttentionMatch, alpha: float) -> LayerEdit:
-        """Replace the block; leaves the old one dead for the pass to sweep."""
+    def rewrite(self, graph: ir.Graph, m: AttentionMatch, alpha: float,
+                fitted: Mapping[str, np.ndarray] | None = None) -> LayerEdit:
+        """Replace the block; leaves the old one dead for the pass to sweep. ``fitted`` (a fitted
+        ``rrr`` map, ``calib/fit.py``: checkpoint-layout ``v`` [kv_dim, hidden], ``o`` [hidden,
+        heads * head_dim], optional ``vb``) takes the place of the layer's own V and O weights and
+        biases, at alpha 1: the same two GEMMs."""
         prefix = f"harp.layers.{m.layer}"
         if alpha == 0.0:
             return LayerEdit(mode="removed", nodes_added=remove_block(graph, m.residual_node, m.residual, prefix))
         edit = LayerEdit(mode="alpha-in-o_proj" if m.post_norm is None else "alpha-in-norm-gain")
+        if fitted is not None:
+            edit.mode = "fitted-rrr"
         new_nodes: list[ir.Node] = []
 
         def init(name: str, arr: np.ndarray) -> ir.Value:
@@ -249,7 +255,12 @@ class AttentionRule(GraphRule[AttentionMatch]):
             return val
 
         w_v, b_v = m.w_v, m.b_v
-        if m.v_cols is not None:  # packed QKV: keep only V's columns
+        w_o = const_array(m.w_o)
+        if fitted is not None:
+            w_v = init(f"{prefix}.v_proj.weight_fitted", np.ascontiguousarray(fitted["v"].T.astype(w_o.dtype)))
+            b_v = init(f"{prefix}.v_proj.bias_fitted", fitted["vb"].astype(w_o.dtype)) if "vb" in fitted else None
+            w_o = np.ascontiguousarray(fitted["o"].T.astype(w_o.dtype))
+        elif m.v_cols is not None:  # packed QKV: keep only V's columns
             lo, hi = m.v_cols
             w_v = init(f"{prefix}.v_proj.weight", np.ascontiguousarray(const_array(m.w_v)[:, lo:hi]))
             if b_v is not None:
@@ -257,14 +268,13 @@ class AttentionRule(GraphRule[AttentionMatch]):
         v = add_node(graph, new_nodes, "MatMul", [m.x, w_v], f"{prefix}/v_proj/MatMul")
         if b_v is not None:
             v = add_node(graph, new_nodes, "Add", [v, b_v], f"{prefix}/v_proj/Add")
-        w_o = const_array(m.w_o)
         w_fold = fold_o_proj(w_o, m.num_heads, m.num_kv_heads, m.head_dim)
         o_scale = alpha if m.post_norm is None else 1.0
         if o_scale != 1.0:
             w_fold = (w_fold.astype(np.float64) * o_scale).astype(w_o.dtype)
         w_fold_v = init(f"{prefix}.o_proj.weight_vo_fold", np.ascontiguousarray(w_fold))
         o = add_node(graph, new_nodes, "MatMul", [v, w_fold_v], f"{prefix}/o_proj/MatMul")
-        if m.b_o is not None:
+        if m.b_o is not None and fitted is None:  # a fitted map was fitted to the whole output, o bias included
             b_o = const_array(m.b_o)
             if o_scale != 1.0:
                 b_o = (b_o.astype(np.float64) * o_scale).astype(b_o.dtype)

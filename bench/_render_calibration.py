@@ -1,0 +1,52 @@
+"""The rendered text of a ``bench/calibration_table.py`` JSON run with ``--replacements``
+(``bench/render_results.py``'s ``replacement``): held-out perplexity of HARP's searched alpha beside
+the fitted maps of issue 34, on the searched corpus's held-out half and on a second text."""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["replacement"]
+
+
+def _cut(dense: float, harp: float, fitted: float) -> str:
+    """How much of HARP's gap to dense the fitted map closes: (harp - fitted) / (harp - dense)."""
+    return f"{(harp - fitted) / (harp - dense) * 100:.0f} %" if harp > dense else "-"
+
+
+def replacement(d: dict[str, Any]) -> str:
+    by: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in d["rows"]:
+        by.setdefault(r["P"], {})[r["replacement"]] = r
+    rows = ["| P | text | dense | alpha = 1 | HARP searched | rrr | lmmse | rrr's cut of HARP's gap | lmmse's cut |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(by):
+        runs = by[p]
+        harp, rrr, lm = runs["harp"], runs.get("rrr"), runs.get("lmmse")
+        texts = [("held-out half", lambda r: (r["heldout_dense"], r["heldout_alpha1"], r["heldout_searched"]))]
+        if "other" in harp:
+            texts.append((f"{harp['other']['corpus']} (other text)",
+                          lambda r: (r["other"]["dense"], r["other"]["alpha1"], r["other"]["searched"])))
+        for name, get in texts:
+            dense, a1, h = get(harp)
+            fr = get(rrr)[2] if rrr else None
+            fl = get(lm)[2] if lm else None
+            rows.append(f"| {p} | {name} | {dense:.2f} | {a1:.2f} | {h:.2f} | "
+                        f"{'-' if fr is None else f'**{fr:.2f}**'} | {'-' if fl is None else f'{fl:.2f}'} | "
+                        f"{'-' if fr is None else _cut(dense, h, fr)} | {'-' if fl is None else _cut(dense, h, fl)} |")
+    lines = ["\n| P | pruned layers | HARP's alphas | rrr kept in | rrr's alphas | lmmse kept in | calibrate seconds "
+             "(harp / rrr / lmmse, fit included) |", "|---|---|---|---|---|---|---|"]
+    for p in sorted(by):
+        runs = by[p]
+        h, rr, lm = runs["harp"], runs.get("rrr") or {}, runs.get("lmmse") or {}
+        secs = " / ".join(f"{r['search_seconds'] + (r.get('fit_seconds') or 0):.0f}" for r in (h, rr, lm) if r)
+        lines.append(f"| {p} | {', '.join(map(str, h['layers']))} | {', '.join(map(str, h['alphas']))} | "
+                     f"{', '.join(map(str, rr.get('fitted_layers', []))) or 'none'} | "
+                     f"{', '.join(map(str, rr.get('alphas', [])))} | {', '.join(map(str, lm.get('fitted_layers', []))) or 'none'} | "
+                     f"{secs} |")
+    cost = next((r["replacement_record"]["cost"] for r in d["rows"] if r["replacement"] == "lmmse"
+                 and r.get("replacement_record")), None)
+    tail = (f"\n\nCost per token of one replaced block: rrr {cost['harp_macs_per_token']:,} multiply-adds, as HARP's "
+            f"V.O; lmmse {cost['macs_per_token']:,} ({cost['ratio_to_harp']:.2f}x). " if cost else "\n\n")
+    prov = d["provenance"]
+    return ("\n".join(rows) + "\n" + "\n".join(lines) + tail +
+            f"{d['tokens']} tokens per half, windows of {d['seq_len']}; `{prov['command']}` at {prov['commit']}.\n")

@@ -1,0 +1,123 @@
+"""A fitted rrr map through the ONNX rewrite (issue 34): the rewritten graph against the PyTorch
+HARP model with the same map (the rewrite's own verification: fp32 logits within 1e-4 of the
+logit scale, 32 equal greedy tokens), and what it must refuse."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import FAMILY_NAMES, make_tiny
+from harp_trt.calib.fit import FittedMap, hf_tensors
+from harp_trt.dims import ModelDims
+from harp_trt.errors import PreconditionError, VerificationError
+from harp_trt.families import FAMILIES
+from harp_trt.plan import FITTED_FILE, Plan
+from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage
+from harp_trt.verify import verify_rewrite
+from test_rewrite import _plan, exports  # noqa: F401  (a fixture)
+
+FITTED_LAYER = 3
+
+
+def _fitted_plan(folder: Path, resolved, family: str, method: str = "rrr", seed: int = 0) -> Plan:
+    """A plan pruning layers 1 (alpha 0.7) and 3 (a random fitted map of ``method``), saved with its
+    tensors as a calibrate artifact would be, and loaded back."""
+    spec = FAMILIES.get(family)()
+    model = make_tiny(family, seed=FAMILY_NAMES.index(family))
+    d = ModelDims.from_config(model.config)
+    r = d.kv_heads * d.head_dim
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: 0.08 * torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    fmap = (FittedMap("rrr", rnd(r, d.hidden), rnd(d.hidden, r), None, 0.0, 0.0, 0.0) if method == "rrr" else
+            FittedMap("lmmse", rnd(d.hidden, d.hidden), None, rnd(d.hidden), 0.0, 0.0, 0.0))
+    folder.mkdir(parents=True)
+    save_file(hf_tensors(fmap, spec, d, FITTED_LAYER, torch.float32), str(folder / FITTED_FILE))
+    base = _plan(resolved, family, (1, FITTED_LAYER), (0.7, 1.0))
+    plan = Plan(**{**base.__dict__, "extra": {"replacement": {"method": method, "layers": [FITTED_LAYER],
+                                                              "file": FITTED_FILE}}})
+    plan.save(folder / "plan.json")
+    return Plan.load(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_rrr_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_path):  # noqa: F811
+    """GQA (llama), a v bias (qwen2, zeroed by the map), the post-attention norm (gemma2): the
+    rewrite's verification against PyTorch HARP with the map passes, the layer's mode says so, the
+    rewrite artifact carries the tensors beside its plan.json; and (llama) the same graph against HARP
+    without the map fails verification (the map is really in the graph)."""
+    store, export, resolved = exports(family)
+    plan = _fitted_plan(tmp_path / "plan", resolved, family)
+    art = RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": plan, "model": resolved})
+    man = art.manifest
+    assert man["max_abs_diff"] <= man["tolerance"], man
+    report = json.loads((art.path / REPORT).read_text())
+    modes = {r["layer"]: r["mode"] for r in report["layers"]}
+    assert modes[FITTED_LAYER] == "fitted-rrr" and modes[1] != "fitted-rrr"
+    assert (art.path / FITTED_FILE).is_file() and Plan.load(art.path).fitted_tensors().keys() == plan.fitted_tensors().keys()
+    if family != "llama":
+        return
+    with pytest.raises(VerificationError):  # once: the map is in the graph, not HARP's V.O
+        verify_rewrite(art.path / "model.onnx", make_tiny(family, seed=FAMILY_NAMES.index(family)), plan.alpha_map)
+
+
+def test_lmmse_and_a_missing_map_are_refused(exports, tmp_path):  # noqa: F811
+    """lmmse's hidden x hidden map has no place in the ONNX rewrite, nor in the GGUF or TensorRT-LLM
+    writers: a typed PreconditionError naming it; a plan whose map file is gone fails in one line."""
+    store, export, resolved = exports("llama")
+    plan = _fitted_plan(tmp_path / "lm", resolved, "llama", method="lmmse")
+    with pytest.raises(PreconditionError, match="fitted lmmse map, which rewrite does not carry"):
+        RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": plan, "model": resolved})
+    from harp_trt.builders.trtllm.checkpoint import check_plan_family
+
+    with pytest.raises(PreconditionError, match="linear attention folds HARP"):
+        check_plan_family(_fitted_plan(tmp_path / "rrr", resolved, "llama"), FAMILIES.get("llama")(), 4)
+    (tmp_path / "rrr" / FITTED_FILE).unlink()
+    from harp_trt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{FITTED_FILE} is missing"):
+        Plan.load(tmp_path / "rrr").fitted_tensors()
+
+
+def test_fitted_map_through_the_probe_path(tmp_path):
+    """Quantized builds check a probe (harp_trt.probe: a few layers renumbered, bf16 compact export):
+    the fitted map of original layer 4 is renamed onto probe layer 3 (``probe_fitted``) and the probe's
+    rewrite equals PyTorch HARP with it (1e-4 of the logit scale), as ``check_probe`` runs them."""
+    import onnx_ir as ir
+    from safetensors.torch import load_file
+
+    from conftest import save_tiny
+    from harp_trt.export.export import export_folder
+    from harp_trt.probe import probe_alphas, probe_fitted, probe_layers, write_probe_folder
+    from harp_trt.rewrite.stage import rewrite_onnx
+    from harp_trt.verify import VerifyConfig
+
+    folder = save_tiny("qwen2", tmp_path / "m", num_hidden_layers=6)
+    f = next(folder.glob("*.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    spec = FAMILIES.get("qwen2")()
+    d = ModelDims.from_config(make_tiny("qwen2", num_hidden_layers=6).config)
+    g = torch.Generator().manual_seed(3)
+    r = d.kv_heads * d.head_dim
+    fmap = FittedMap("rrr", 0.08 * torch.randn(r, d.hidden, generator=g, dtype=torch.float64),
+                     0.08 * torch.randn(d.hidden, r, generator=g, dtype=torch.float64), None, 0.0, 0.0, 0.0)
+    alphas = {3: 0.5, 4: 1.0, 5: 0.5}
+    layers = probe_layers(6, alphas)
+    fitted = probe_fitted(layers, hf_tensors(fmap, spec, d, 4, torch.float32), spec.layer_prefix)
+    assert layers == [0, 1, 3, 4, 5] and all(k.startswith("model.layers.3.") for k in fitted)
+    write_probe_folder(folder, layers, tmp_path / "probe", vocab=100)
+    path = export_folder(tmp_path / "probe", tmp_path / "export", storage="compact")
+    pa = probe_alphas(layers, alphas)
+    plan = Plan("m", "d", "qwen2", len(layers), "test", tuple(sorted(pa)), tuple(pa[k] for k in sorted(pa)),
+                extra={"replacement": {"method": "rrr", "layers": [3], "file": FITTED_FILE}})
+    out = tmp_path / "rw" / "model.onnx"
+    out.parent.mkdir()
+    report = rewrite_onnx(path, plan, out, fitted=fitted)
+    assert {r["layer"]: r["mode"] for r in report["layers"]}[3] == "fitted-rrr"
+    assert ir.load(out).graph.initializers["harp.layers.3.v_proj.weight_fitted"].const_value.dtype == ir.DataType.FLOAT
+    cfg = VerifyConfig(decode_steps=2, greedy_steps=2, prompt_len=6, pad=2)
+    res = verify_rewrite(out, tmp_path / "probe", pa, cfg, fitted=fitted)
+    assert res.max_abs_diff <= res.tolerance
