@@ -1,5 +1,6 @@
 """HARP's folds on checkpoint tensors, shared by every writer that streams a Hugging Face folder
-(``builders/trtllm``, ``builders/gguf``): tensors by role read one at a time (``RoleReader``) and
+(``builders/trtllm``, ``builders/gguf``): tensors by role read one at a time (``RoleReader``, a plan's
+fitted maps read in place of their layers' V/O) and
 the one fold that turns a pruned layer's value and output projections into a single matrix
 (``fold_vo``, HARP Eq. 4-5)."""
 from __future__ import annotations
@@ -17,11 +18,15 @@ class RoleReader:
     """HF tensors by role (``"q"``, ``"embed"``...): read from disk, or shape-only (``meta``) for a
     dry run that plans an output file before any tensor is read."""
 
-    def __init__(self, reader: WeightReader, family: FamilySpec, meta: bool):
+    def __init__(self, reader: WeightReader, family: FamilySpec, meta: bool, overlay: dict | None = None):
         self.reader, self.family, self.meta = reader, family, meta
+        self.overlay = overlay or {}  # checkpoint name -> tensor read instead: a plan's fitted maps (Plan.fitted_tensors)
 
     def has(self, role: str, layer: int | None = None) -> bool:
-        return role in self.family.weight_names and self.family.weight_name(role, layer) in self.reader
+        if role not in self.family.weight_names:
+            return False
+        name = self.family.weight_name(role, layer)
+        return name in self.overlay or name in self.reader
 
     def tied(self) -> bool:
         """The model has no lm_head tensor of its own (it reads the embedding)."""
@@ -29,6 +34,9 @@ class RoleReader:
 
     def get(self, role: str, layer: int | None = None) -> torch.Tensor:
         name = self.family.weight_name(role, layer)
+        if name in self.overlay:
+            t = self.overlay[name]
+            return torch.empty(t.shape, dtype=t.dtype, device="meta") if self.meta else t
         if role == "lm_head" and name not in self.reader:  # tied embeddings
             name = self.family.weight_name("embed")
         return self.reader.meta(name) if self.meta else self.reader.get(name)

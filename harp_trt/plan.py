@@ -94,8 +94,7 @@ class Plan:
         if self.fitted_layers and self.replacement not in allowed:
             raise PreconditionError(stage, f"the plan replaces layers {list(self.fitted_layers)} by a fitted "
                                     f"{self.replacement} map, which {stage} does not carry{': ' + why if why else ''}",
-                                    "calibrate with --replacement rrr (carried by the ONNX rewrite and the ORT, genai and "
-                                    "Triton engines built from it) or harp")
+                                    "calibrate with --replacement rrr (carried by every target) or harp")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -128,10 +128,6 @@ CASES = [
     (["calibrate", "--model", "T", "--replacement", "rrr", "--alphas", "0.5,0.5"], ConfigError,
      "--replacement rrr is chosen by the alpha search, which --alphas skips"),
     (["build", "--model", "T", "--replacement", "lmmse"], ConfigError, "--replacement lmmse has no engine"),
-    (["build", "--model", "T", "--replacement", "rrr", "--backend", "gguf"], ConfigError,
-     "--replacement rrr cannot go to --backend gguf"),
-    (["build", "--model", "T", "--replacement", "rrr", "--backend", "trtllm"], ConfigError,
-     "--replacement rrr cannot go to --backend trtllm"),
 ]
 
 

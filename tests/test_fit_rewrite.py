@@ -23,12 +23,11 @@ from test_rewrite import _plan, exports  # noqa: F401  (a fixture)
 FITTED_LAYER = 3
 
 
-def _fitted_plan(folder: Path, resolved, family: str, method: str = "rrr", seed: int = 0) -> Plan:
+def _fitted_plan(folder: Path, resolved, family: str, method: str = "rrr", seed: int = 0, **shape) -> Plan:
     """A plan pruning layers 1 (alpha 0.7) and 3 (a random fitted map of ``method``), saved with its
     tensors as a calibrate artifact would be, and loaded back."""
     spec = FAMILIES.get(family)()
-    model = make_tiny(family, seed=FAMILY_NAMES.index(family))
-    d = ModelDims.from_config(model.config)
+    d = ModelDims.from_config(make_tiny(family, seed=FAMILY_NAMES.index(family), **shape).config)
     r = d.kv_heads * d.head_dim
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: 0.08 * torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -65,16 +64,14 @@ def test_rrr_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_pat
 
 
 def test_lmmse_and_a_missing_map_are_refused(exports, tmp_path):  # noqa: F811
-    """lmmse's hidden x hidden map has no place in the ONNX rewrite, nor in the GGUF or TensorRT-LLM
-    writers: a typed PreconditionError naming it; a plan whose map file is gone fails in one line."""
+    """lmmse's hidden x hidden map has no place in the ONNX rewrite: a typed PreconditionError naming
+    it (the GGUF and TensorRT-LLM writers: tests/test_fit_targets.py); a plan whose map file is gone
+    fails in one line."""
     store, export, resolved = exports("llama")
     plan = _fitted_plan(tmp_path / "lm", resolved, "llama", method="lmmse")
     with pytest.raises(PreconditionError, match="fitted lmmse map, which rewrite does not carry"):
         RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": plan, "model": resolved})
-    from harp_trt.builders.trtllm.checkpoint import check_plan_family
-
-    with pytest.raises(PreconditionError, match="linear attention folds HARP"):
-        check_plan_family(_fitted_plan(tmp_path / "rrr", resolved, "llama"), FAMILIES.get("llama")(), 4)
+    _fitted_plan(tmp_path / "rrr", resolved, "llama")
     (tmp_path / "rrr" / FITTED_FILE).unlink()
     from harp_trt.errors import ConfigError
 

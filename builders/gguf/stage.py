@@ -91,8 +91,8 @@ class GgufStage(Stage[GgufConfig]):
         if plan is not None:
             check_plan_weights(plan.model_digest, model.digest, self.name, f"model {model.ref}")
             plan.check_model(family.name, dims.num_layers, self.name)
-            plan.refuse_fitted(self.name, "its deci writer folds HARP's alpha * V.O (issue 34 leaves the fitted "
-                               "fold to a later step)")
+            plan.refuse_fitted(self.name, "llama.cpp's deci linear attention holds one hidden x hidden matrix, "
+                               "folded from rrr's V/O; lmmse's bias has no place there", allowed=("rrr",))
         check_supported(family, cfg, dims)
 
     def run(self, config: GgufConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:
@@ -102,13 +102,15 @@ class GgufStage(Stage[GgufConfig]):
         plan: Plan | None = inputs.get("plan")
         model = inputs["model"]
         alphas = plan.alpha_map if plan is not None else {}
+        fitted = plan.fitted_tensors() if plan is not None else {}  # calibrate --replacement rrr
         if plan is not None:
             plan.save(out / "plan.json")
         cfg = hf_config(model.folder)
         dims = ModelDims.from_config(cfg)
         vocab = choose_vocab(model, cfg, dims, out)
         info = write_deci_gguf(model.folder, alphas, out / MODEL_FILE, dtype=config.dtype, context=config.context,
-                               vocab=vocab, name=f"{Path(str(model.ref)).name} HARP" if alphas else str(model.ref))
+                               vocab=vocab, name=f"{Path(str(model.ref)).name} HARP" if alphas else str(model.ref),
+                               fitted=fitted)
         quantized = None
         if config.gguf_type != "none":
             probe.quantize(out / MODEL_FILE, out / quantized_name(config.gguf_type), config.gguf_type)
@@ -121,6 +123,7 @@ class GgufStage(Stage[GgufConfig]):
             "format": FORMAT, "model": model.to_dict(), "llama_cpp": {"version": probe.llama_cpp_version()},
             "file": MODEL_FILE, "quantized_file": quantized, "gguf_type": config.gguf_type, **info,
             "pruned_layers": sorted(alphas), "alphas": {str(k): v for k, v in sorted(alphas.items())},
+            "fitted_layers": list(plan.fitted_layers) if plan is not None else [],
             "kv_cache_type": "f16",
             "kv_bytes_per_token": kv_fa["bytes_per_token"],
             "kv_bytes_per_token_no_flash_attn": kv_nofa["bytes_per_token"],
@@ -131,7 +134,7 @@ class GgufStage(Stage[GgufConfig]):
         }
         if config.verify:
             body["verification"] = _verify(config, alphas, Path(model.folder), out / MODEL_FILE,
-                                           text=info["tokenizer"]["source"] != "none")
+                                           text=info["tokenizer"]["source"] != "none", fitted=fitted)
         if quantized:
             body["quantized_check"] = _generates(out / quantized, dims.vocab)
         (out / REPORT).write_text(json.dumps(body, indent=2))
@@ -199,13 +202,12 @@ def _tokenizes_as(folder, cfg, dims: ModelDims, vocab, out: Path, want: list[int
 
 
 # ---- postconditions: llama.cpp computes the HARP model ------------------------------------------
-def reference_logits(folder: Path, alphas: Mapping[int, float], ids, dtype: str):
+def reference_logits(folder: Path, alphas: Mapping[int, float], ids, dtype: str, fitted: Mapping | None = None):
     """PyTorch HARP logits ``[n, vocab]`` (fp32, layer by layer, one layer resident; weights rounded
-    to ``dtype`` first for a half-precision file)."""
+    to ``dtype`` first for a half-precision file), with a plan's ``fitted`` maps where it has them."""
     import torch
 
     from harp_trt.device import Placement
-    from harp_trt.harp import apply_harp
     from harp_trt.layerwise import LayerStack
 
     from .writer import TORCH_DTYPES
@@ -213,13 +215,13 @@ def reference_logits(folder: Path, alphas: Mapping[int, float], ids, dtype: str)
     round_to = None if dtype == "f32" else TORCH_DTYPES[dtype]
     ref = LayerStack.open(folder, Placement("cpu", "float32", sequential=True), stream_embeddings=True,
                           round_to=round_to)
-    apply_harp(ref.model, dict(alphas), ref.family)
+    ref.apply_plan(alphas, dict(fitted or {}))
     cap = ref.capture(torch.as_tensor([list(ids)]))
     return ref.logits(ref.run(cap.h0, cap)[0]).float()[0].numpy()
 
 
 def _verify(config: GgufConfig, alphas: Mapping[int, float], folder: Path, gguf_path: Path,
-            text: bool) -> dict[str, Any]:
+            text: bool, fitted: Mapping | None = None) -> dict[str, Any]:
     """llama.cpp generates greedily (KV cache, one token per decode) from ``PROMPT_TEXT`` in the
     file's own tokenization (``text``) or from random ids; then the prompt plus its continuation runs
     in one prefill in llama.cpp and in the reference: logits within the tolerance, and the
@@ -236,7 +238,7 @@ def _verify(config: GgufConfig, alphas: Mapping[int, float], folder: Path, gguf_
     greedy = probe.greedy(gguf_path, prompt, n - p + 1)
     ids = prompt + greedy[:-1]
     got = probe.logits(gguf_path, ids)
-    want = reference_logits(folder, alphas, ids, config.dtype)
+    want = reference_logits(folder, alphas, ids, config.dtype, fitted)
     want_greedy = want[p - 1:].argmax(-1).tolist()
     scale = max(1.0, float(np.abs(want).max()))
     tol = VERIFY_TOLERANCE[config.dtype] * scale

@@ -208,9 +208,10 @@ def write_arch_keys(writer, config, dims: ModelDims, layers: list[DeciLayer], dt
 
 def write_deci_gguf(model_folder: str | Path, alphas: Mapping[int, float], out_path: str | Path, *,
                     dtype: str = "f16", context: int = 0, vocab: Callable[[Any], dict[str, Any]],
-                    name: str = "harp") -> dict[str, Any]:
+                    name: str = "harp", fitted: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write ``out_path`` (a deci GGUF) from the Hugging Face folder ``model_folder`` with HARP's
-    ``alphas`` ({layer: alpha}; empty: the dense model). ``vocab(writer)`` adds the ``tokenizer.*``
+    ``alphas`` ({layer: alpha}; empty: the dense model) and a plan's ``fitted`` maps (checkpoint
+    names -> tensors, ``Plan.fitted_tensors``: their V/O are folded in place of the layer's own). ``vocab(writer)`` adds the ``tokenizer.*``
     keys and returns what it wrote (``vocab.py``). Tensors are planned on shape-only tensors first,
     then read, folded, cast and written one at a time. Returns the per-layer table and sizes."""
     import gguf
@@ -223,19 +224,20 @@ def write_deci_gguf(model_folder: str | Path, alphas: Mapping[int, float], out_p
     tdtype = TORCH_DTYPES[dtype]
     rope = rope_factors(config, dims)
     reader = WeightReader(model_folder)
+    fitted = dict(fitted or {})
     writer = gguf.GGUFWriter(str(out_path), family.gguf.architecture)
     try:
         write_arch_keys(writer, config, dims, layers, dtype, context, name)
         tokenizer = vocab(writer)
         with torch.no_grad():
             names = []
-            for n, t in _tensors(RoleReader(reader, family, meta=True), layers, dims, tdtype, rope):
+            for n, t in _tensors(RoleReader(reader, family, meta=True, overlay=fitted), layers, dims, tdtype, rope):
                 _add_info(writer, n, t)
                 names.append(n)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for (n, t), want in zip(_tensors(RoleReader(reader, family, meta=False), layers, dims, tdtype, rope),
+            for (n, t), want in zip(_tensors(RoleReader(reader, family, meta=False, overlay=fitted), layers, dims, tdtype, rope),
                                     names):
                 assert n == want, (n, want)  # the two passes yield the same order by construction
                 writer.write_tensor_data(_numpy(t))

@@ -348,8 +348,8 @@ def check_plan_family(plan: Plan, family: FamilySpec, num_layers: int) -> None:
     """The plan's family and depth are the model's (its weights digest is checked by the stage,
     ``harp_trt.onnx_io.check_plan_weights``)."""
     plan.check_model(family.name, num_layers, STAGE_NAME)
-    plan.refuse_fitted(STAGE_NAME, "its linear attention folds HARP's alpha * V.O (issue 34 leaves the fitted "
-                       "fold to a later step)")
+    plan.refuse_fitted(STAGE_NAME, "DeciLM's linear attention holds one hidden x hidden matrix without a bias, "
+                       "folded from rrr's V/O; lmmse's bias has no place there", allowed=("rrr",))
 
 
 def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",
@@ -368,6 +368,7 @@ def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, 
     check_layout(dims, target, dtype, tp_size, pp_size)
     check_plan_family(plan, family, dims.num_layers)
     reader = WeightReader(model_folder)
+    fitted = plan.fitted_tensors()  # calibrate --replacement rrr: the fitted V/O of those layers
     if target.share_embedding and family.weight_name("lm_head") in reader:
         raise PreconditionError(STAGE_NAME, f"{target.architecture} in TensorRT-LLM always ties lm_head to the "
                                 "embedding, but this model has a separate lm_head",
@@ -384,13 +385,13 @@ def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, 
     world = ParallelMapping(tp_size, pp_size).world_size
     plans: list[list[TensorSpec]] = [[] for _ in range(world)]
     with torch.no_grad():
-        for r, name, t in _rank_tensors(_Source(reader, family, meta=True), target, lk, dims, torch_dtype,
+        for r, name, t in _rank_tensors(_Source(reader, family, meta=True, overlay=fitted), target, lk, dims, torch_dtype,
                                         tp_size, pp_size):
             plans[r].append(TensorSpec(name, t.dtype, tuple(t.shape)))
         files = [f"rank{r}.safetensors" for r in range(world)]
         writers = [SafetensorsWriter(out / f, plans[r]) for r, f in enumerate(files)]
         try:
-            for r, name, t in _rank_tensors(_Source(reader, family, meta=False), target, lk, dims, torch_dtype,
+            for r, name, t in _rank_tensors(_Source(reader, family, meta=False, overlay=fitted), target, lk, dims, torch_dtype,
                                             tp_size, pp_size):
                 writers[r].write(name, t)
         finally:

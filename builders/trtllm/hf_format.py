@@ -176,13 +176,14 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
     amap = plan.alpha_map
     theta, scaling = _rope_fields(cfg)
     reader = WeightReader(model_folder)
+    fitted = plan.fitted_tensors()  # calibrate --replacement rrr: the fitted V/O of those layers
     tdt = DTYPES[dtype]
     blocks = _block_configs(dims, amap, mult)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         specs = [TensorSpec(n, t.dtype, tuple(t.shape))
-                 for n, t in _hf_tensors(_Source(reader, family, meta=True), dims, amap, tdt)]
+                 for n, t in _hf_tensors(_Source(reader, family, meta=True, overlay=fitted), dims, amap, tdt)]
         shards: list[list[TensorSpec]] = [[]]
         size = 0
         for spec in specs:
@@ -196,7 +197,7 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
         where = {spec.name: k for k, shard in enumerate(shards) for spec in shard}
         writers = [SafetensorsWriter(out / n, shard) for n, shard in zip(names, shards)]
         try:
-            for name, t in _hf_tensors(_Source(reader, family, meta=False), dims, amap, tdt):
+            for name, t in _hf_tensors(_Source(reader, family, meta=False, overlay=fitted), dims, amap, tdt):
                 writers[where[name]].write(name, t)
         finally:
             for w in writers:

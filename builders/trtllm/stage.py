@@ -161,7 +161,6 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
         import torch
 
         from harp_trt.device import Placement
-        from harp_trt.harp import apply_harp
         from harp_trt.layerwise import LayerStack
 
         n = min(config.verify_tokens, config.max_input_len)
@@ -170,7 +169,7 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
                               round_to=round_to)
         vocab = ref.model.config.vocab_size
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
-        apply_harp(ref.model, plan.alpha_map, ref.family)
+        ref.apply_plan(plan.alpha_map, plan.fitted_tensors())  # fitted maps (--replacement rrr) in their layers
         cap = ref.capture(ids)
         want = ref.logits(ref.run(cap.h0, cap)[0]).float()
         del ref, cap

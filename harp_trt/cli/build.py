@@ -22,8 +22,6 @@ TRTLLM_FIELDS = ("tp_size", "pp_size")
 STAGE_FLAGS = {"gguf": ((("gguf_type",), ""), (("dtype",), "gguf-")), "trtllm": ((TRTLLM_FIELDS, ""),)}
 # stage -> how its output is quantized where --quant (the ORT engine's) does not apply
 OWN_QUANT = {"gguf": "for llama.cpp quantization use --gguf-type"}
-# stage -> why it cannot carry a fitted map (calibrate --replacement; Plan.refuse_fitted says it again at run time)
-NO_FITTED = {"gguf": "the deci GGUF folds HARP's alpha * V.O", "trtllm": "its linear attention folds HARP's alpha * V.O"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +68,7 @@ def run(args) -> dict:
     calib_config, placement = calibrate_config_from_args(args)
     bench_config = _bench_config(args, placement) if args.bench else None
     stages = _stages(args.backend)
-    _check_replacement(calib_config.replacement, stages, args.backend)
+    _check_replacement(calib_config.replacement)
     configs = {"build-ort": _ort_config(args, stages)}
     for stage in sorted(stages & set(STAGE_FLAGS)):
         configs[stage] = _stage_config(stage, args)
@@ -110,18 +108,14 @@ def render(result: dict, console) -> None:
     render_build(result, console)
 
 
-def _check_replacement(replacement: str, stages: set[str], backend: str) -> None:
-    """ConfigError before any work where the backend cannot carry ``--replacement``'s maps: lmmse
-    (hidden x hidden) has no engine; rrr (V.O-shaped) goes through the ONNX rewrite only."""
+def _check_replacement(replacement: str) -> None:
+    """ConfigError before any work for ``--replacement lmmse``: its hidden x hidden map with a bias
+    has no engine (rrr, V.O-shaped, goes to every backend)."""
     from ..errors import ConfigError
 
     if replacement == "lmmse":
         raise ConfigError("--replacement lmmse has no engine: its hidden x hidden map is measured in PyTorch only",
                           "measure it with harp-trt calibrate --replacement lmmse and harp-trt eval; build with rrr")
-    refused = sorted(s for s in stages if s in NO_FITTED)
-    if replacement != "harp" and refused:
-        raise ConfigError(f"--replacement {replacement} cannot go to --backend {backend}: {NO_FITTED[refused[0]]}",
-                          "use --backend ort, genai or triton, or --replacement harp")
 
 
 def _stage_config(stage: str, args):
