@@ -42,7 +42,7 @@ class CalibrateConfig(StageConfig):
     layers: int = option(2, short="-P", cli_default=None, help="number of layers to prune (default: the "
                          "preset's value, else %(field_default)s)")
     strategy: str = option("top", help="layer scoring: top, bottom, gate-norm, gate-norm-folded, sink, bi, "
-                           "attn-sim (default %(default)s)")
+                           "attn-sim, cca (default %(default)s)")
     alpha_grid: tuple[float, ...] = option(DEFAULT_GRID, parse=parse_grid,
                                            help="candidate alphas (default %(default)s)")
     search: str = option("exhaustive", choices=METHODS, help=(

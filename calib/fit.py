@@ -44,6 +44,7 @@ class Moments:
     ``yy = sum ||y||^2``, ``sx``/``sy`` the sums, ``n`` the tokens."""
 
     h: int
+    full_yy: bool = False   # also ``yyt = sum y y^T`` (the CCA bound of calib/strategies/cca.py needs it)
     xx: torch.Tensor = field(init=False)
     yx: torch.Tensor = field(init=False)
     sx: torch.Tensor = field(init=False)
@@ -54,6 +55,7 @@ class Moments:
     def __post_init__(self):
         z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
         self.xx, self.yx, self.sx, self.sy = z(self.h, self.h), z(self.h, self.h), z(self.h), z(self.h)
+        self.yyt = z(self.h, self.h) if self.full_yy else None
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x, y = x.reshape(-1, self.h).double(), y.reshape(-1, self.h).double()
@@ -62,6 +64,8 @@ class Moments:
         self.sx += x.sum(0)
         self.sy += y.sum(0)
         self.yy += float((y * y).sum())
+        if self.yyt is not None:
+            self.yyt += y.T @ y
         self.n += x.shape[0]
 
     def __add__(self, other: "Moments") -> "Moments":
@@ -121,7 +125,8 @@ class LayerStats:
 
 
 @torch.inference_mode()
-def layer_moments(stack, windows: torch.Tensor, layers: Sequence[int], split: int) -> Iterator[tuple[int, LayerStats]]:
+def layer_moments(stack, windows: torch.Tensor, layers: Sequence[int], split: int,
+                  full_yy: bool = False) -> Iterator[tuple[int, LayerStats]]:
     """One dense pass over ``windows``, yielding ``(layer, stats)`` for each layer of ``layers`` as
     the pass leaves it: the moments of the windows before ``split`` (fit) and from ``split`` on
     (lambda choice); padded positions are left out. One layer is resident at a time (a sequential
@@ -137,7 +142,8 @@ def layer_moments(stack, windows: torch.Tensor, layers: Sequence[int], split: in
         with stack.layer(i) as layer:
             handle, stats, cur = None, None, {"w": 0}
             if i in wanted:
-                stats = LayerStats(Moments(dims.hidden), Moments(dims.hidden), *_harp_map(layer, dims, fold_vo))
+                stats = LayerStats(Moments(dims.hidden, full_yy), Moments(dims.hidden, full_yy),
+                                   *_harp_map(layer, dims, fold_vo))
 
                 def hook(mod, args, kwargs, output, stats=stats, cur=cur):
                     x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]

@@ -18,7 +18,7 @@ def _ctx(model, **kw):
                         windows=torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)), **kw)
 
 
-@pytest.mark.parametrize("name", ["top", "bottom", "gate-norm", "gate-norm-folded", "sink", "bi", "attn-sim"])
+@pytest.mark.parametrize("name", ["top", "bottom", "gate-norm", "gate-norm-folded", "sink", "bi", "attn-sim", "cca"])
 def test_one_finite_score_per_layer(family, name):
     model = make_tiny(family, num_hidden_layers=5)
     strat = get_strategy(name)
@@ -147,7 +147,7 @@ def test_selection_errors():
         STRATEGIES.get("gatenorm")
 
 
-@pytest.mark.parametrize("name", ["sink", "bi", "attn-sim"])
+@pytest.mark.parametrize("name", ["sink", "bi", "attn-sim", "cca"])
 def test_data_scores_equal_on_a_sequential_stack(tmp_path, family, name):
     """Layer-by-layer scoring from disk (one layer resident) gives the resident model's scores."""
     from harp_trt.device import resolve_placement

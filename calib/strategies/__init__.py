@@ -14,6 +14,7 @@ STRATEGIES.register("bottom", "harp_trt.calib.strategies.top:BottomStrategy")
 STRATEGIES.register("sink", "harp_trt.calib.strategies.sink:SinkStrategy")
 STRATEGIES.register("bi", "harp_trt.calib.strategies.similarity:BlockInfluenceStrategy")
 STRATEGIES.register("attn-sim", "harp_trt.calib.strategies.similarity:AttnSimStrategy")
+STRATEGIES.register("cca", "harp_trt.calib.strategies.cca:CcaStrategy")
 
 
 def get_strategy(name: str):
