@@ -46,7 +46,8 @@ def _fitted_plan(folder: Path, resolved, family: str, method: str = "rrr", seed:
 def test_rrr_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_path):  # noqa: F811
     """GQA (llama), a v bias (qwen2, zeroed by the map), the post-attention norm (gemma2): the
     rewrite's verification against PyTorch HARP with the map passes, the layer's mode says so, the
-    rewrite artifact carries the tensors beside its plan.json; and (llama) the same graph against HARP
+    rewrite artifact carries the tensors beside its plan.json, the graph has HARP's ops and weight
+    shapes; and (llama) the same graph against HARP
     without the map fails verification (the map is really in the graph)."""
     store, export, resolved = exports(family)
     plan = _fitted_plan(tmp_path / "plan", resolved, family)
@@ -57,6 +58,16 @@ def test_rrr_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_pat
     modes = {r["layer"]: r["mode"] for r in report["layers"]}
     assert modes[FITTED_LAYER] == "fitted-rrr" and modes[1] != "fitted-rrr"
     assert (art.path / FITTED_FILE).is_file() and Plan.load(art.path).fitted_tensors().keys() == plan.fitted_tensors().keys()
+    # the same graph as HARP's for the same layers: op types in order and every weight's shape (so the
+    # same cost in every engine built from it)
+    import onnx_ir as ir
+    from harp_trt.rewrite.stage import rewrite_onnx
+
+    plain = tmp_path / "plain" / "model.onnx"
+    plain.parent.mkdir()
+    rewrite_onnx(export.path / "model.onnx", _plan(resolved, family, (1, FITTED_LAYER), (0.7, 1.0)), plain)
+    shape = lambda g: ([n.op_type for n in g.graph], sorted(tuple(v.shape) for v in g.graph.initializers.values()))  # noqa: E731
+    assert shape(ir.load(str(art.path / "model.onnx"))) == shape(ir.load(str(plain)))
     if family != "llama":
         return
     with pytest.raises(VerificationError):  # once: the map is in the graph, not HARP's V.O
