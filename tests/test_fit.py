@@ -114,11 +114,13 @@ def test_calibrate_replacement_records_every_candidate(trained_qwen2, tmp_path, 
     assert "replacement" not in json.loads((Path(harp["artifact"]) / "plan.json").read_text())["extra"]
 
 
-def test_rrr_on_smollm2_beats_the_grid_and_reads_back(smollm2, test_cache, capsys):
+def test_rrr_on_smollm2_beats_the_grid_and_reads_back(smollm2, smollm2_export, test_cache, capsys):
     """On a real model (SmolLM2-135M, top 2 layers, 1024 tokens per half, a 5-value grid) the rrr
-    map beats the searched alpha in at least one layer, and ``harp-trt eval`` rebuilds the plan's
+    map beats the searched alpha in at least one layer; ``harp-trt eval`` rebuilds the plan's
     model from the artifact's safetensors (resident and one layer at a time) with the plan's
-    held-out perplexity, 1e-5 relative."""
+    held-out perplexity, 1e-5 relative; and the ONNX rewrite of the real export with the map passes
+    its verification against PyTorch with the map (fp32 logits within 1e-4 of their scale, greedy
+    tokens equal)."""
     common = ["--tokens", "1024", "--seq-len", "512", "--workdir", str(test_cache), "--json"]
     code, res, err = run_json(capsys, "calibrate", "--model", "smollm2-135m", "--layers", "2", "--replacement", "rrr",
                               "--alpha-grid", "0,0.25,0.5,0.75,1", *common)
@@ -146,3 +148,11 @@ def test_cca_bound_is_zero_for_a_linear_block_and_near_one_for_noise():
     noise = Moments(16, full_yy=True)
     noise.add(x, torch.randn(20000, 16, generator=g, dtype=torch.float64))
     assert cca_bound(lin) < 1e-3 and 0.99 < cca_bound(noise) <= 1.0
+    from harp_trt.plan import Plan
+    from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage
+
+    store, export = smollm2_export
+    rw = RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": Plan.load(art), "model": smollm2[0]})
+    assert rw.manifest["max_abs_diff"] <= rw.manifest["tolerance"], rw.manifest
+    modes = {r["layer"]: r["mode"] for r in json.loads((rw.path / REPORT).read_text())["layers"]}
+    assert [l for l, m in modes.items() if m == "fitted-rrr"] == plan["extra"]["replacement"]["layers"]
