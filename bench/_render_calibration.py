@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["replacement"]
+__all__ = ["replacement", "replacement_headline"]
 
 
 def _cut(dense: float, harp: float, fitted: float) -> str:
@@ -50,3 +50,22 @@ def replacement(d: dict[str, Any]) -> str:
     prov = d["provenance"]
     return ("\n".join(rows) + "\n" + "\n".join(lines) + tail +
             f"{d['tokens']} tokens per half, windows of {d['seq_len']}; `{prov['command']}` at {prov['commit']}.\n")
+
+
+def replacement_headline(d: dict[str, Any]) -> str:
+    """The README's lines: held-out perplexity on both texts, HARP searched against rrr, per P."""
+    by: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in d["rows"]:
+        by.setdefault(r["P"], {})[r["replacement"]] = r
+    rows = ["| P | held-out text | dense | HARP searched | rrr | rrr's cut of HARP's gap to dense |", "|---|---|---|---|---|---|"]
+    for p in sorted(by):
+        h, rr = by[p]["harp"], by[p].get("rrr")
+        if rr is None:
+            continue
+        pairs = [("Wikipedia, unseen half", h["heldout_dense"], h["heldout_searched"], rr["heldout_searched"])]
+        if "other" in h:
+            pairs.append((f"{h['other']['corpus']} (unseen text)", h["other"]["dense"], h["other"]["searched"],
+                          rr["other"]["searched"]))
+        rows += [f"| {p} | {name} | {dense:.2f} | {harp:.2f} | **{fit:.2f}** | {_cut(dense, harp, fit)} |"
+                 for name, dense, harp, fit in pairs]
+    return "\n".join(rows) + "\n"
