@@ -33,7 +33,7 @@ def replacement(d: dict[str, Any]) -> str:
             rows.append(f"| {p} | {name} | {dense:.2f} | {a1:.2f} | {h:.2f} | "
                         f"{'-' if fr is None else f'**{fr:.2f}**'} | {'-' if fl is None else f'{fl:.2f}'} | "
                         f"{'-' if fr is None else _cut(dense, h, fr)} | {'-' if fl is None else _cut(dense, h, fl)} |")
-    lines = ["\n| P | pruned layers | HARP's alphas | rrr kept in | rrr's alphas | lmmse kept in | calibrate seconds "
+    lines = ["\n| P | pruned layers | HARP's alphas | rrr kept in | rrr plan's alphas (1 where fitted) | lmmse kept in | calibrate seconds on a shared machine "
              "(harp / rrr / lmmse, fit included) |", "|---|---|---|---|---|---|---|"]
     for p in sorted(by):
         runs = by[p]
