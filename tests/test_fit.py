@@ -134,6 +134,14 @@ def test_rrr_on_smollm2_beats_the_grid_and_reads_back(smollm2, smollm2_export, t
         assert code == 0, err
         assert ev["fitted_layers"] == plan["extra"]["replacement"]["layers"]
         assert ev["searched"] == pytest.approx(plan["ppl"]["heldout_searched"], rel=1e-5)
+    from harp_trt.plan import Plan
+    from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage
+
+    store, export = smollm2_export
+    rw = RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": Plan.load(art), "model": smollm2[0]})
+    assert rw.manifest["max_abs_diff"] <= rw.manifest["tolerance"], rw.manifest
+    modes = {r["layer"]: r["mode"] for r in json.loads((rw.path / REPORT).read_text())["layers"]}
+    assert [l for l, m in modes.items() if m == "fitted-rrr"] == plan["extra"]["replacement"]["layers"]
 
 
 def test_cca_bound_is_zero_for_a_linear_block_and_near_one_for_noise():
@@ -148,11 +156,3 @@ def test_cca_bound_is_zero_for_a_linear_block_and_near_one_for_noise():
     noise = Moments(16, full_yy=True)
     noise.add(x, torch.randn(20000, 16, generator=g, dtype=torch.float64))
     assert cca_bound(lin) < 1e-3 and 0.99 < cca_bound(noise) <= 1.0
-    from harp_trt.plan import Plan
-    from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage
-
-    store, export = smollm2_export
-    rw = RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": Plan.load(art), "model": smollm2[0]})
-    assert rw.manifest["max_abs_diff"] <= rw.manifest["tolerance"], rw.manifest
-    modes = {r["layer"]: r["mode"] for r in json.loads((rw.path / REPORT).read_text())["layers"]}
-    assert [l for l, m in modes.items() if m == "fitted-rrr"] == plan["extra"]["replacement"]["layers"]
