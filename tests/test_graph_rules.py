@@ -14,7 +14,7 @@ from harp_trt.builders.ort.config import OrtBuildConfig
 from harp_trt.builders.ort.gqa import FuseGroupQueryAttention
 from harp_trt.builders.ort.passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, LogitsToKeepPass,
                                          QuantizeEmbeddingPass, QuantizeWeightsPass, graph_passes, run_passes)
-from harp_trt.errors import ConfigError
+from harp_trt.errors import ConfigError, GraphError
 from harp_trt.graph_rules import GraphRule, MatchResult
 from harp_trt.rewrite.graph import remove_dead
 from harp_trt.rewrite.rules import DEFAULT_RULES
@@ -41,7 +41,9 @@ def test_every_rule_follows_the_protocol():
 
 
 def test_gqa_check_says_why_an_attention_does_not_match():
-    """An Attention whose Q is no RotaryEmbedding is left alone, with the reason in the report."""
+    """An Attention whose Q is no RotaryEmbedding does not match, and the check says why; in a graph
+    with harp-trt's export metadata every attention must fuse (only sliding-window layers stay), so
+    the pass refuses the graph with that reason rather than leaving the layer slow and quiet."""
     q, k, v = (_value(n, (1, 4, 3, 8)) for n in "qkv")
     mask = _value("mask", (1, 1, 3, 3), ir.DataType.BOOL)
     att = ir.node("Attention", [q, k, v, mask], name="attn")
@@ -51,10 +53,8 @@ def test_gqa_check_says_why_an_attention_does_not_match():
     assert rule.pattern(model.graph) == [att]
     found = rule.check(model.graph, att)
     assert not found and found.reason == "Q is not RotaryEmbedding(x, cos, sin)"
-    fuse = FuseGroupQueryAttentionPass(META)
-    assert not fuse(model).modified
-    assert fuse.report.to_dict() == {"rule": "FuseGroupQueryAttention", "converted_layers": [],
-                                     "skipped": {"attn": "Q is not RotaryEmbedding(x, cos, sin)"}}
+    with pytest.raises(GraphError, match=r"no match at attn: Q is not RotaryEmbedding\(x, cos, sin\)"):
+        FuseGroupQueryAttentionPass(META)(model)
 
 
 def test_remove_dead_accounts_for_what_the_library_pass_took():

@@ -18,7 +18,7 @@ import onnx_ir as ir
 import onnx_ir.passes as ir_passes
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from harp_trt.errors import HarpError
+from harp_trt.errors import GraphError, HarpError
 
 from .config import OrtBuildConfig, QuantSpec
 from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
@@ -56,6 +56,11 @@ class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
         for node in candidates:
             found = rule.check(graph, node)
             if not found:
+                if "sliding window" not in found.reason:  # a layer the family says must fuse did not
+                    raise GraphError("build", f"GroupQueryAttention fusion found no match at {node.name}: "
+                                     f"{found.reason}", "the export's attention graph has a form the rule does not "
+                                     "know; teach it in builders/ort/gqa.py (OrtBuildConfig.attention='onnx' "
+                                     "keeps the opset-23 Attention)")
                 report.skipped[node.name or "Attention"] = found.reason
                 continue
             rule.rewrite(graph, found.match)

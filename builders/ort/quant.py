@@ -162,8 +162,11 @@ def quantize_weights(model: ir.Model, spec: QuantSpec, stage: str = "build-ort")
         ks = sorted({k for _, (k, _) in found})
         bad = [k for k in ks if k % spec.block_size]
         if bad:
+            fits = [b for b in (256, 128, 64, 32, 16) if all(k % b == 0 for k in ks)]
+            hint = (f"use --quant-block-size {fits[0]} (the largest of 16..256 that divides every K)" if fits
+                    else "no block size of 16..256 divides every K; use --quant int8 or w8a8")
             raise ConfigError(f"--quant-block-size {spec.block_size} does not divide K = {bad} of the model's "
-                              f"weights (K sizes: {ks})", f"use a power of two that divides {min(ks)}, e.g. 32")
+                              f"weights (K sizes: {ks})", hint)
         q_bytes = sum(_quantize_node(model.graph, node, k, n, spec) for node, (k, n) in found)
         op, quantizer = "MatMulNBits", "onnxruntime quantize_matmul_{4,8}bits per weight (MatMulNBitsQuantizer's kernels)"
     model.opset_imports.setdefault("com.microsoft", 1)
