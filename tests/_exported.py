@@ -13,6 +13,13 @@ from conftest import make_tiny
 HARP_ALPHAS = {1: 0.5, 3: 1.0}
 
 
+def head_dim(family: str) -> int:
+    """The tiny model's head size (16; Qwen3's is its own, 32: heads * head_dim != hidden)."""
+    from harp_trt.families import FAMILIES
+
+    return FAMILIES.get(family)().tiny_config().head_dim
+
+
 def tiny(family: str, harp: bool = False):
     """A fresh tiny model (seed 0), HARP-patched on layers {1, 3} when ``harp``."""
     from harp_trt.harp import apply_harp

@@ -39,7 +39,11 @@ os.environ.update(wheelhouse.pip_env({}))
 import pytest
 import torch
 
-FAMILY_NAMES = ["llama", "mistral", "qwen2", "gemma2"]
+FAMILY_NAMES = ["llama", "mistral", "qwen2", "gemma2"]   # the paper's four; every target takes them
+# families with a per-head Q/K RMSNorm (FamilySpec.qk_norm): ORT, genai and Triton take them, llama.cpp
+# and TensorRT-LLM refuse them (tests/test_qk_norm_families.py); the graph and family tests run them too
+QK_NORM_FAMILIES = ["qwen3", "gemma3"]
+ALL_FAMILIES = FAMILY_NAMES + QK_NORM_FAMILIES   # index = a tiny model's seed (distinct weight digests)
 
 # One cache for the whole test session: SmolLM2 resolves once (download + dequantize ~30 s).
 TEST_CACHE = Path(os.environ.get("HARP_TRT_TEST_CACHE", Path.home() / ".cache" / "harp-trt-tests"))
@@ -180,7 +184,7 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
 
 
-@pytest.fixture(params=FAMILY_NAMES)
+@pytest.fixture(params=ALL_FAMILIES)
 def family(request) -> str:
     return request.param
 

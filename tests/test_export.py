@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _export_check import verify_export
-from _exported import HARP_ALPHAS, exported, tiny
+from _exported import HARP_ALPHAS, exported, head_dim, tiny
 from conftest import save_tiny
 from harp_trt.errors import ConfigError, GraphError, PreconditionError
 from harp_trt.export.config import ExportConfig
@@ -37,10 +37,10 @@ def test_io_contract(family):
     assert ins["input_ids"].type.tensor_type.elem_type == onnx.TensorProto.INT64
     assert _dims(ins["attention_mask"])[0] == "batch" and isinstance(_dims(ins["attention_mask"])[1], str)
     assert _dims(ins["position_ids"]) == ["batch", "seq"]
-    assert _dims(ins["past_key_values.2.value"]) == ["batch", 2, "past", 16]
+    assert _dims(ins["past_key_values.2.value"]) == ["batch", 2, "past", head_dim(family)]
     assert _dims(outs["logits"]) == ["batch", "seq", 128]
     pk = _dims(outs["present.3.key"])
-    assert pk[0] == "batch" and pk[1:2] == [2] and pk[3] == 16 and isinstance(pk[2], str)
+    assert pk[0] == "batch" and pk[1:2] == [2] and pk[3] == head_dim(family) and isinstance(pk[2], str)
     assert not (exported(family).parent / "model.onnx.data").exists()  # small: self-contained
 
 
@@ -62,7 +62,7 @@ def test_left_padded_prefill_matches_hf(family):
         ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.numpy()
     feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": pos.numpy()}
     for n in input_names(list(range(4)))[3:]:
-        feed[n] = np.zeros((2, 2, 0, 16), np.float32)
+        feed[n] = np.zeros((2, 2, 0, head_dim(family)), np.float32)
     got = sess.run(["logits"], feed)[0]
     valid = mask.numpy().astype(bool)
     assert np.abs(got - ref)[valid].max() <= ATOL

@@ -12,7 +12,7 @@ import torch
 from harp_trt.dims import ModelDims
 from harp_trt.families import FAMILIES, ROUTE_LINEAR, TrtllmTarget
 
-from conftest import FAMILY_NAMES
+from conftest import ALL_FAMILIES, FAMILY_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 T, W = 12, 3  # sequence length, sliding window (< T, so a window shows in the mask)
@@ -24,6 +24,9 @@ WINDOW_CASES = {
     "qwen2": ({"use_sliding_window": True, "sliding_window": W, "max_window_layers": 2},
               (None, None, W, W)),                                              # layers >= max_window_layers
     "gemma2": ({"sliding_window": W}, (W, None, W, None)),                      # even layers
+    "qwen3": ({"use_sliding_window": True, "sliding_window": W, "max_window_layers": 2},
+              (None, None, W, W)),                                              # as Qwen2
+    "gemma3": ({"sliding_window": W}, (W, W, None, W)),                         # its layer_types (5:1)
 }
 
 
@@ -51,7 +54,7 @@ def _transformers_windows(family: str, **overrides) -> tuple[int | None, ...]:
     return tuple(seen[i] for i in range(len(seen)))
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_layer_windows_equal_the_masks_transformers_builds(family):
     overrides, want = WINDOW_CASES[family]
     spec = FAMILIES.get(family)()
@@ -121,7 +124,7 @@ TABLE_READERS = ["harp_trt/models.py", "harp_trt/dims.py", "builders/trtllm/chec
 
 @pytest.mark.parametrize("path", TABLE_READERS)
 def test_no_branch_on_family_or_architecture_names(path):
-    names = set(FAMILY_NAMES) | {FAMILIES.get(f).trtllm.architecture for f in FAMILY_NAMES}
+    names = set(ALL_FAMILIES) | {FAMILIES.get(f).trtllm.architecture for f in FAMILY_NAMES}
     names |= {"eager", "sdpa", "LlamaForCausalLM", "MistralForCausalLM"}
     tree = ast.parse((ROOT / path).read_text())
     bad = []

@@ -232,8 +232,9 @@ def _refused(capsys, argv: list[str], cache: Path, out: Path, needle: str) -> No
         assert not list((cache / ".tmp").iterdir()) if (cache / ".tmp").exists() else True
 
 
-@pytest.mark.parametrize("family,needle", [("qwen2", "alpha * W_O . b_V"), ("gemma2", "soft-capping")])
-def test_qwen2_and_gemma2_are_refused(family, needle, tmp_path, capsys):
+@pytest.mark.parametrize("family,needle", [("qwen2", "alpha * W_O . b_V"), ("gemma2", "soft-capping"),
+                                           ("qwen3", "per-head Q/K RMSNorm")])
+def test_qwen2_gemma2_and_qwen3_are_refused(family, needle, tmp_path, capsys):
     from harp_trt.families import FAMILIES
 
     folder = save_tiny(family, tmp_path / family)

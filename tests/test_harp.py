@@ -21,8 +21,11 @@ TOL = 1e-5  # fp32, same math in a different order
 #   "sandwich"  h += post_attention_ln(attn(...)); h += post_ff_ln(mlp(pre_ff_ln(h)))    RMSNorm gain 1 + w
 # HARP's alpha scales the attention block's contribution to the residual: o_proj(repeat_kv(v_proj(x)))
 # for the pre-norm families, the post-attention norm's output for Gemma2 (README, the formula at the top).
+# Qwen3 (modeling_qwen3.py ``Qwen3DecoderLayer.forward``) is pre-norm and Gemma3 (modeling_gemma3.py
+# ``Gemma3DecoderLayer.forward``) is Gemma2's sandwich; their q_norm / k_norm sit on the Q/K paths HARP
+# removes, so they do not enter the pruned layer.
 LAYOUT = {"llama": ("pre-norm", 0.0), "mistral": ("pre-norm", 0.0), "qwen2": ("pre-norm", 0.0),
-          "gemma2": ("sandwich", 1.0)}
+          "gemma2": ("sandwich", 1.0), "qwen3": ("pre-norm", 0.0), "gemma3": ("sandwich", 1.0)}
 
 
 def _rms(x, norm, gain_offset):
@@ -56,6 +59,15 @@ def _expected_layer(family: str, layer, h, alpha):
     return h + _rms(gated_mlp(_rms(h, layer.pre_feedforward_layernorm, offset)), layer.post_feedforward_layernorm, offset)
 
 
+def _rope(decoder, h, pos):
+    """The decoder's rotary tables (Gemma3 keeps one per layer type; a pruned layer reads none)."""
+    import inspect
+
+    if "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters:
+        return decoder.rotary_emb(h, pos, "full_attention")
+    return decoder.rotary_emb(h, pos)
+
+
 @torch.inference_mode()
 def test_pruned_layer_equals_formula(family):
     dense = make_tiny(family)
@@ -63,7 +75,7 @@ def test_pruned_layer_equals_formula(family):
     layers = dense.model.layers
     expected = {l: _expected_layer(family, layers[l], h, a) for l, a in {1: 0.3, 3: 1.0}.items()}
     harp = apply_harp(make_tiny(family), {1: 0.3, 3: 1.0})
-    rot = harp.model.rotary_emb(h, torch.arange(7)[None])
+    rot = _rope(harp.model, h, torch.arange(7)[None])
     for l, exp in expected.items():
         got = harp.model.layers[l](h, attention_mask=None, position_embeddings=rot)
         assert (got - exp).abs().max() < TOL, f"layer {l}: max |diff| {(got - exp).abs().max():.3g}"
@@ -79,7 +91,7 @@ def test_vo_equals_attention_restricted_to_self(family):
     orig = fam.layers(model)[2].self_attn
     x = torch.randn(2, 6, model.config.hidden_size)
     eye = torch.full((6, 6), float("-inf")).fill_diagonal_(0.0)[None, None].expand(2, 1, 6, 6)
-    rot = fam.decoder(model).rotary_emb(x, torch.arange(6)[None])
+    rot = _rope(fam.decoder(model), x, torch.arange(6)[None])
     ref, _ = orig(x, position_embeddings=rot, attention_mask=eye)
     apply_harp(model, {2: 1.0})
     got, _ = fam.layers(model)[2].self_attn(x)
@@ -90,12 +102,14 @@ def test_q_and_k_are_deleted(family):
     model = make_tiny(family)
     before = sum(p.numel() for p in model.parameters())
     attn = family_of(model.config).layers(model)[1].self_attn
-    qk = sum(p.numel() for m in (attn.q_proj, attn.k_proj) for p in m.parameters())
+    qk_modules = [getattr(attn, n) for n in ("q_proj", "k_proj", "q_norm", "k_norm") if hasattr(attn, n)]
+    qk = sum(p.numel() for m in qk_modules for p in m.parameters())   # QK-norm gains go with Q and K
     apply_harp(model, {1: 0.5, 2: 0.5})
     after = sum(p.numel() for p in model.parameters())
     assert before - after == 2 * qk
     names = [n for n, _ in model.named_parameters()]
-    assert not any(("layers.1." in n or "layers.2." in n) and ("q_proj" in n or "k_proj" in n) for n in names)
+    assert not any(("layers.1." in n or "layers.2." in n) and any(f"{r}_{m}" in n for r in "qk" for m in ("proj", "norm"))
+                   for n in names)
     assert any("layers.0.self_attn.q_proj" in n for n in names)
 
 
@@ -141,7 +155,7 @@ def test_alpha_zero_removes_block(family):
     assert isinstance(layer.self_attn, HarpAttention) and layer.self_attn.v_proj is None
     assert harp_alphas(model) == {2: 0.0}
     h = torch.randn(1, 4, model.config.hidden_size)
-    rot = fam.decoder(model).rotary_emb(h, torch.arange(4)[None])
+    rot = _rope(fam.decoder(model), h, torch.arange(4)[None])
     assert torch.allclose(layer(h, attention_mask=None, position_embeddings=rot), fam.mlp_residual(layer, h))
 
 

@@ -341,7 +341,8 @@ def _family_and_backend_names() -> set[str]:
     from harp_trt.registry import BACKENDS
 
     families = FAMILIES.names()
-    return (set(families) | {FAMILIES.get(f).trtllm.architecture for f in families} | set(BACKENDS.names())
+    archs = {FAMILIES.get(f).trtllm.architecture for f in families if FAMILIES.get(f).trtllm is not None}
+    return (set(families) | archs | set(BACKENDS.names())
             | set(ENGINES.names()) | {"LlamaForCausalLM", "MistralForCausalLM"})
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from _exported import HARP_ALPHAS, engine, exported, tiny
+from _exported import HARP_ALPHAS, engine, exported, head_dim, tiny
+from conftest import make_tiny
 from harp_trt.builders.ort.builder import OrtBuilder
 from harp_trt.builders.ort.config import OrtBuildConfig
 from harp_trt.errors import ConfigError, GraphError
@@ -51,7 +52,7 @@ def test_left_padded_prefill_and_decode_logits(family, kind):
         cur = ref[:, -1].argmax(-1)[:, None]
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
         pos = pos[:, -1:] + 1
-    assert past[0][0].shape == (2, 2, IDS.shape[1] + 3, 16)
+    assert past[0][0].shape == (2, 2, IDS.shape[1] + 3, head_dim(family))
 
 
 @pytest.mark.parametrize("kind", ["onnx", "engine"])
@@ -244,3 +245,40 @@ def test_static_cache_decode_equals_the_growing_past(family):
     assert cache.nbytes() == sum(k.nbytes + v.nbytes for k, v in past.values())
     with pytest.raises(ConfigError, match="decode_step takes"):
         lm.decode_step(cache, tok, mask, pos)  # mask one token short
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_layers_fuse_with_gqa_local_window(family, tmp_path):
+    """A sliding window (every Mistral v0.1 layer; Gemma3's local layers) becomes GroupQueryAttention's
+    ``local_window_size`` = the window: left-padded prefill of 13 tokens and 5 decode steps through a
+    window of 4 equal transformers' own sliding mask (the build's verification fails at 3 or 5)."""
+    from transformers.cache_utils import DynamicCache
+
+    from harp_trt.export.export import export_dense
+
+    model = make_tiny(family, sliding_window=4, max_position_embeddings=256)
+    spec = OrtBuilder().build(export_dense(model, tmp_path / "export"), tmp_path / "engine", OrtBuildConfig())
+    assert spec["attention"]["converted_layers"] == [0, 1, 2, 3] and spec["attention"]["skipped"] == {}
+    import onnx
+
+    windows = [next((a.i for a in n.attribute if a.name == "local_window_size"), None)
+               for n in onnx.load(str(tmp_path / "engine" / "model.onnx")).graph.node
+               if n.op_type == "GroupQueryAttention"]
+    windows = [None if w in (None, -1) else w for w in windows]   # -1: ORT's "no window" default
+    assert windows == {"mistral": [4] * 4, "gemma3": [4, 4, None, 4]}[family]   # Gemma3's layer 2 is global
+    lm = OrtCausalLM(tmp_path / "engine", intra_op_threads=2)
+    ids = np.random.default_rng(0).integers(3, 120, (2, 13))
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0
+    pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+    cache, past, cur = DynamicCache(config=model.config), None, ids
+    for step in range(6):
+        with torch.no_grad():
+            ref = model(input_ids=torch.from_numpy(cur), attention_mask=torch.from_numpy(mask),
+                        position_ids=torch.from_numpy(pos), cache=cache, use_cache=True).logits.numpy()
+        got, past = lm.forward(cur, mask, pos, past)
+        valid = mask[:, -cur.shape[1]:].astype(bool)
+        assert np.abs(got - ref)[valid].max() <= ATOL, f"step {step}"
+        cur = ref[:, -1].argmax(-1)[:, None]
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        pos = pos[:, -1:] + 1

@@ -75,7 +75,8 @@ def test_chunked_prefill_equals_one_call(family, harp, chunk):
     last, cache = lm.prefill(ids, mask, pos, S + 4)
     assert last.shape == (1, 1, lm.vocab_size)
     np.testing.assert_allclose(last, ref[:, -1:], atol=ATOL, rtol=0)
-    if family == "gemma2":   # eager attention: no GroupQueryAttention, so no static cache
+    converted = json.loads((engine(family, harp=harp) / "engine.json").read_text())["attention"]["converted_layers"]
+    if set(converted) != set(lm.kv_layers):   # Gemma2 (eager attention: no GQA): no static cache
         assert not lm.shares_kv_buffer and not isinstance(cache, StaticCache)
         return
     assert isinstance(cache, StaticCache) and cache.length == S and cache.capacity >= S + 4

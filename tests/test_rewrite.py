@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import FAMILY_NAMES, make_tiny, save_tiny
+from conftest import ALL_FAMILIES, FAMILY_NAMES, make_tiny, save_tiny
 from harp_trt.errors import (ConfigError, GraphError, PreconditionError, VerificationError)
 from harp_trt.plan import Plan
 from harp_trt.rewrite.fold import fold_o_proj
@@ -25,6 +25,8 @@ PLANS = {
     "mistral": ((1, 3), (0.7, 0.0)),
     "qwen2": ((1, 2), (0.4, 0.9)),
     "gemma2": ((0, 3), (0.6, 0.0)),
+    "qwen3": ((1, 3), (0.8, 0.0)),
+    "gemma3": ((2, 3), (0.6, 1.0)),   # a pruned global layer (2) and a pruned local one (3)
 }
 NUM_LAYERS = 4
 
@@ -64,7 +66,7 @@ def exports(tmp_path_factory):
     def get(family):
         if family not in out:
             # distinct seeds: same-shaped Llama and Mistral weights would share a weight digest
-            seed = FAMILY_NAMES.index(family)
+            seed = ALL_FAMILIES.index(family)
             folder = save_tiny(family, root / family, seed=seed)
             _perturb_biases(folder, family, seed)
             resolved = resolve_model(str(folder), store.root)
@@ -105,13 +107,18 @@ def _harp_params(folder, family: str, alpha: float) -> tuple[int, int]:
     hd = cfg.get("head_dim") or d // h
     bias = family == "qwen2"
     q, k, v, o = d * h * hd + bias * h * hd, d * kv * hd + bias * kv * hd, d * kv * hd + bias * kv * hd, h * hd * d
-    gain = d if family == "gemma2" else 0
+    from harp_trt.families import FAMILIES
+
+    q += hd if FAMILIES.get(family).qk_norm else 0   # the per-head Q/K RMSNorm gains go with Q and K
+    k += hd if FAMILIES.get(family).qk_norm else 0
+    sandwich = FAMILIES.get(family).alpha_after_post_attn_norm   # Gemma2, Gemma3
+    gain = d if sandwich else 0
     if alpha == 0.0:
         return q + k + v + o + d + gain, 0
     return q + k, o + (gain if alpha != 1.0 else 0)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_rewrite_and_verify(exports, family):
     store, export, resolved = exports(family)
     layers, alphas = PLANS[family]
@@ -152,10 +159,12 @@ def test_rewrite_and_verify(exports, family):
         if a == 0.0:
             assert r["mode"] == "removed" and r["params_added"] == 0
         else:
-            assert r["mode"] == ("alpha-in-norm-gain" if family == "gemma2" else "alpha-in-o_proj")
-            assert r["match"]["heads"] == 4 and r["match"]["kv_heads"] == 2 and r["match"]["head_dim"] == 16
-            # folded W_O is kv_dim x hidden = 32 x 64 (+ the Gemma2 gain of 64)
-            assert r["params_added"] == 32 * 64 + (64 if family == "gemma2" and a != 1.0 else 0)
+            sandwich = family in ("gemma2", "gemma3")   # alpha after the post-attention norm
+            assert r["mode"] == ("alpha-in-norm-gain" if sandwich else "alpha-in-o_proj")
+            hd = 32 if family == "qwen3" else 16   # Qwen3's head_dim is its own (tiny: 4 x 32 != hidden 64)
+            assert r["match"]["heads"] == 4 and r["match"]["kv_heads"] == 2 and r["match"]["head_dim"] == hd
+            # folded W_O is kv_dim x hidden = 2 hd x 64 (+ the Gemma2 gain of 64)
+            assert r["params_added"] == 2 * hd * 64 + (64 if sandwich and a != 1.0 else 0)
         assert r["params_removed"] > 0 and r["nodes_removed"] > 10
         # HARP's own removals counted from the config; what else the sweep took is counted apart
         assert (r["harp_params_removed"], r["params_replaced"]) == _harp_params(resolved.folder, family, a)

@@ -53,14 +53,39 @@ def test_gate_norm_is_the_papers_m_l(family):
     head for its query heads; no gain, no 1/sqrt(d)."""
     model, fam, cfg, (heads, kv, d) = _tiny_attention(family)
     expected = []
+
+    def as_normed(w, norm):   # QK-norm: each head's block as its RMSNorm leaves it (gain in, scale out)
+        if norm is None:
+            return w
+        # Gemma3RMSNorm scales by (1 + w) (modeling_gemma3.py), Qwen3RMSNorm by w (modeling_qwen3.py)
+        g = norm.weight.detach().double() + (1.0 if family.startswith("gemma") else 0.0)
+        blocks = [w[:, i * d:(i + 1) * d] for i in range(w.shape[1] // d)]
+        return torch.cat([b * d ** 0.5 / torch.sqrt((b ** 2).sum()) * g for b in blocks], dim=1)
+
     for layer in fam.layers(model):
-        w_q = layer.self_attn.q_proj.weight.detach().double().T            # D x H d
-        w_k = layer.self_attn.k_proj.weight.detach().double().T            # D x KV d
+        att = layer.self_attn
+        w_q = as_normed(att.q_proj.weight.detach().double().T, getattr(att, "q_norm", None))  # D x H d
+        w_k = as_normed(att.k_proj.weight.detach().double().T, getattr(att, "k_norm", None))  # D x KV d
         cols = [w_k[:, (h // (heads // kv)) * d:(h // (heads // kv) + 1) * d] for h in range(heads)]
         w_k = torch.cat(cols, dim=1)                                       # D x H d
         expected.append(float(torch.sqrt(((w_q @ w_k.T) ** 2).sum())))
     got = gate_norm_scores(ScoreContext(family=fam, config=cfg, stack=LayerStack.wrap(model)))
     assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_gate_norm_under_qk_norm_sees_the_gain_not_the_projection_scale():
+    """Qwen3's per-head RMSNorm divides W_q's scale out of the logits and multiplies its own gain in:
+    gate-norm follows the model (calib/strategies/gate_norm.py), so scaling a layer's W_q leaves its
+    score alone and scaling its q_norm gain scales the score by the same factor."""
+    model = make_tiny("qwen3")
+    before = gate_norm_scores(_ctx(model))
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight.mul_(10.0)
+        model.model.layers[2].self_attn.q_norm.weight.mul_(3.0)
+    after = gate_norm_scores(_ctx(model))
+    assert after[1] == pytest.approx(before[1], rel=1e-6)   # float32 weights
+    assert after[2] == pytest.approx(3.0 * before[2], rel=1e-6)
+    assert after[0] == before[0] and after[3] == before[3]
 
 
 def test_gate_norm_ignores_the_norm_gain_the_folded_variant_uses():

@@ -1,7 +1,8 @@
 """A real ``tritonserver`` (2.51 from the nvidia-pytriton wheel, CPU) serving repositories written by
 ``harp-trt deploy triton``:
 
-* the ORT engine of a tiny HARP model as the text-in/text-out Python-backend model: HTTP
+* the ORT engine of a tiny HARP model (and of a tiny Qwen3 and Gemma3, the QK-norm families) as the
+  text-in/text-out Python-backend model: HTTP
   ``generate`` and gRPC streaming give exactly ``harp-trt generate``'s greedy text, 8 concurrent
   streaming clients all get complete answers (and were batched together), bad requests get error
   responses and the server keeps serving;
@@ -74,6 +75,18 @@ def server(tmp_path_factory, test_cache):
     repo = root / "repo"
     assert main(["deploy", "triton", "--artifact", str(engine), "--out", str(repo), "--prompt-limit", "40",
                  "--context-limit", "64", "--json"]) == 0
+    # the QK-norm families (GroupQueryAttention fused around their per-head norms) beside it, as harp_<family>
+    qk_engines = {}
+    for fam in ("qwen3", "gemma3"):
+        fam_cache = root / f"{fam}-cache"
+        assert main(["build", "--model", str(save_tiny(fam, root / f"tiny_{fam}", seed=4)), "--layers", "2",
+                     "--tokens", "256", "--seq-len", "64", "--alpha-grid", "0.5,1", "--corpus", str(corpus),
+                     "--workdir", str(fam_cache), "--json"]) == 0
+        fam_engine = next(p for p in fam_cache.glob("build-ort-*") if (p / "engine.json").is_file())
+        assert main(["deploy", "triton", "--artifact", str(fam_engine), "--out", str(root / f"{fam}-repo"),
+                     "--model-name", f"harp_{fam}", "--prompt-limit", "40", "--context-limit", "64", "--json"]) == 0
+        shutil.move(str(root / f"{fam}-repo" / f"harp_{fam}"), str(repo / f"harp_{fam}"))
+        qk_engines[fam] = (fam_engine, fam_cache)
     # the TensorRT-LLM repository of a tiny Qwen2, its C++ model replaced by a Python stand-in
     from harp_trt.builders.trtllm import TrtllmCheckpointConfig, TrtllmCheckpointStage
     from harp_trt.builders.triton import TritonRepoConfig, write_repository
@@ -94,7 +107,7 @@ def server(tmp_path_factory, test_cache):
     shutil.copy2(Path(__file__).parent / "assets" / "trtllm_standin.py", repo / "tensorrt_llm" / "1" / "model.py")
     srv = _tritonserver.start(repo, test_cache / "tritonserver")
     try:
-        yield {"server": srv, "repo": repo, "engine": engine, "cache": cache, "qwen": qwen}
+        yield {"server": srv, "repo": repo, "engine": engine, "cache": cache, "qwen": qwen, "qk_norm": qk_engines}
     finally:
         srv.stop()
 
@@ -123,6 +136,19 @@ def test_http_and_grpc_match_harp_trt_generate(server, capsys):
     assert len(events) > 1 and "".join(e["text_output"] for e in events) == want
     client = _load_client(server["repo"])
     assert client.stream_text(srv.grpc, "harp", PROMPT, {"max_tokens": MAX_TOKENS}) == want
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_qk_norm_engines_serve_harp_trt_generates_text(server, family, capsys):
+    """Issue 35: a QK-norm family's HARP engine (Qwen3; Gemma3 with local and global layers), served by
+    the same Python-backend model, gives exactly ``harp-trt generate``'s greedy text."""
+    srv = server["server"]
+    want = _generate_cli(capsys, *server["qk_norm"][family])
+    params = json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0})
+    code, body = _http_json(f"{srv.http}/v2/models/harp_{family}/generate",
+                            {"text_input": PROMPT, "stream": False, "sampling_parameters": params,
+                             "exclude_input_in_output": True})
+    assert code == 200 and body["text_output"] == want and want
 
 
 def _largest_batches_logged(srv, since: int, timeout: float = 10.0) -> list[int]:

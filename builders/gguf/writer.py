@@ -136,7 +136,8 @@ def check_supported(family: FamilySpec, config, dims: ModelDims) -> None:
     if why:
         raise UnsupportedArchitectureError(
             f"{family.name} models cannot be written as a llama.cpp GGUF: {why}",
-            "supported: llama and mistral (no sliding window) families; use --backend ort or trtllm for this model")
+            "supported: llama and mistral (no sliding window) families; use --backend ort or genai"
+            + (" or trtllm" if family.trtllm is not None else "") + " for this model")
 
 
 def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:

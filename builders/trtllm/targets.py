@@ -44,9 +44,12 @@ TARGETS: dict[str, TrtllmTarget] = _targets()  # family name -> target, read fro
 
 
 def target_for(family: str) -> TrtllmTarget:
-    target = FAMILIES.get(family).trtllm
+    spec = FAMILIES.get(family)
+    target = spec.trtllm
     if target is None:
+        why = f": {spec.trtllm_refusal}" if spec.trtllm_refusal else ""
         raise UnsupportedArchitectureError(
-            f"no TensorRT-LLM mapping for family {family!r}; supported: {', '.join(sorted(TARGETS))}",
+            f"no TensorRT-LLM mapping for family {family!r}{why}; supported: {', '.join(sorted(TARGETS))}; "
+            "the ORT, genai and Triton targets take it",
             "set `trtllm = TrtllmTarget(...)` on the family's FamilySpec (harp_trt/families/)")
     return target

@@ -18,7 +18,17 @@ gain alone makes it pick layers 0 and 1, which the paper's score does not (docs/
 "Reproduction on SmolLM2-135M").
 
 RoPE and q/k biases are left out by both (rotations are orthogonal per position; biases do not
-couple tokens). Weights are streamed one tensor at a time from the safetensors files."""
+couple tokens). Weights are streamed one tensor at a time from the safetensors files.
+
+QK-norm families (Qwen3, Gemma3: ``FamilySpec.qk_norm``) put a per-head RMSNorm between the
+projection and the product: head h's logit is (g_q * q_h / rms(q_h)) . (g_k * k_h / rms(k_h)) with
+q_h = W_q^h x. The norm divides W_q^h's scale out, so the raw ||W_q W_k^T|| would rank layers by a
+scale the model never sees. ``gate-norm`` there uses each head's matrix as the norm leaves it: the
+gain in, the head's own scale out (for isotropic unit-variance x, rms(W^h x) = ||W^h||_F / sqrt(d)):
+
+    W_q^h <- diag(g_q) W_q^h sqrt(d) / ||W_q^h||_F,   the same for W_k^h,
+
+then the same Frobenius norm. Without a QK-norm the score is the paper's, unchanged."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -57,14 +67,24 @@ def _heads(cfg) -> tuple[int, int, int]:
     return d.heads, d.kv_heads, d.head_dim
 
 
+def _as_normed(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """Per head [n, d, D]: diag(gain) W^h sqrt(d) / ||W^h||_F, the head as a QK-norm leaves it."""
+    scale = w.shape[1] ** 0.5 / torch.linalg.matrix_norm(w).clamp_min(1e-12)      # [n]
+    return w * scale[:, None, None] * gain[None, :, None]
+
+
 def gate_norm_scores(ctx: ScoreContext) -> list[float]:
     """m_l = ||W_q W_k^T||_F per layer (the paper's Gate-Norm)."""
     heads, kv, d = _heads(ctx.config)
     src, fam = _TensorSource(ctx), ctx.family
     scores = []
     for layer in range(ctx.config.num_hidden_layers):
-        wq = src.get(fam.weight_name("q", layer))                                   # [H d, D]
+        wq = src.get(fam.weight_name("q", layer)).view(heads, d, -1)                # [H, d, D]
         wk = src.get(fam.weight_name("k", layer)).view(kv, d, -1)
+        if fam.qk_norm:   # as the per-head RMSNorm leaves them (module docstring)
+            wq, wk = (_as_normed(w, src.get(fam.weight_name(role, layer)) + fam.norm_weight_offset)
+                      for w, role in ((wq, "q_norm"), (wk, "k_norm")))
+        wq = wq.reshape(heads * d, -1)
         wk = wk.repeat_interleave(heads // kv, dim=0).reshape(heads * d, -1)         # repeat_kv
         scores.append(float(torch.linalg.matrix_norm((wq.T @ wk).double())))       # ||D x D||_F
     return scores

@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-__all__ = ["FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1"]
+__all__ = ["FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "QK_NORM_WEIGHTS",
+           "qk_norm_trtllm_refusal"]
 
 # How a HARP-pruned layer is written for TensorRT-LLM (builders/trtllm/targets.py explains both).
 ROUTE_LINEAR = "linear"    # DeciLM linear attention: alpha * W_O . repeat_kv(W_V), no KV cache
@@ -49,6 +50,19 @@ class GgufTarget:
     refusal: str | None = None
 
 
+QK_NORM_WEIGHTS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}  # Qwen3, Gemma3
+
+
+def qk_norm_trtllm_refusal(source: str) -> str:
+    """Why the TensorRT-LLM target refuses a QK-norm family: TensorRT-LLM's TensorRT backend takes the
+    per-head norms (``Attention(qk_layernorm=True)``, weights ``attention.q_layernorm`` /
+    ``k_layernorm``, in ``source``), but our checkpoint writer (builders/trtllm/checkpoint.py) and its
+    read-back oracle (builders/trtllm/reader.py) do not write or check them yet, and an unverified
+    checkpoint is not written. docs/trtllm-contract.md row qk-norm-refused."""
+    return ("harp-trt's TensorRT-LLM writer and its read-back check do not cover QK-norm layers yet "
+            f"(TensorRT-LLM takes them as attention.q_layernorm / k_layernorm, {source})")
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     name: ClassVar[str]
@@ -64,6 +78,8 @@ class FamilySpec:
     extra_layer_norms: ClassVar[tuple[str, ...]] = ()  # norms beyond input/post-attention (Gemma2)
     trtllm: ClassVar[TrtllmTarget | None] = None  # how the family lands in TensorRT-LLM (None: it does not)
     gguf: ClassVar[GgufTarget | None] = None      # how the family lands in llama.cpp (None: not written)
+    trtllm_refusal: ClassVar[str | None] = None   # with trtllm None: why TensorRT-LLM cannot take the family
+    qk_norm: ClassVar[bool] = False               # per-head RMSNorm on Q and K before RoPE (Qwen3, Gemma3)
 
     # ---- checkpoint names (Hugging Face safetensors) ---------------------------------------
     layers_module_path: ClassVar[str] = "model.layers"

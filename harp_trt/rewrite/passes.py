@@ -131,6 +131,7 @@ def _block_constants(m: AttentionMatch, removed_block: bool) -> tuple[dict[str, 
         w = node.inputs[1]
         if w is not None and w.name:
             harp[w.name] = -1  # all of it
+        harp.update({g.name: -1 for g in _qk_norm_gains(node)})
         for use in node.outputs[0].uses():
             b = is_bias_add(use.node, node.outputs[0])
             if b is not None and b.name:
@@ -150,6 +151,26 @@ def _block_constants(m: AttentionMatch, removed_block: bool) -> tuple[dict[str, 
                 shape = [int(d) for d in v.const_value.shape]
                 harp[v.name] = int(np.prod(shape)) - (hi - lo) * (shape[0] if len(shape) == 2 else 1)
     return harp, replaced
+
+
+_QK_NORMS = ("RMSNormalization", "SimplifiedLayerNormalization")
+
+
+def _qk_norm_gains(proj: ir.Node, hops: int = 3) -> list[ir.Value]:
+    """A QK-norm family's per-head norm gain behind a Q/K projection (Qwen3 ``q_norm``: Reshape, then
+    RMSNormalization), within a few nodes of data movement: Q/K parameters, so HARP's to remove."""
+    frontier, gains = [proj.outputs[0]], []
+    for _ in range(hops):
+        nxt = []
+        for v in frontier:
+            for use in v.uses():
+                n = use.node
+                if n.op_type in _QK_NORMS and use.idx == 0:
+                    gains += [g for g in n.inputs[1:] if g is not None and g.name and g.const_value is not None]
+                elif n.op_type in ("Reshape", "Transpose", "Add"):
+                    nxt.append(n.outputs[0])
+        frontier = nxt
+    return gains
 
 
 def _classify(dead: DeadCode, harp: Mapping[str, int], replaced: set[str]) -> tuple[int, int, list[str], int]:
