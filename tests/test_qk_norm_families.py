@@ -163,3 +163,38 @@ def test_presets_name_registered_families_and_the_multimodal_gemma3_is_refused_w
     assert family_for_model_type("gemma3_text").name == "gemma3"
     with pytest.raises(UnsupportedArchitectureError, match="text-only checkpoints .*gemma3_text"):
         family_for_model_type("gemma3")
+
+
+def test_genai_builders_qwen3_graph_is_rewritten_and_verified(tmp_path, capsys):
+    """A Qwen3 graph written by onnxruntime-genai's own model builder (0.18, fp32 CPU; run here, in this
+    venv): it equals transformers' model, and ``harp-trt rewrite --onnx`` on it (GroupQueryAttention fed
+    by a Split of the packed QKV, the split Q and K through their norms) equals the PyTorch HARP model.
+    Vocabulary 256: the builder takes any Linear with vocab-many outputs for the LM head."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "real_exports"))
+    from make_fixtures import GENAI_BOOTSTRAP
+
+    from harp_trt.models import resolve_model
+    from harp_trt.plan import Plan
+    from harp_trt.verify import VerifyConfig, verify_rewrite
+
+    folder = save_tiny("qwen3", tmp_path / "tiny", seed=3, vocab_size=256, max_position_embeddings=256)
+    out = tmp_path / "genai"
+    proc = subprocess.run([sys.executable, "-c", GENAI_BOOTSTRAP, "-i", str(folder), "-o", str(out), "-p", "fp32",
+                           "-e", "cpu", "-c", str(tmp_path / "hf-cache")], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dense = verify_rewrite(out / "model.onnx", folder, {}, VerifyConfig(rtol=1e-4, decode_steps=2, greedy_steps=4))
+    assert dense.max_abs_diff <= dense.tolerance
+    resolved = resolve_model(str(folder), tmp_path / "cache")
+    Plan(model_ref=str(folder), model_digest=resolved.digest, family="qwen3", num_layers=4, strategy="given",
+         layers=(2, 3), alphas=(0.3, 0.7)).save(tmp_path / "plan.json")
+    code, res, err = run_json(capsys, "rewrite", "--onnx", str(out / "model.onnx"), "--plan", str(tmp_path / "plan.json"),
+                              "--model", str(folder), "--workdir", str(tmp_path / "cache"), "--json")
+    assert code == 0, err
+    assert res["layers"] == [2, 3] and res["max_abs_diff"] <= res["tolerance"] and res["max_abs_diff"] < 1e-5
+    report = json.loads((Path(res["artifact"]) / "rewrite_report.json").read_text())
+    assert {l["rule"] for l in report["layers"]} == {"group-query-attention"}
+    # HARP removes Q and K (their columns of the packed weight) and the QK-norm gains: 64 x (128 + 64) + 2 x 32
+    assert all(l["harp_params_removed"] == 64 * (128 + 64) + 2 * 32 for l in report["layers"])

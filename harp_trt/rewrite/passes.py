@@ -167,8 +167,8 @@ def _qk_norm_gains(proj: ir.Node, hops: int = 3) -> list[ir.Value]:
                 n = use.node
                 if n.op_type in _QK_NORMS and use.idx == 0:
                     gains += [g for g in n.inputs[1:] if g is not None and g.name and g.const_value is not None]
-                elif n.op_type in ("Reshape", "Transpose", "Add"):
-                    nxt.append(n.outputs[0])
+                elif n.op_type in ("Reshape", "Transpose", "Add", "Split"):   # Split: a packed QKV (genai)
+                    nxt.extend(n.outputs)
         frontier = nxt
     return gains
 
