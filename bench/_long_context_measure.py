@@ -57,7 +57,8 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
                    warmup: int, seed: int = 0, kv_fill: str = "prefill") -> dict[str, Any]:
     """Decode figures of every engine at ``context`` x ``batch`` (see the module docstring):
     ``{"per_engine": {name: {"tokens_per_s", "itl": latency_stats, "kv_bytes", "kv_tokens"}},
-    "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms}}``."""
+    "speedup": paired_speedup (dense/HARP), "peer_ratio": {peer: dense-ms / peer-ms},
+    "vs_harp": {peer: harp-ms / peer-ms}}``."""
     if kv_fill not in KV_FILLS:
         raise ValueError(f"kv_fill must be one of {KV_FILLS}, got {kv_fill!r}")
     prompt = prompt_length(context, warmup, repeats, steps)
@@ -113,6 +114,8 @@ def measure_decode(engines: dict[str, Any], vocab: int, context: int, batch: int
     out["speedup"] = paired_speedup(rounds["dense"], rounds["harp"])
     out["peer_ratio"] = {n: paired_speedup(rounds["dense"], rounds[n])
                          for n in names if n not in ("dense", "harp")}
+    # each peer against the HARP engine (harp-ms / peer-ms): 1 = as fast (--peer-plan: another plan's engine)
+    out["vs_harp"] = {n: paired_speedup(rounds["harp"], rounds[n]) for n in names if n not in ("dense", "harp")}
     del live
     gc.collect()
     return out

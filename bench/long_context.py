@@ -110,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer", default="", choices=["", *PEERS],
                    help="time a peer beside the dense engine: genai-int4 (onnxruntime-genai's own int4 model, "
                         "with --runtime ort), llamacpp-convert (llama.cpp's converter and quantizer, --runtime llamacpp)")
+    p.add_argument("--peer-plan", default="",
+                   help="with --plan: a second plan of the same model (e.g. calibrate --replacement rrr) whose HARP "
+                        "engine is timed beside, in the same rounds; its speed against the first plan's HARP engine "
+                        "is reported as vs_harp (HARP ms / its ms, 95 %% interval: 1 = as fast)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of every engine of the run, peers included (default: every core; 0 = each "
                         "runtime's own default, which differ: genai's gave a speed-up above the ceiling)")
@@ -128,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.layers = parse_ints(a.prune_layers, "--prune-layers") if a.prune_layers else ()
     if (a.model or a.shape) and not a.layers:
         raise ConfigError("--model/--shape need --prune-layers (the layers to prune), e.g. --prune-layers 28,29")
+    if a.peer_plan and not a.plan:
+        raise ConfigError("--peer-plan compares two plans of one model: give the first with --plan")
     if a.plan and a.layers:
         raise ConfigError("--prune-layers makes a plan from --model; with --plan the plan names its layers")
     if not 0.0 <= a.alpha <= 1.0:
@@ -327,6 +333,18 @@ def capacity_under_cap(runtime: str, sources, args, L: int, P: int) -> dict[str,
                             ideal=L / (L - P))
 
 
+def open_peer_plan(args, plan, store):
+    """``--peer-plan``'s plan (None without it); ConfigError unless it is of the first plan's model."""
+    if not args.peer_plan:
+        return None
+    from harp_trt.plan import open_plan
+
+    peer = open_plan(args.peer_plan, store)
+    if peer.model_digest != plan.model_digest:
+        raise ConfigError(f"--peer-plan is a plan of another model ({peer.model_ref}) than --plan's ({plan.model_ref})")
+    return peer
+
+
 PACKAGES = ("torch", "numpy", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "transformers")
 
 
@@ -348,11 +366,14 @@ def run(args, argv: list[str]) -> dict[str, Any]:
     load_before = list(os.getloadavg())  # before this run's own work (calibration, engine builds)
     store = ArtifactStore(Path(args.workdir))
     plan, resolved, calib_art = make_plan(args, store)
+    peer_plan = open_peer_plan(args, plan, store)
     L, P = plan.num_layers, len(plan.layers)
     out: dict[str, Any] = {
         "issue": 31, "provenance": provenance(argv, PACKAGES), "model": resolved.ref, "model_digest": resolved.digest,
         "plan": {"layers": list(plan.layers), "alphas": list(plan.alphas), "num_layers": L, "pruned": P,
-                 "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P)},
+                 "kept_fraction": (L - P) / L, "capacity_ideal": L / (L - P), "replacement": plan.replacement},
+        "peer_plan": None if peer_plan is None else {"layers": list(peer_plan.layers), "alphas": list(peer_plan.alphas),
+                                                     "replacement": peer_plan.replacement},
         "settings": {k: getattr(args, k) for k in ("contexts", "batches", "prefill_lens", "decode_steps", "repeats",
                                                    "prefill_repeats", "warmup", "kv_budget_bytes", "capacity_step",
                                                    "quant", "kv_type", "threads", "peer", "seed", "shape",
@@ -365,15 +386,22 @@ def run(args, argv: list[str]) -> dict[str, Any]:
         t = time.perf_counter()
         sources = build_sources(runtime, plan, resolved, calib_art, store, args)
         pair = load_pair(runtime, plan, sources, args, headroom)
-        peers = {}
+        peers, peer_pair = {}, None
         try:
             if args.peer and PEERS[args.peer] == runtime:
                 peers[args.peer] = load_peer(args, resolved, store, pair.max_positions, headroom)
+            if args.peer_plan:
+                peer_pair = load_pair(runtime, peer_plan, build_sources(runtime, peer_plan, resolved, None, store, args),
+                                      args, headroom)
+                peers["peer-plan"] = peer_pair.harp
             out["runtimes"][runtime] = measure_runtime(runtime, pair, peers, args)
-            if peers:
+            if args.peer and args.peer in peers:
                 out["runtimes"][runtime]["peer_files"] = {args.peer: str(peer_path(args.peer, resolved, store, args))}
         finally:
             pair.close()
+            if peer_pair is not None:
+                peers.pop("peer-plan")
+                peer_pair.close()
             for e in peers.values():
                 e.close()
         capped = capacity_under_cap(runtime, sources, args, L, P)
@@ -399,8 +427,11 @@ def run_many(args, argv: list[str]) -> dict[str, Any]:
 
     store = ArtifactStore(Path(args.workdir))
     plan, resolved, calib_art = make_plan(args, store)
+    peer_plan = open_peer_plan(args, plan, store)
     for runtime in args.runtimes:
         build_sources(runtime, plan, resolved, calib_art, store, args)
+        if peer_plan is not None:
+            build_sources(runtime, peer_plan, resolved, None, store, args)
     if args.peer:
         peer_path(args.peer, resolved, store, args)
     out_dir = Path(args.out)

@@ -196,3 +196,35 @@ def test_shape_needs_prune_layers(capsys):
 
     assert main(["--shape", "tiny"]) == 2
     assert "--prune-layers" in capsys.readouterr().err
+
+
+def test_peer_plan_times_a_second_plans_engine_beside(tmp_path, capsys):
+    """``--peer-plan``: the HARP engine of a second plan of the same model (issue 34: an ``rrr`` plan beside
+    HARP's alphas) timed in the same rounds, ``vs_harp`` its speed against the first plan's HARP engine
+    with a paired interval; a plan of another model exits 2 before any work."""
+    from harp_trt.bench.long_context import main
+    from harp_trt.models import resolve_model
+    from harp_trt.plan import Plan
+
+    folder = save_tiny("llama", tmp_path / "tiny", seed=5, max_position_embeddings=256)
+    resolved = resolve_model(str(folder), tmp_path / "cache")
+    plans = []
+    for name, alphas in (("harp", (0.5, 0.5)), ("other", (1.0, 0.3))):
+        plans.append(tmp_path / f"{name}.json")
+        Plan(model_ref=str(folder), model_digest=resolved.digest, family="llama", num_layers=4, strategy="given",
+             layers=(2, 3), alphas=alphas).save(plans[-1])
+    res = _run(["--plan", str(plans[0]), "--peer-plan", str(plans[1]), "--runtime", "ort", "--workdir",
+                str(tmp_path / "cache"), "--out", str(tmp_path / "out"), *SHORT])
+    assert res["peer_plan"]["alphas"] == [1.0, 0.3]
+    for runtime in ("ort",):   # every runtime takes the same path (load_pair); --runtime all passed too (250 s)
+        (m,) = res["runtimes"][runtime]["decode"]
+        v = m["vs_harp"]["peer-plan"]
+        assert v["pairs"] == 2 and v["speedup_ci95_low"] <= v["speedup"] <= v["speedup_ci95_high"]
+        assert m["per_engine"]["peer-plan"]["kv_bytes"] == m["per_engine"]["harp"]["kv_bytes"]   # same layers pruned
+    other = save_tiny("llama", tmp_path / "other", seed=6, max_position_embeddings=256)
+    Plan(model_ref=str(other), model_digest=resolve_model(str(other), tmp_path / "cache").digest, family="llama",
+         num_layers=4, strategy="given", layers=(2, 3), alphas=(0.5, 0.5)).save(tmp_path / "foreign.json")
+    capsys.readouterr()
+    assert main(["--plan", str(plans[0]), "--peer-plan", str(tmp_path / "foreign.json"), "--workdir",
+                 str(tmp_path / "cache"), "--out", str(tmp_path / "out2"), *SHORT]) == 2
+    assert "plan of another model" in capsys.readouterr().err
