@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["replacement", "replacement_headline"]
+__all__ = ["replacement", "replacement_headline", "replacement_speed"]
 
 
 def _cut(dense: float, harp: float, fitted: float) -> str:
@@ -69,3 +69,32 @@ def replacement_headline(d: dict[str, Any]) -> str:
         rows += [f"| {p} | {name} | {dense:.2f} | {harp:.2f} | **{fit:.2f}** | {_cut(dense, harp, fit)} |"
                  for name, dense, harp, fit in pairs]
     return "\n".join(rows) + "\n"
+
+
+def replacement_speed(files: list[dict[str, Any]] | dict[str, Any]) -> str:
+    """``bench/long_context.py --plan HARP --peer-plan RRR --runs N`` JSONs (one per runtime): per run, the
+    rrr plan's engine's decode speed over the HARP plan's (``vs_harp``: HARP ms / rrr ms, paired 95 %
+    interval over that run's rounds), the median over runs, and whether every interval holds 1."""
+    rows = ["| runtime | context x batch | HARP plan tok/s (median of runs) | rrr plan tok/s | rrr / HARP per run "
+            "[95 % interval] | median | every interval holds 1 |", "|---|---|---|---|---|---|---|"]
+    cmds, plans = [], None
+    for d in files if isinstance(files, list) else [files]:
+        runs = d["runs"]
+        plans = plans or (runs[0]["plan"], runs[0]["peer_plan"])
+        runtime = next(iter(runs[0]["runtimes"]))
+        for i, m0 in enumerate(runs[0]["runtimes"][runtime]["decode"]):
+            ms = [r["runtimes"][runtime]["decode"][i] for r in runs]
+            v = [m["vs_harp"]["peer-plan"] for m in ms]
+            tok = {e: sorted(m["per_engine"][e]["tokens_per_s"] for m in ms)[len(ms) // 2] for e in ("harp", "peer-plan")}
+            per = ", ".join(f"{x['speedup']:.3f} [{x['speedup_ci95_low']:.3f}, {x['speedup_ci95_high']:.3f}]" for x in v)
+            med = sorted(x["speedup"] for x in v)[len(v) // 2]
+            holds = all(x["speedup_ci95_low"] <= 1 <= x["speedup_ci95_high"] for x in v)
+            rows.append(f"| {runtime} | {m0['context']} x {m0['batch']} | {tok['harp']:.1f} | {tok['peer-plan']:.1f} | "
+                        f"{per} | {med:.3f} | {'yes' if holds else 'no'} |")
+        cmds.append(f"`{d['provenance']['command']}` at {d['provenance']['commit']}")
+    harp, rrr = plans
+    removed = lambda p: [l for l, a in zip(p["layers"], p["alphas"]) if a == 0.0]  # noqa: E731
+    return ("\n".join(rows) + f"\n\nPruned layers {', '.join(map(str, harp['layers']))} in both plans; blocks removed "
+            f"outright (alpha 0): HARP {', '.join(map(str, removed(harp))) or 'none'}, rrr "
+            f"{', '.join(map(str, removed(rrr))) or 'none'}; every other pruned layer is two GEMMs of the same shapes "
+            f"in both. " + "; ".join(cmds) + ".\n")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harp_trt.bench._render_calibration import replacement, replacement_headline
+from harp_trt.bench._render_calibration import replacement, replacement_headline, replacement_speed
 from harp_trt.bench._render_serve import serve_load, serve_load_headline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +273,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check,
                                                          "prefill_profile": prefill_profile,
                                                          "prefill_headline": prefill_headline,
                                                          "serve_load": serve_load, "serve_load_headline": serve_load_headline,
-                                                         "replacement": replacement, "replacement_headline": replacement_headline}
+                                                         "replacement": replacement, "replacement_headline": replacement_headline,
+                                                         "replacement_speed": replacement_speed}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:
