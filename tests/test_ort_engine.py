@@ -31,17 +31,15 @@ def _hf_generate(model, n: int) -> np.ndarray:
                               max_new_tokens=n, do_sample=False).numpy()
 
 
-@pytest.mark.parametrize("kind", ["onnx", "engine"])
-def test_left_padded_prefill_and_decode_logits(family, kind):
-    """Prefill (left padding, batch 2) then 3 decode steps with the cache, vs HF forward."""
+def _decode_against_hf(model, lm, ids: np.ndarray, mask: np.ndarray, steps: int):
+    """Prefill ``ids`` (left padding in ``mask``) then ``steps`` - 1 decode steps through ``lm``'s cache,
+    each step's logits within ATOL of HF's forward with its own cache; returns ``lm``'s past."""
     from transformers.cache_utils import DynamicCache
 
-    model = tiny(family)
-    lm = OrtCausalLM(exported(family) if kind == "onnx" else engine(family), intra_op_threads=2)
-    mask, cur = MASK.copy(), IDS.copy()
+    mask, cur = mask.copy(), ids.copy()
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
     cache, past = DynamicCache(config=model.config), None
-    for step in range(4):
+    for step in range(steps):
         with torch.no_grad():
             ref = model(input_ids=torch.from_numpy(cur), attention_mask=torch.from_numpy(mask),
                         position_ids=torch.from_numpy(pos), cache=cache, use_cache=True).logits.numpy()
@@ -50,8 +48,16 @@ def test_left_padded_prefill_and_decode_logits(family, kind):
         assert got.shape == ref.shape
         assert np.abs(got - ref)[valid].max() <= ATOL, f"step {step}"
         cur = ref[:, -1].argmax(-1)[:, None]
-        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        mask = np.concatenate([mask, np.ones((len(ids), 1), np.int64)], 1)
         pos = pos[:, -1:] + 1
+    return past
+
+
+@pytest.mark.parametrize("kind", ["onnx", "engine"])
+def test_left_padded_prefill_and_decode_logits(family, kind):
+    """Prefill (left padding, batch 2) then 3 decode steps with the cache, vs HF forward."""
+    lm = OrtCausalLM(exported(family) if kind == "onnx" else engine(family), intra_op_threads=2)
+    past = _decode_against_hf(tiny(family), lm, IDS, MASK, 4)
     assert past[0][0].shape == (2, 2, IDS.shape[1] + 3, head_dim(family))
 
 
@@ -252,8 +258,6 @@ def test_sliding_window_layers_fuse_with_gqa_local_window(family, tmp_path):
     """A sliding window (every Mistral v0.1 layer; Gemma3's local layers) becomes GroupQueryAttention's
     ``local_window_size`` = the window: left-padded prefill of 13 tokens and 5 decode steps through a
     window of 4 equal transformers' own sliding mask (the build's verification fails at 3 or 5)."""
-    from transformers.cache_utils import DynamicCache
-
     from harp_trt.export.export import export_dense
 
     model = make_tiny(family, sliding_window=4, max_position_embeddings=256)
@@ -270,15 +274,4 @@ def test_sliding_window_layers_fuse_with_gqa_local_window(family, tmp_path):
     ids = np.random.default_rng(0).integers(3, 120, (2, 13))
     mask = np.ones_like(ids)
     mask[0, :3] = 0
-    pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    cache, past, cur = DynamicCache(config=model.config), None, ids
-    for step in range(6):
-        with torch.no_grad():
-            ref = model(input_ids=torch.from_numpy(cur), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(pos), cache=cache, use_cache=True).logits.numpy()
-        got, past = lm.forward(cur, mask, pos, past)
-        valid = mask[:, -cur.shape[1]:].astype(bool)
-        assert np.abs(got - ref)[valid].max() <= ATOL, f"step {step}"
-        cur = ref[:, -1].argmax(-1)[:, None]
-        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
-        pos = pos[:, -1:] + 1
+    _decode_against_hf(model, lm, ids, mask, 6)
