@@ -13,10 +13,16 @@ def _cut(dense: float, harp: float, fitted: float) -> str:
     return f"{(harp - fitted) / (harp - dense) * 100:.0f} %" if harp > dense else "-"
 
 
-def replacement(d: dict[str, Any]) -> str:
+def _by_p(d: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
+    """The table's rows by P, then by replacement (harp, rrr, lmmse)."""
     by: dict[int, dict[str, dict[str, Any]]] = {}
     for r in d["rows"]:
         by.setdefault(r["P"], {})[r["replacement"]] = r
+    return by
+
+
+def replacement(d: dict[str, Any]) -> str:
+    by = _by_p(d)
     rows = ["| P | text | dense | alpha = 1 | HARP searched | rrr | lmmse | rrr's cut of HARP's gap | lmmse's cut |",
             "|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(by):
@@ -54,9 +60,7 @@ def replacement(d: dict[str, Any]) -> str:
 
 def replacement_headline(d: dict[str, Any]) -> str:
     """The README's lines: held-out perplexity on both texts, HARP searched against rrr, per P."""
-    by: dict[int, dict[str, dict[str, Any]]] = {}
-    for r in d["rows"]:
-        by.setdefault(r["P"], {})[r["replacement"]] = r
+    by = _by_p(d)
     rows = ["| P | held-out text | dense | HARP searched | rrr | rrr's cut of HARP's gap to dense |", "|---|---|---|---|---|---|"]
     for p in sorted(by):
         h, rr = by[p]["harp"], by[p].get("rrr")

@@ -329,17 +329,16 @@ def run(args, argv: list[str]) -> dict[str, Any]:
         try:
             if args.peer and PEERS[args.peer] == runtime:
                 peers[args.peer] = load_peer(args, resolved, store, pair.max_positions, headroom)
-            if args.peer_plan:
+            if peer_plan is not None:   # its pair's HARP engine is timed; the pair closes both
                 peer_pair = load_pair(runtime, peer_plan, build_sources(runtime, peer_plan, resolved, None, store, args),
                                       args, headroom)
-                peers["peer-plan"] = peer_pair.harp
-            out["runtimes"][runtime] = measure_runtime(runtime, pair, peers, args)
-            if args.peer and args.peer in peers:
+            timed = {**peers, **({"peer-plan": peer_pair.harp} if peer_pair else {})}
+            out["runtimes"][runtime] = measure_runtime(runtime, pair, timed, args)
+            if args.peer in peers:
                 out["runtimes"][runtime]["peer_files"] = {args.peer: str(peer_path(args.peer, resolved, store, args))}
         finally:
             pair.close()
             if peer_pair is not None:
-                peers.pop("peer-plan")
                 peer_pair.close()
             for e in peers.values():
                 e.close()

@@ -43,8 +43,6 @@ IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer*", "specia
                   "chat_template*", "additional_chat_templates/*")
 
 
-
-
 @dataclass(frozen=True)
 class ResolvedModel:
     ref: str            # what the user typed

@@ -93,6 +93,15 @@ def _is_bnsh_transpose(node: ir.Node | None) -> bool:
     return node is not None and list(_attr(node, "perm", [])) == [0, 2, 1, 3]
 
 
+def _constant(graph: ir.Graph, name: str, array) -> ir.Value:
+    """The graph's initializer ``name``, registered with ``array`` the first time it is asked for."""
+    if name not in graph.initializers:
+        t = ir.tensor(np.asarray(array), name=name)
+        graph.register_initializer(ir.Value(name=name, const_value=t, shape=ir.Shape(t.shape),
+                                            type=ir.TensorType(t.dtype)))
+    return graph.initializers[name]
+
+
 def _last_axis_norm(value: ir.Value | None) -> ir.Node | None:
     norm = _producer(value, "RMSNormalization")
     ok = norm is not None and _attr(norm, "axis", -1) in (-1, 3) and len(list(norm.outputs[0].uses())) == 1
@@ -244,10 +253,7 @@ class FuseGroupQueryAttention(GraphRule[GqaMatch]):
             return n.outputs[0]
 
         def const(name, array):
-            t = ir.tensor(np.asarray(array), name=name)
-            v = ir.Value(name=name, const_value=t, shape=ir.Shape(t.shape), type=ir.TensorType(t.dtype))
-            graph.register_initializer(v)
-            return v
+            return _constant(graph, name, array)
 
         mshape = add("Shape", [mask])                                   # [B, T]
         batch = add("Gather", [mshape, const("gqa_i0", np.array([0], np.int64))])
@@ -269,21 +275,11 @@ class FuseGroupQueryAttention(GraphRule[GqaMatch]):
 
     def _pack_shape(self, graph: ir.Graph) -> ir.Value:
         """The [0, 0, -1] Reshape target that packs [B, S, H, D] to [B, S, H*D], one per graph."""
-        name = "gqa_pack_heads"
-        if name not in graph.initializers:
-            t = ir.tensor(np.array([0, 0, -1], np.int64), name=name)
-            graph.register_initializer(ir.Value(name=name, const_value=t, shape=ir.Shape(t.shape),
-                                                type=ir.TensorType(t.dtype)))
-        return graph.initializers[name]
+        return _constant(graph, "gqa_pack_heads", np.array([0, 0, -1], np.int64))
 
     def _split_shape(self, graph: ir.Graph, heads: int) -> ir.Value:
         """The [0, 0, heads, head_dim] Reshape target that splits [B, S, H*D] into heads."""
-        name = f"gqa_split_heads_{heads}"
-        if name not in graph.initializers:
-            t = ir.tensor(np.array([0, 0, heads, self.head_dim], np.int64), name=name)
-            graph.register_initializer(ir.Value(name=name, const_value=t, shape=ir.Shape(t.shape),
-                                                type=ir.TensorType(t.dtype)))
-        return graph.initializers[name]
+        return _constant(graph, f"gqa_split_heads_{heads}", np.array([0, 0, heads, self.head_dim], np.int64))
 
     def rewrite(self, graph: ir.Graph, m: GqaMatch) -> ir.Node:
         """Insert the GroupQueryAttention node for ``m`` and move the Attention's users and the

@@ -34,9 +34,10 @@ log = logging.getLogger(__name__)
 
 
 class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
-    """Every ``Attention`` that ``FuseGroupQueryAttention`` matches becomes ``GroupQueryAttention``;
-    ``report`` says which layers were converted and why the others were not. ``meta`` is the
-    export metadata (``harp_trt.onnx_io.read_export_meta``): without it nothing changes."""
+    """Every ``Attention`` becomes ``GroupQueryAttention`` (one that ``FuseGroupQueryAttention`` does
+    not match is a GraphError with the reason); ``report`` says which layers were converted, or why
+    the whole graph was left alone. ``meta`` is the export metadata
+    (``harp_trt.onnx_io.read_export_meta``): without it nothing changes."""
 
     def __init__(self, meta: Mapping[str, Any]):
         super().__init__()
@@ -55,14 +56,11 @@ class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
             report.skipped["*"] = "no opset-23 Attention nodes (eager attention export?)"
         for node in candidates:
             found = rule.check(graph, node)
-            if not found:
-                if "sliding window" not in found.reason:  # a layer the family says must fuse did not
-                    raise GraphError("build", f"GroupQueryAttention fusion found no match at {node.name}: "
-                                     f"{found.reason}", "the export's attention graph has a form the rule does not "
-                                     "know; teach it in builders/ort/gqa.py (OrtBuildConfig.attention='onnx' "
-                                     "keeps the opset-23 Attention)")
-                report.skipped[node.name or "Attention"] = found.reason
-                continue
+            if not found:   # every Attention of our export fuses (sliding windows included)
+                raise GraphError("build", f"GroupQueryAttention fusion found no match at {node.name}: "
+                                 f"{found.reason}", "the export's attention graph has a form the rule does not "
+                                 "know; teach it in builders/ort/gqa.py (OrtBuildConfig.attention='onnx' "
+                                 "keeps the opset-23 Attention)")
             rule.rewrite(graph, found.match)
             report.matched.append(found.match.layer)
         if report.matched:
