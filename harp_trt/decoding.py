@@ -82,20 +82,36 @@ class BatchKV:
     so a decode reads the cache once and copies none of it (a growing past, ``forward``, has ORT
     copy every row's whole KV into a new present each step). Joining copies the new sequence's KV
     in once; leaving moves the last row into the freed one; the padding all rows share is trimmed
-    when it grows (one move of the live KV); buffers grow by doubling."""
+    when it grows (one move of the live KV); buffers grow by doubling.
 
-    TRIM = 64  # shared padding (tokens) that triggers a trim
+    Under ``max_bytes`` (a server's KV budget) doubling stops at the budget and the shared padding
+    is trimmed whenever a row leaves, so the buffers hold at most ``max_bytes`` as long as
+    rows x the longest row (the padded footprint ``BatchedGenerator`` admits by) fits in it."""
 
-    def __init__(self, lm: OrtCausalLM):
+    TRIM = 64  # shared padding (tokens) that triggers a trim (0 under max_bytes)
+
+    def __init__(self, lm: OrtCausalLM, max_bytes: int | None = None):
         self.lm, self.rows, self.length, self.lens = lm, 0, 0, []
         self.slots, self.capacity = 0, 0
+        self.max_bytes = max_bytes
         self.buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._bound = -1
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the KV buffers hold (every slot, the whole capacity)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.buffers.values())
 
     def _grow(self, slots: int, capacity: int) -> None:
         if slots <= self.slots and capacity <= self.capacity:
             return
-        slots, capacity = max(slots, 2 * self.slots, 1), max(capacity, 2 * self.capacity, 64)
+        if self.max_bytes is None:
+            slots, capacity = max(slots, 2 * self.slots, 1), max(capacity, 2 * self.capacity, 64)
+        else:   # double only as far as the budget (past it, what is needed); the other side may shrink to the live KV
+            per = self.lm.kv_bytes_per_token()
+            need_s, need_c = max(slots, self.rows, 1), max(capacity, self.length)
+            slots = max(need_s, min(max(2 * self.slots, 1), self.max_bytes // (per * need_c)))
+            capacity = max(need_c, min(max(2 * self.capacity, 64), self.max_bytes // (per * slots)))
         shape = (slots, self.lm.kv_heads, capacity, self.lm.head_dim)
         new = {}
         for i in self.lm.kv_layers:
@@ -144,7 +160,7 @@ class BatchKV:
         self.rows -= 1
         if not self.rows:
             self.length = 0
-        elif self.length - max(self.lens) >= self.TRIM:
+        elif self.length - max(self.lens) >= (self.TRIM if self.max_bytes is None else 1):
             self._shift(-(self.length - max(self.lens)))
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:

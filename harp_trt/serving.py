@@ -3,8 +3,11 @@ budget and a continuously batched generator. The Triton Python-backend model (``
 assets/ort_llm_model.py``) is a thin shell around ``BatchedGenerator``; so is anything else that serves.
 
 Requests arrive at any time and wait in a FIFO queue until they are admitted: at most
-``max_active`` sequences, and, under a KV budget, only while the KV of every admitted sequence at
-its longest (prompt + ``max_tokens`` tokens, kept layers only) fits in the budget. A HARP engine,
+``max_active`` sequences, and, under a KV budget, only while the batch's KV fits in it: the batch is
+left-padded, so that is rows x the longest admitted sequence at its longest (prompt + ``max_tokens``
+tokens, kept layers only; for requests of one length, the sum of their KV). The in-place buffers
+never grow past the budget (``BatchKV(max_bytes=)``); beside them lives only the cache of the one
+prompt being prefilled, until it is copied into its row. A HARP engine,
 whose pruned layers hold no KV, admits about L/(L-P) times as many sequences as the dense one at
 the same budget. A request that could never fit is refused at once; one that merely has to wait
 waits (never refused for lack of room).
@@ -139,7 +142,7 @@ class BatchedGenerator:
         self.active: list[GenerationRequest] = []
         # in-place KV rows where the engine appends in place (GroupQueryAttention on the CPU), else a
         # growing past per request, left-padded into a batch each step
-        self.kv = BatchKV(lm) if lm.shares_kv_buffer else None
+        self.kv = BatchKV(lm, kv_budget) if lm.shares_kv_buffer else None
         self.rows: list[GenerationRequest] = []  # the requests of self.kv's rows, in row order
         self._carry: tuple[tuple[int, ...], dict] | None = None  # (batch members, its present KV)
         self.steps = 0
@@ -184,12 +187,21 @@ class BatchedGenerator:
                 req = self._queue[0]
                 if self.max_active is not None and len(self.active) >= self.max_active:
                     break
-                if self.kv_budget is not None and self.kv_reserved + req.kv_bytes > self.kv_budget:
+                if not self._fits(req):
                     break
                 self._queue.popleft()
                 self.kv_reserved += req.kv_bytes
                 self.active.append(req)
         self.max_admitted_seen = max(self.max_admitted_seen, len(self.active))
+
+    def _fits(self, req: GenerationRequest) -> bool:
+        """Whether ``req`` joins within the KV budget. The batch is left-padded to its longest row,
+        so what it holds is rows x the longest sequence, not the sum of the sequences: for requests
+        of one length the two agree (``sequences_admitted``)."""
+        if self.kv_budget is None:
+            return True
+        longest = max([r.tokens_at_most for r in self.active] + [req.tokens_at_most])
+        return (len(self.active) + 1) * longest * self.kv_per_token <= self.kv_budget
 
     # ---- one scheduling step ---------------------------------------------------------------------
     def step(self, wait: float | None = None) -> bool:
@@ -333,4 +345,4 @@ class BatchedGenerator:
                     r.emit([], True, f"error: {type(e).__name__}: {e}")
                 self._release()
                 self._carry = None
-                self.kv, self.rows = (BatchKV(self.lm) if self.kv is not None else None), []
+                self.kv, self.rows = (BatchKV(self.lm, self.kv_budget) if self.kv is not None else None), []

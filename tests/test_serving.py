@@ -149,3 +149,34 @@ def test_rows_joining_and_leaving_keep_every_answer(attention, monkeypatch):
         assert c.tokens == _greedy(lm, p, n), c.name
     if gen.kv is not None:
         assert gen.kv.rows == 0 and not gen.rows
+
+
+def test_in_place_kv_never_holds_more_than_the_budget(harp_lm):
+    """Mixed lengths under a budget of three rows at the longest: the batch is admitted by its padded
+    footprint (rows x longest), and the in-place buffers never hold more than the budget at any step;
+    without the bound the buffers' doubling held more (slots and capacity each rounded up to a power of
+    two). Every answer is generate's."""
+    from harp_trt.decoding import BatchKV
+
+    lengths, budgets = (5, 30, 12, 3, 17, 8), (9, 3, 14, 6, 2, 11)
+    per = harp_lm.kv_bytes_per_token()
+    budget = 3 * max(n + m for n, m in zip(lengths, budgets)) * per
+    prompts = _prompts(harp_lm, lengths, seed=3)
+    seen = {}
+    for bounded in (True, False):
+        gen = BatchedGenerator(harp_lm, max_active=None, kv_budget=budget)
+        assert gen.kv is not None and gen.kv.max_bytes == budget
+        if not bounded:
+            gen.kv = BatchKV(harp_lm)
+        clients = [_Client(f"r{i}", []) for i in range(len(prompts))]
+        for c, p, n in zip(clients, prompts, budgets):
+            gen.submit(GenerationRequest(p, SamplingParams(max_tokens=n, ignore_eos=True), c.emit))
+        most = 0
+        while gen.step():
+            if gen.active:   # admitted by the padded footprint
+                assert len(gen.active) * max(r.tokens_at_most for r in gen.active) * per <= budget
+            most = max(most, gen.kv.allocated_bytes)
+        seen[bounded] = most
+        for c, p, n in zip(clients, prompts, budgets):
+            assert c.tokens == _greedy(harp_lm, p, n), c.name
+    assert seen[True] <= budget < seen[False], (seen, budget)

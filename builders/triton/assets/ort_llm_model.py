@@ -114,7 +114,8 @@ class TritonPythonModel:
         if size > self.largest_batch:
             self.largest_batch = size
             pb_utils.Logger.log_info(f"harp[{self.name}]: largest decode batch so far: {size} sequences "
-                                     f"({self.gen.waiting} queued, {self.gen.kv_reserved} B of KV reserved)")
+                                     f"({self.gen.waiting} queued, {self.gen.kv_reserved} B of KV reserved"
+                                     + (f", {self.gen.kv.allocated_bytes} B in KV buffers)" if self.gen.kv else ")"))
 
     def execute(self, requests):
         from harp_trt.errors import HarpError
