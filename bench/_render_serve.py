@@ -1,6 +1,7 @@
 """The rendered text of a ``bench/serve_load.py`` JSON (``bench/render_results.py``'s ``serve_load``):
 the headline (admission, saturation throughput and goodput, HARP over dense with L/(L-P) beside),
-the AIPerf figures per concurrency, the bad-request table, the soak and the kill."""
+the AIPerf figures per concurrency, the bad-request table, the soak and the kill, and llama.cpp's own
+server beside Triton where the run has it."""
 from __future__ import annotations
 
 import statistics
@@ -44,10 +45,16 @@ def _headline(d: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _per_level(d: dict[str, Any]) -> list[str]:
-    pts = d["points"]
+def _flight(rows: list[dict[str, Any]]) -> str:
+    got = [r["streams_in_flight"] for r in rows if r.get("streams_in_flight")]
+    if not got:
+        return "-"
+    return f"{max(g['max'] for g in got)} / {statistics.median(g['mean'] for g in got):.1f}"
+
+
+def _per_level(pts: list[dict[str, Any]]) -> list[str]:
     rows = ["| model | concurrency | requests x runs | output tokens/s | requests/s | TTFT p50 / p99 (s) | "
-            "ITL p50 / p99 (ms) | errors |", "|---|---|---|---|---|---|---|---|"]
+            "ITL p50 / p99 (ms) | streams at once: most / mean | errors |", "|---|---|---|---|---|---|---|---|---|"]
     for model in ("dense", "harp"):
         for c in sorted({p["concurrency"] for p in pts}):
             mine = [p for p in pts if p["model"] == model and p["concurrency"] == c]
@@ -58,8 +65,24 @@ def _per_level(d: dict[str, Any]) -> list[str]:
             rows.append(f"| {model} | {c} | {int(mine[0]['requests'] or 0)} x {len(mine)} | "
                         f"{f['output_tokens_per_s:avg']:.1f} | {f['requests_per_s:avg']:.3f} | "
                         f"{f['ttft_ms:p50'] / 1000:.1f} / {f['ttft_ms:p99'] / 1000:.1f} | "
-                        f"{f['itl_ms:p50']:.0f} / {f['itl_ms:p99']:.0f} | {sum(p['errors'] or 0 for p in mine)} |")
+                        f"{f['itl_ms:p50']:.0f} / {f['itl_ms:p99']:.0f} | {_flight(mine)} | "
+                        f"{sum(p['errors'] or 0 for p in mine)} |")
     return rows
+
+
+def _llamacpp(d: dict[str, Any]) -> list[str]:
+    """llama.cpp's own server beside Triton: its per-level table and saturation, HARP over dense."""
+    lc = d.get("llamacpp")
+    if not lc:
+        return []
+    s = lc["summary"]["saturation_tokens_per_s"]
+    kind = "f16" if lc["gguf_type"] == "none" else lc["gguf_type"]
+    return ["", f"llama.cpp's own OpenAI-compatible server (`python -m llama_cpp.server`, one process per model, "
+                f"the plan's {kind} deci GGUFs), the same AIPerf through its `completions` endpoint: it serves "
+                f"{'one request at a time' if lc['serialises'] else 'several requests at once'} (the most "
+                f"responses streaming at once, from AIPerf's per-request records). Output tokens/s at saturation: "
+                f"dense {_spread(s['dense'])}, HARP {_spread(s['harp'])}, HARP / dense "
+                f"{_spread(s['harp_over_dense'], '{:.2f}')}.", "", *_per_level(lc["points"])]
 
 
 def _checks(d: dict[str, Any]) -> list[str]:
@@ -89,7 +112,8 @@ def serve_load(d: dict[str, Any]) -> str:
     a, g = d["args"], d["goodput_per_run"]
     slo = [x["slo"] for x in g if x]
     m = d["machine"]
-    text = "\n".join(_headline(d)) + "\n\n" + "\n".join(_per_level(d)) + "\n\n" + "\n".join(_checks(d))
+    text = ("\n".join(_headline(d)) + "\n\n" + "\n".join(_per_level(d["points"])) + "\n\n" + "\n".join(_checks(d))
+            + "\n".join(_llamacpp(d)))
     return (text + f"\n\n{a['model']} {a['quant']} engines (HARP prunes layers {a['prune_layers']}), "
             f"{a['isl']} tokens in / {a['osl']} out (ignore_eos), KV budget {a['kv_budget']} for each model, one "
             f"tritonserver ({d['provenance']['versions']['tritonserver']}) holding both, AIPerf "

@@ -26,7 +26,8 @@ from typing import Any
 
 from harp_trt.errors import HarpError
 
-__all__ = ["AIPERF", "CONSTRAINTS", "TEMPLATE", "AiperfMissing", "tool_venv", "profile", "figures"]
+__all__ = ["AIPERF", "CONSTRAINTS", "TEMPLATE", "AiperfMissing", "tool_venv", "profile", "figures", "in_flight",
+           "triton_endpoint", "openai_completions"]
 
 AIPERF = "aiperf==0.13.0"
 CONSTRAINTS = Path(__file__).with_name("aiperf-constraints.txt")
@@ -67,18 +68,31 @@ def tool_venv(root: Path) -> Path:
     return exe
 
 
-def profile(aiperf: Path, url: str, model: str, tokenizer: Path, isl: int, osl: int, concurrency: int,
-            requests: int, out: Path, seed: int = 0, warmup: int = 0, duration_s: float = 0.0,
-            timeout_s: float = 7200.0, rate: float = REFILL_RATE) -> dict[str, Any]:
-    """One AIPerf run at a fixed concurrency, streaming: ``requests`` requests, or as many as
-    ``duration_s`` seconds take (those in flight then complete); returns ``figures`` of its export."""
-    out.mkdir(parents=True, exist_ok=True)
+def triton_endpoint(model: str, out: Path) -> list[str]:
+    """AIPerf's arguments for Triton's ``generate_stream`` of ``model``: the template endpoint with
+    ``TEMPLATE`` (written under ``out``) and ``text_output`` as the streamed text."""
     template = out / "triton_generate_stream.jinja"
     template.write_text(TEMPLATE)
-    cmd = [str(aiperf), "profile", "--url", url, "--model", model, "--endpoint-type", "template",
-           "--custom-endpoint", f"/v2/models/{model}/generate_stream", "--streaming",
-           "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
-           "--tokenizer", str(tokenizer), "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl),
+    return ["--endpoint-type", "template", "--custom-endpoint", f"/v2/models/{model}/generate_stream",
+            "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output"]
+
+
+def openai_completions(extra: dict[str, Any]) -> list[str]:
+    """AIPerf's own OpenAI ``completions`` endpoint (``/v1/completions``), with ``extra`` merged into
+    every request body (AIPerf parses an ``--extra-inputs`` value that starts with ``{`` as JSON)."""
+    return ["--endpoint-type", "completions", "--extra-inputs", json.dumps(extra)]
+
+
+def profile(aiperf: Path, url: str, model: str, tokenizer: Path, isl: int, osl: int, concurrency: int,
+            requests: int, out: Path, seed: int = 0, warmup: int = 0, duration_s: float = 0.0,
+            timeout_s: float = 7200.0, rate: float = REFILL_RATE, endpoint: list[str] | None = None) -> dict[str, Any]:
+    """One AIPerf run at a fixed concurrency, streaming: ``requests`` requests, or as many as
+    ``duration_s`` seconds take (those in flight then complete); returns ``figures`` of its export
+    and ``in_flight`` of its per-request records. ``endpoint``: AIPerf's endpoint arguments
+    (default: Triton's ``generate_stream``, ``triton_endpoint``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(aiperf), "profile", "--url", url, "--model", model, *(endpoint or triton_endpoint(model, out)),
+           "--streaming", "--tokenizer", str(tokenizer), "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl),
            "--osl-stddev", "0", "--concurrency", str(concurrency), "--random-seed", str(seed),
            # a request rate beside the concurrency: with none, AIPerf's timing manager polls for a free slot
            # without sleeping (one core at 100 %, half of this machine); at 20/s a freed slot waits <= 50 ms
@@ -101,7 +115,10 @@ def profile(aiperf: Path, url: str, model: str, tokenizer: Path, isl: int, osl: 
     export = next(iter(sorted(out.rglob("profile_export_aiperf.json"))), None)
     if res.returncode != 0 or export is None:
         raise HarpError(f"aiperf exited {res.returncode} without an export in {out}: {(res.stdout + res.stderr)[-1500:]}")
-    return {"command": cmd, **figures(json.loads(export.read_text())), "export": str(export)}
+    records = export.with_name("profile_export.jsonl")
+    flight = in_flight(records.read_text().splitlines()) if records.is_file() else None
+    return {"command": cmd, **figures(json.loads(export.read_text())), "streams_in_flight": flight,
+            "export": str(export)}
 
 
 def figures(export: dict[str, Any]) -> dict[str, Any]:
@@ -118,3 +135,28 @@ def figures(export: dict[str, Any]) -> dict[str, Any]:
     out["errors"] = int(sum(int(e.get("count", 0)) for e in errors)) if isinstance(errors, list) else errors
     out["requests"] = (records.get("request_count") or {}).get("avg") if isinstance(records, dict) else None
     return out
+
+
+def in_flight(lines: list[str]) -> dict[str, float] | None:
+    """How many responses streamed at once, from AIPerf's per-request records: each request streams
+    from its first token (start + TTFT) to its end; ``max`` is the most streams at one instant,
+    ``mean`` their summed streaming time over the span from the first first-token to the last end.
+    A server that serves one request at a time shows max 1 whatever AIPerf's concurrency."""
+    spans = []
+    for line in lines:
+        r = json.loads(line) if line.strip() else {}
+        meta, m = r.get("metadata") or {}, r.get("metrics") or {}
+        ttft = (m.get("time_to_first_token") or {}).get("value")
+        if r.get("error") or ttft is None or meta.get("benchmark_phase") != "profiling":
+            continue
+        start = meta["request_start_ns"] + ttft * 1e6
+        spans.append((start, max(start, float(meta["request_end_ns"]))))
+    if not spans:
+        return None
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    now = most = 0
+    for _, step in edges:   # at equal times an end (-1) counts before a start: touching spans do not overlap
+        now += step
+        most = max(most, now)
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    return {"max": most, "mean": sum(b - a for a, b in spans) / span if span > 0 else 1.0, "requests": len(spans)}

@@ -20,7 +20,9 @@ summary gives the median and the spread of ``--runs`` runs; beside HARP's servin
 L/(L-P), its ceiling on KV-bound admission. Then: malformed requests mixed into the load
 (``bench/_serve_checks.py``), a soak at the top concurrency (``--soak-s``; failures, RSS of the
 server's processes after warm-up and at the end, greedy answers against ``harp-trt generate``), and
-the server SIGKILLed mid-load and started again on the same repository. Writes ``serve_load.json``
+the server SIGKILLed mid-load and started again on the same repository. With
+``--llamacpp-concurrency``, the same sweep against llama.cpp's own OpenAI-compatible server serving
+the plan's deci GGUFs (``bench/_serve_llamacpp.py``: it serves one request at a time). Writes ``serve_load.json``
 and ``serve_load.png`` (matplotlib, if installed) under ``--out`` and ends stdout with the JSON."""
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ __all__ = ["main", "parse_args", "goodput", "summarize"]
 
 log = logging.getLogger("serve_load")
 ADMITS = re.compile(r"harp\[(\w+)\]: KV budget (\d+) B, (\d+) B of KV per token over (\d+) KV layers")
-LARGEST = re.compile(r"harp\[(\w+)\]: largest decode batch so far: (\d+) sequences")
+LARGEST = re.compile(r"harp\[(\w+)\]: largest decode batch so far: (\d+) sequences"
+                     r"(?: \(\d+ queued, \d+ B of KV reserved, (\d+) B in KV buffers\))?")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,10 +81,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="serve_load_out", help="folder for the JSON, the plot and AIPerf's exports")
     p.add_argument("--engine-json", default="", help="a bench/long_context.py JSON whose engine-level decode "
                                                      "speed-up is reported beside the server's")
+    p.add_argument("--llamacpp-concurrency", default="",
+                   help="AIPerf concurrencies against llama.cpp's own OpenAI-compatible server (llama_cpp.server, "
+                        "the serve-llamacpp extra) serving the plan's deci GGUFs; empty (default): not run")
+    p.add_argument("--gguf-type", default="none", help="those GGUFs' weights: none (f16) or q4_0 (default none)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     a.levels = parse_ints(a.concurrency, "--concurrency")
-    counts = parse_ints(a.requests, "--requests") if a.requests.strip() else tuple(max(4, 2 * c) for c in a.levels)
+    a.llamacpp_levels = parse_ints(a.llamacpp_concurrency, "--llamacpp-concurrency") if a.llamacpp_concurrency else ()
+    if a.llamacpp_levels:
+        from harp_trt.bench._serve_llamacpp import available
+
+        if (why := available()) is not None:
+            raise ConfigError(why)
+    counts = parse_ints(a.requests, "--requests") if a.requests.strip() else tuple(_default_requests(c) for c in a.levels)
     if len(counts) not in (1, len(a.levels)):
         raise ConfigError(f"--requests takes one count or one per concurrency ({len(a.levels)}), got {a.requests!r}")
     a.counts = dict(zip(a.levels, counts * len(a.levels) if len(counts) == 1 else counts))
@@ -94,18 +107,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _default_requests(concurrency: int) -> int:
+    return max(4, 2 * concurrency)
+
+
 # ---- engines and repositories -------------------------------------------------------------------
-def engines(args) -> dict[str, Path]:
-    """{"dense": folder, "harp": folder}: the pipeline's ORT engines of the plan, cached."""
+def _built(args, runtime: str, **over) -> dict[str, Any]:
+    """The dense and HARP artifacts of the plan for ``runtime`` (``bench/long_context.py``'s
+    ``make_plan`` / ``build_sources``: cached in ``--workdir``)."""
     from harp_trt.bench import long_context as lc
     from harp_trt.store import ArtifactStore
 
     ns = SimpleNamespace(plan=None, shape=None, model=args.model, layers=args.layers, alpha=args.alpha,
                          corpus=args.corpus, calib_tokens=args.calib_tokens, quant=args.quant, gguf_type="none")
+    vars(ns).update(over)
     store = ArtifactStore(Path(args.workdir))
     plan, resolved, calib = lc.make_plan(ns, store)
-    arts = lc.build_sources("ort", plan, resolved, calib, store, ns)
-    return {v: Path(a.path) for v, a in arts.items()}
+    return lc.build_sources(runtime, plan, resolved, calib, store, ns)
+
+
+def engines(args) -> dict[str, Path]:
+    """{"dense": folder, "harp": folder}: the pipeline's ORT engines of the plan."""
+    return {v: Path(a.path) for v, a in _built(args, "ort").items()}
+
+
+def gguf_files(args) -> dict[str, Path]:
+    """{"dense": file, "harp": file}: the plan's deci GGUFs (``--gguf-type``)."""
+    from harp_trt.bench.stage.engine_llamacpp import gguf_path
+
+    return {v: gguf_path(a) for v, a in _built(args, "llamacpp", quant="none",
+                                                           gguf_type=args.gguf_type).items()}
 
 
 def deploy(engine_dirs: dict[str, Path], args, out: Path) -> Path:
@@ -132,17 +163,20 @@ def admitted(log_text: str, tokens: int) -> dict[str, dict[str, Any]]:
     """Per model: the budget and KV bytes per token its log line states (``ort_llm_model.
     _log_admission``), the sequences of ``tokens`` tokens that admits (the server's own rule,
     ``harp_trt.memory.sequences_admitted``), and the largest decode batch it logged, which the load
-    must not push past that."""
+    must not push past that, with the size of its in-place KV buffers then (never over the budget)."""
     from harp_trt.memory import sequences_admitted
 
     out: dict[str, dict[str, Any]] = {}
     for m in ADMITS.finditer(log_text):
         name, budget, per, layers = m.group(1), *map(int, m.groups()[1:])
         out[name] = {"kv_budget_bytes": budget, "kv_bytes_per_token": per, "kv_layers": layers,
-                     "tokens": tokens, "admits": sequences_admitted(tokens, per, budget), "largest_batch_seen": 0}
+                     "tokens": tokens, "admits": sequences_admitted(tokens, per, budget), "largest_batch_seen": 0,
+                     "kv_buffer_bytes_seen": None}
     for m in LARGEST.finditer(log_text):
-        if m.group(1) in out:
-            out[m.group(1)]["largest_batch_seen"] = max(out[m.group(1)]["largest_batch_seen"], int(m.group(2)))
+        if (row := out.get(m.group(1))) is not None:
+            row["largest_batch_seen"] = max(row["largest_batch_seen"], int(m.group(2)))
+            if m.group(3) is not None:   # the in-place KV buffers' size when that batch formed
+                row["kv_buffer_bytes_seen"] = max(row["kv_buffer_bytes_seen"] or 0, int(m.group(3)))
     if "dense" in out and "harp" in out:
         out["harp_over_dense"] = out["harp"]["admits"] / max(1, out["dense"]["admits"])
         out["ceiling"] = out["dense"]["kv_layers"] / out["harp"]["kv_layers"]  # L / (L - P)
@@ -150,15 +184,17 @@ def admitted(log_text: str, tokens: int) -> dict[str, dict[str, Any]]:
 
 
 # ---- the sweep ----------------------------------------------------------------------------------
-def sweep(aiperf: Path, server, tokenizer: Path, args, out: Path, run: int) -> list[dict[str, Any]]:
+def sweep(aiperf: Path, servers: dict[str, Any], tokenizer: Path, args, out: Path, run: int,
+          levels: tuple[int, ...] = (), endpoint: list[str] | None = None) -> list[dict[str, Any]]:
+    """One run: at each concurrency, AIPerf on each model (``servers``: model -> its server) in turn."""
     rows = []
     order = ("dense", "harp") if run % 2 == 0 else ("harp", "dense")
-    for c in args.levels:
-        n = args.counts[c]
+    for c in levels or args.levels:
+        n = args.counts.get(c) or _default_requests(c)
         for model in order:
             t0 = time.perf_counter()
-            fig = _aiperf(aiperf, server, tokenizer, args, model, c, n, out / f"aiperf-run{run}-{model}-c{c}",
-                          seed=args.seed + run)
+            fig = _aiperf(aiperf, servers[model], tokenizer, args, model, c, n, out / f"aiperf-run{run}-{model}-c{c}",
+                          seed=args.seed + run, endpoint=endpoint)
             rows.append({"run": run, "model": model, "concurrency": c, "requests": n,
                          "seconds": round(time.perf_counter() - t0, 1), **fig})
             log.info("run %d %s c=%d: %.1f output tok/s, ITL p99 %.1f ms, TTFT p99 %.0f ms, %s errors", run, model,
@@ -182,11 +218,12 @@ def _get(row: dict, metric: str, stat: str) -> float:
 
 
 def goodput(rows: list[dict[str, Any]], args) -> dict[str, Any]:
-    """SLO from dense's p50 at concurrency 1 (this run); per model the highest output tokens/s at a
+    """SLO from dense's p50 at its lowest concurrency (this run); per model the highest output tokens/s at a
     concurrency whose p99 ITL and p99 TTFT meet it, and its saturation throughput."""
-    base = next((r for r in rows if r["model"] == "dense" and r["concurrency"] == min(args.levels)), None)
-    if base is None:
+    dense = [r for r in rows if r["model"] == "dense"]
+    if not dense:
         return {}
+    base = min(dense, key=lambda r: r["concurrency"])
     slo = {"itl_ms": args.slo_itl * _get(base, "itl_ms", "p50"), "ttft_ms": args.slo_ttft * _get(base, "ttft_ms", "p50")}
     out: dict[str, Any] = {"slo": slo}
     for model in ("dense", "harp"):
@@ -257,6 +294,33 @@ def soak(aiperf: Path, server, tokenizer: Path, dirs: dict[str, Path], args, out
             "greedy_all_equal": all(r["equal"] for rows in greedy.values() for r in rows)}
 
 
+def llamacpp_sweep(aiperf: Path, tokenizer: Path, args, out: Path) -> dict[str, Any]:
+    """The same sweep against llama.cpp's own server (``bench/_serve_llamacpp.py``), one process per
+    model, through AIPerf's OpenAI ``completions`` endpoint; ``serialises``: no run ever streamed two
+    responses at once (``streams_in_flight``)."""
+    import os
+
+    from harp_trt.bench import _serve_llamacpp as lcs
+    from harp_trt.bench._serve_aiperf import openai_completions
+
+    ggufs = gguf_files(args)
+    out.mkdir(parents=True, exist_ok=True)
+    servers = lcs.start_pair(ggufs, args.isl + args.osl + 64, args.threads or os.cpu_count() or 1, out)
+    endpoint = openai_completions(lcs.extra_inputs(tokenizer))
+    rows, per_run = [], []
+    try:
+        for run in range(args.runs):
+            rows += (mine := sweep(aiperf, servers, tokenizer, args, out, run, args.llamacpp_levels, endpoint))
+            per_run.append(goodput(mine, args))
+    finally:
+        for s in servers.values():
+            s.stop()
+    flights = [(r.get("streams_in_flight") or {}).get("max") for r in rows]
+    return {"servers": lcs.describe(servers), "gguf": {k: str(v) for k, v in ggufs.items()},
+            "gguf_type": args.gguf_type, "points": rows, "goodput_per_run": per_run, "summary": summarize(per_run),
+            "serialises": all(f == 1 for f in flights if f is not None) and any(f is not None for f in flights)}
+
+
 def decode_speedup_beside(args) -> dict[str, Any] | None:
     """The engine-level decode speed-ups (HARP over dense, one process, no server) of a
     ``bench/long_context.py`` JSON (``--engine-json``) at the context nearest the serving one's
@@ -306,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         prov = provenance(sys.argv[1:] if argv is None else argv, ("onnxruntime", "transformers", "numpy"))
         prov["versions"].update(aiperf=AIPERF.split("==")[1], tritonserver=f"2.51 ({triton_runtime.PYTRITON})")
         result: dict[str, Any] = {"issue": 32, "provenance": prov,
-                                  "args": {k: v for k, v in vars(args).items() if k not in ("levels", "counts")},
+                                  "args": {k: v for k, v in vars(args).items() if k not in ("levels", "counts", "llamacpp_levels")},
                                   "machine": describe(), "engines": {k: str(v) for k, v in dirs.items()},
                                   "server_start_s": round(server.startup_s, 1)}
         try:
             rows, per_run = [], []
             for run in range(args.runs):
-                rows += (mine := sweep(aiperf, server, tokenizer, args, out, run))
+                rows += (mine := sweep(aiperf, {"dense": server, "harp": server}, tokenizer, args, out, run))
                 per_run.append(goodput(mine, args))
             result["admission"] = admitted(server.log_tail(10**8), args.isl + args.osl)
             result.update(points=rows, goodput_per_run=per_run, summary=summarize(per_run))
@@ -327,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                     "harp", args.kill_after)
         finally:
             server.stop()
+        if args.llamacpp_levels:
+            result["llamacpp"] = llamacpp_sweep(aiperf, tokenizer, args, out / "llamacpp")
         result["engine_decode_speedup"] = decode_speedup_beside(args)
         _finish(result, out)
     except HarpError as e:

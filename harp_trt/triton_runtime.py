@@ -104,7 +104,8 @@ def stub_venv(dest: Path) -> Path:
     return dest
 
 
-def _ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n free local TCP ports (bound once to port 0, then released)."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -173,7 +174,7 @@ def start(repo: Path | list[Path], root: Path, timeout: float = 120.0, wheel: Pa
     root = fetch_server(root, wheel)
     venv = stub_venv(root / "stubvenv")
     ts = root / "pytriton" / "tritonserver"
-    http, grpc, metrics = _ports(3)
+    http, grpc, metrics = free_ports(3)
     prefix = f"harp{os.getpid()}_{uuid.uuid4().hex[:6]}_"
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(root / "nvidia_pytriton.libs"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import wheelhouse
-from harp_trt.triton_runtime import PYTRITON, STUB_NUMPY, Server, _ports, available  # noqa: F401
+from harp_trt.triton_runtime import PYTRITON, STUB_NUMPY, Server, available, free_ports  # noqa: F401
 from harp_trt.triton_runtime import fetch_server as _fetch
 from harp_trt.triton_runtime import start as _start
 

@@ -6,17 +6,21 @@ What must hold: every AIPerf request completes; a KV budget of two dense sequenc
 and four HARP ones (L/(L-P) = 2) and the load never decodes more together than that; malformed
 requests mixed into the load get error responses while AIPerf's requests complete; a soak ends
 without a failure, with greedy answers equal to ``harp-trt generate``'s and RSS grown < 5 %; the
-server SIGKILLed mid-load leaves the repository and engines unchanged and serves again."""
+server SIGKILLed mid-load leaves the repository and engines unchanged and serves again. Beside it,
+llama.cpp's own OpenAI-compatible server (llama-cpp-python's, the plan's deci GGUFs) under the same
+AIPerf: every request completes, one at a time, where Triton streams several at once."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import _tritonserver
 import wheelhouse
-from conftest import save_tiny
+from conftest import make_tiny
 from harp_trt.bench import serve_load
+from harp_trt.onnx_io import copy_tokenizer
 from test_calibrate_cli import write_corpus
 
 ISL, OSL = 16, 128
@@ -24,17 +28,21 @@ DENSE_KV_PER_TOKEN = 4 * 2 * 2 * 16 * 4   # tiny llama: 4 layers x K,V x 2 KV he
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory, test_cache):
+def result(tmp_path_factory, test_cache, smollm2):
     if (why := _tritonserver.available()) is not None:
         pytest.fail(f"tritonserver cannot run here: {why}", pytrace=False)
     wheelhouse.require("aiperf==0.13.0")
     wheelhouse.require(_tritonserver.STUB_NUMPY)
     wheelhouse.require(_tritonserver.PYTRITON)
     root = tmp_path_factory.mktemp("serve-load")
-    model = save_tiny("llama", root / "tiny")
+    # SmolLM2's byte-level BPE tokenizer: llama.cpp's server tokenizes text with the GGUF's own copy of it
+    # (a tokenizer llama.cpp cannot read gives a GGUF of token ids only, which its server cannot serve)
+    model = root / "tiny"
+    make_tiny("llama", vocab_size=49152).save_pretrained(model, safe_serialization=True)
+    copy_tokenizer(Path(smollm2[0].folder), model, skip=("config.json", "generation_config.json"))
     corpus = write_corpus(root / "corpus.txt")
-    # AIPerf's prompts of ISL tokens take ISL to 2 ISL of the tiny character tokenizer's: this budget admits
-    # two dense sequences and four HARP ones at any length in between
+    # AIPerf's prompts of ISL tokens are ISL give or take a few once the server tokenizes them: this budget
+    # admits two dense sequences and four HARP ones at any length up to 2 ISL
     budget = 2 * (2 * ISL + OSL) * DENSE_KV_PER_TOKEN + 100
     out = root / "out"
     argv = ["--model", str(model), "--prune-layers", "2,3", "--quant", "none", "--corpus", str(corpus),
@@ -42,7 +50,7 @@ def result(tmp_path_factory, test_cache):
             # --request-rate 1000: the four concurrent requests start within a few ms, so they overlap on any
             # machine (at the default 20/s the fourth may start after the first has finished)
             "--requests", "8", "--request-rate", "1000", "--runs", "1", "--kv-budget", str(budget),
-            "--soak-s", "10", "--kill-after", "3",
+            "--soak-s", "10", "--kill-after", "3", "--llamacpp-concurrency", "3",
             "--workdir", str(root / "cache"), "--tools", str(test_cache), "--out", str(out)]
     import contextlib
     import io
@@ -68,6 +76,27 @@ def test_every_request_completes_through_aiperf(result):
     assert result["summary"]["saturation_tokens_per_s"]["harp_over_dense"]["runs"] == 1
 
 
+def test_triton_streams_several_responses_at_once(result):
+    """Continuous batching, seen from AIPerf's per-request records: at concurrency 4 responses overlap."""
+    for p in result["points"]:
+        flight = p["streams_in_flight"]
+        assert flight["requests"] == 8, p
+        assert flight["max"] >= 2 if p["concurrency"] == 4 else flight["max"] == 1, (p["model"], flight)
+
+
+def test_llamacpp_server_completes_every_request_one_at_a_time(result):
+    lc = result["llamacpp"]
+    assert {(p["model"], p["concurrency"]) for p in lc["points"]} == {(m, c) for m in ("dense", "harp") for c in (3,)}
+    for p in lc["points"]:
+        assert p["errors"] == 0 and p["requests"] == p["streams_in_flight"]["requests"] > 0, p
+        assert p["output_tokens_per_s"]["avg"] > 0 and "completions" in p["command"]
+        assert '"logit_bias"' in " ".join(p["command"])  # EOS banned: every request runs to its length
+        assert p["streams_in_flight"]["max"] == 1, p  # three clients, one stream at a time
+    assert lc["serialises"] is True
+    assert set(lc["gguf"]) == {"dense", "harp"} and all(v.endswith(".gguf") for v in lc["gguf"].values())
+    assert lc["summary"]["saturation_tokens_per_s"]["harp_over_dense"]["runs"] == 1
+
+
 def test_kv_budget_admits_l_over_l_minus_p_and_the_load_respects_it(result):
     a = result["admission"]
     assert a["dense"]["kv_bytes_per_token"] == DENSE_KV_PER_TOKEN
@@ -76,6 +105,8 @@ def test_kv_budget_admits_l_over_l_minus_p_and_the_load_respects_it(result):
     assert a["harp_over_dense"] == a["ceiling"] == 2.0
     # at concurrency 4 the dense model never decoded more than its budget admits; HARP reached its 4
     assert a["dense"]["largest_batch_seen"] == 2 and a["harp"]["largest_batch_seen"] == 4
+    for m in ("dense", "harp"):   # the in-place KV buffers stay inside the budget (BatchKV(max_bytes=))
+        assert 0 < a[m]["kv_buffer_bytes_seen"] <= a[m]["kv_budget_bytes"], a[m]
 
 
 def test_bad_requests_in_the_load_get_errors_and_the_load_completes(result):
@@ -100,7 +131,8 @@ def test_server_killed_mid_load_serves_again_from_the_same_repository(result):
 
 @pytest.mark.parametrize("extra, match", [(["--kv-budget", "lots"], "--kv-budget"),
                                           (["--concurrency", "1,4", "--requests", "2,4,8"], "--requests"),
-                                          (["--concurrency", "0"], "--concurrency")])
+                                          (["--concurrency", "0"], "--concurrency"),
+                                          (["--llamacpp-concurrency", "x"], "--llamacpp-concurrency")])
 def test_bad_arguments_exit_2_before_anything_runs(extra, match, capsys):
     assert serve_load.main(["--model", "smollm2-135m", "--prune-layers", "28,29", *extra]) == 2
     assert match in capsys.readouterr().err

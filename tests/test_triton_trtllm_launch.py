@@ -31,7 +31,7 @@ def test_a_real_tritonserver_takes_the_readme_server_flags(tp2, tmp_path):
     home = _tritonserver.fetch_server(TEST_CACHE)
     ts = home / "pytriton" / "tritonserver"
     (tmp_path / "models").mkdir()
-    http, grpc, metrics = _tritonserver._ports(3)
+    http, grpc, metrics = _tritonserver.free_ports(3)
     argv = [str(ts / "bin" / "tritonserver"), *[a.replace("=/models", f"={tmp_path / 'models'}") for a in command[5:]],
             f"--backend-directory={ts / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http}",
             "--grpc-address=127.0.0.1", f"--grpc-port={grpc}", f"--metrics-port={metrics}", "--allow-metrics=false",
