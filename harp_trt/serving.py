@@ -27,7 +27,6 @@ Sampling parameters follow the names of Triton's vLLM backend (``sampling_parame
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -39,57 +38,11 @@ from .errors import ConfigError
 from .memory import sequences_admitted
 from .decoding import BatchKV
 from .ort_session import OrtCausalLM, StaticCache, sample_next
+from .sampling import SAMPLING_KEYS, SamplingParams
 
 __all__ = ["SamplingParams", "GenerationRequest", "BatchedGenerator", "SAMPLING_KEYS"]
 
 log = logging.getLogger(__name__)
-
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0          # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_json(cls, text: str | None) -> "SamplingParams":
-        """Parse a ``sampling_parameters`` string; ConfigError names the bad or unknown key."""
-        if not text:
-            return cls()
-        try:
-            raw = json.loads(text)
-        except ValueError as e:
-            raise ConfigError(f"sampling_parameters is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("sampling_parameters must be a JSON object")
-        unknown = sorted(set(raw) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ConfigError(f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
-                              f"valid: {', '.join(SAMPLING_KEYS)}")
-        try:
-            p = cls(max_tokens=int(raw.get("max_tokens", 16)), temperature=float(raw.get("temperature", 0.0)),
-                    top_k=int(raw.get("top_k", 0)), top_p=float(raw.get("top_p", 1.0)),
-                    seed=None if raw.get("seed") is None else int(raw["seed"]),
-                    stop_token_ids=tuple(int(t) for t in raw.get("stop_token_ids", ())),
-                    ignore_eos=bool(raw.get("ignore_eos", False)))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"sampling_parameters: {e}") from None
-        if p.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {p.max_tokens}")
-        if p.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise ConfigError(f"top_p must lie in (0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0, got {p.top_k}")
-        return p
-
 
 # emit(new_token_ids, finished, finish_reason) ; cancelled() -> bool
 Emit = Callable[[list[int], bool, "str | None"], None]

@@ -24,8 +24,8 @@ NOT_CONFIG = {
     "deploy triton": {"--artifact", "--out", "--force"},
     "deploy genai": {"--artifact", "--out", "--force"},
     "deploy gguf": {"--plan", "--model", "--out", "--force"},
-    "generate": {"--artifact", "--prompt", "--max-new-tokens", "--sample", "--temperature", "--top-k", "--top-p",
-                 "--seed", "--chat", "--threads", "--no-stream"},     # a session's settings, no stage
+    # the sampling flags are SamplingParams' fields; these are the session's own settings
+    "generate": {"--artifact", "--prompt", "--sample", "--chat", "--threads", "--no-stream"},
 }
 _EVERY_COMMAND = {"-h", "--help", "--workdir", "--json", "-v", "--verbose"}
 
@@ -56,7 +56,8 @@ def test_every_flag_is_a_config_field_or_listed():
                 assert flags <= NOT_CONFIG[name], (name, sorted(flags - NOT_CONFIG[name]))
     assert seen == set(NOT_CONFIG)
     assert {"CalibrateConfig.layers", "OrtBuildConfig.quant_symmetric", "TritonRepoConfig.max_input_len",
-            "BenchConfig.seq_lens", "TrtllmCheckpointConfig.tp_size", "GenaiConfig.link", "GgufConfig.gguf_type"} <= fields
+            "BenchConfig.seq_lens", "TrtllmCheckpointConfig.tp_size", "GenaiConfig.link", "GgufConfig.gguf_type",
+            "SamplingParams.temperature"} <= fields
 
 
 def test_every_declared_option_is_offered():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ._common import add_placement_arguments
 from ._options import add_config_arguments
 from ._options import config_from_args as _config_from_args
 
@@ -22,9 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--harp-engine", default=None,
                    help="engines other than torch: folder (or artifact key) of the HARP engine")
     add_config_arguments(p, _bench_config_class())
-    p.add_argument("--dtype", default=None, help="torch engine: float32 | bfloat16 | float16 (default: bfloat16 "
-                                                 "on CUDA, float32 on CPU)")
-    p.add_argument("--device", default="auto", help="torch engine: auto | cpu | cuda | cuda:N (default auto)")
+    add_placement_arguments(p, resident_only=True)   # the torch engine's
     p.add_argument("--max-ppl-increase", type=float, default=None,
                    help="gate: fail (exit 1) if HARP's held-out perplexity exceeds dense by more than this "
                         "fraction (0.05 = 5 %%)")

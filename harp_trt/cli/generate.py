@@ -5,21 +5,26 @@ text, tokens, seconds, tokens_per_s (new tokens over wall time, prefill included
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+from ..sampling import SamplingParams
+from ._options import add_config_arguments, cli_fields, flag_of, values_from_args
+
 NAME = "generate"
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed")  # SamplingParams' fields a user sets
 HELP = "generate text with a built ORT engine (greedy or sampled), streaming it"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifact", required=True, help="engine folder (holds engine.json) or its cache key")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default %(default)s)")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding, at --temperature "
+                                                         "(1.0 when not given)")
+    # the sampling flags are SamplingParams' fields (harp_trt/sampling.py), as a served request's keys are
+    add_config_arguments(p, SamplingParams, SAMPLING_FLAGS, overrides={
+        "max_tokens": {"default": 64},
+        "temperature": {"default": None, "help": "sampling temperature with --sample (default 1.0)"}})
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default: engine.json's)")
     p.add_argument("--no-stream", action="store_true", help="print nothing while generating")
@@ -47,27 +52,31 @@ def _engine_dir(ref: str, workdir):
     return art.path
 
 
-def check_arguments(args) -> None:
-    """ConfigError for a value the sampler or ORT would reject later (or silently misuse: a
-    negative top-k keeps nothing), before the engine loads."""
-    import math
-
+def check_arguments(args) -> SamplingParams:
+    """The sampling parameters, or ConfigError for a value the sampler or ORT would reject later
+    (or silently misuse: a negative top-k keeps nothing), before the engine loads."""
     from ..errors import ConfigError
 
     if not args.prompt.strip():
         raise ConfigError("--prompt is empty", "pass the text to continue, e.g. --prompt 'The capital of France is'")
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not math.isfinite(args.temperature) or (args.sample and args.temperature <= 0):
-        raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must lie in (0, 1], got {args.top_p}")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k must be >= 0 (0 keeps every token), got {args.top_k}")
     if args.threads is not None and args.threads < 0:
         raise ConfigError(f"--threads must be >= 0 (0: ORT's default), got {args.threads}")
-    if args.seed is not None and args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    return sampling_from_args(args)
+
+
+def sampling_from_args(args) -> SamplingParams:
+    """The flags' SamplingParams, checked (ConfigError names the flag). Greedy unless ``--sample``,
+    whose temperature is 1.0 when not given; a temperature of 0 cannot sample."""
+    from ..errors import ConfigError
+
+    values = values_from_args(SamplingParams, args, SAMPLING_FLAGS)
+    if args.sample:
+        values.setdefault("temperature", 1.0)
+        if values["temperature"] == 0:
+            raise ConfigError("--temperature must be > 0 with --sample, got 0", "leave out --sample to decode greedily")
+    flags = {f.name: flag_of(f, o) for f, o in cli_fields(SamplingParams, SAMPLING_FLAGS)}
+    params = SamplingParams(**values).checked(flags.get)   # a --temperature without --sample is checked, unused
+    return params if args.sample else dataclasses.replace(params, temperature=0.0)
 
 
 def run(args) -> dict:
@@ -76,7 +85,7 @@ def run(args) -> dict:
     from ..errors import ConfigError, ModelError
     from ..ort_session import OrtCausalLM
 
-    check_arguments(args)
+    params = check_arguments(args)
     folder = _engine_dir(args.artifact, args.workdir)
     try:
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
@@ -110,9 +119,10 @@ def run(args) -> dict:
 
     import numpy as np
 
-    seq, fig = lm.timed_generate(np.array([ids], np.int64), max_new_tokens=args.max_new_tokens,
-                                 do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed, stop_token_ids=stops or None,
+    seq, fig = lm.timed_generate(np.array([ids], np.int64), max_new_tokens=params.max_tokens,
+                                 do_sample=params.sampling, temperature=params.temperature or 1.0,
+                                 top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                                 stop_token_ids=stops or None,
                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
                                  streamer=stream)
     if not args.no_stream:
