@@ -27,6 +27,14 @@ __all__ = ["MODULES", "available", "LlamaServer", "banned_special_tokens", "star
 
 # llama_cpp.server imports these (llama-cpp-python's [server] extra)
 MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+# llama-cpp-python 0.3.36 segfaults decoding a q4_0 or q8_0 model with llama.cpp's extra CPU buffer types
+# (weight repacking for AMX) on a CPU with AMX tiles, as harp_trt/llamacpp_runtime.py: LlamaModel records;
+# its Llama() has no switch for them (llama_cpp/llama.py: Llama.__init__ takes llama_model_default_params()),
+# so a quantized GGUF's server starts with those defaults patched to the plain CPU buffers
+PLAIN_CPU_BUFFERS = ("import runpy\nimport llama_cpp.llama_cpp as C\n_default = C.llama_model_default_params\n"
+                     "def _plain():\n    p = _default()\n    p.use_extra_bufts = False\n    return p\n"
+                     "C.llama_model_default_params = _plain\n"
+                     "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)\n")
 
 
 def available() -> str | None:
@@ -39,12 +47,14 @@ def available() -> str | None:
 class LlamaServer:
     """One ``llama_cpp.server`` process serving ``gguf`` as model ``name`` on a free local port."""
 
-    def __init__(self, gguf: Path, name: str, n_ctx: int, threads: int, log: Path, timeout: float = 300.0):
+    def __init__(self, gguf: Path, name: str, n_ctx: int, threads: int, log: Path, timeout: float = 300.0,
+                 plain_cpu_buffers: bool = False):
         from harp_trt.triton_runtime import free_ports
 
         self.name, self.port = name, free_ports(1)[0]
         self.log = log
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", name,
+        launch = ["-c", PLAIN_CPU_BUFFERS] if plain_cpu_buffers else ["-m", "llama_cpp.server"]
+        cmd = [sys.executable, *launch, "--model", str(gguf), "--model_alias", name,
                "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(n_ctx),
                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--flash_attn", "True",
                "--interrupt_requests", "False"]
@@ -89,12 +99,15 @@ def banned_special_tokens(tokenizer: Path) -> dict[str, float]:
     return {str(i): -1e9 for i in sorted(set(tok.all_special_ids))}
 
 
-def start_pair(ggufs: dict[str, Path], n_ctx: int, threads: int, out: Path) -> dict[str, LlamaServer]:
-    """A server per model (``dense``, ``harp``); both stay up, only the one AIPerf loads computes."""
+def start_pair(ggufs: dict[str, Path], n_ctx: int, threads: int, out: Path,
+               quantized: bool = False) -> dict[str, LlamaServer]:
+    """A server per model (``dense``, ``harp``); both stay up, only the one AIPerf loads computes.
+    ``quantized``: llama.cpp-quantized files, served on the plain CPU buffers (``PLAIN_CPU_BUFFERS``)."""
     servers: dict[str, LlamaServer] = {}
     try:
         for name, path in ggufs.items():
-            servers[name] = LlamaServer(path, name, n_ctx, threads, out / f"llamacpp-server-{name}.log")
+            servers[name] = LlamaServer(path, name, n_ctx, threads, out / f"llamacpp-server-{name}.log",
+                                        plain_cpu_buffers=quantized)
     except BaseException:
         for s in servers.values():
             s.stop()

@@ -305,7 +305,8 @@ def llamacpp_sweep(aiperf: Path, tokenizer: Path, args, out: Path) -> dict[str, 
 
     ggufs = gguf_files(args)
     out.mkdir(parents=True, exist_ok=True)
-    servers = lcs.start_pair(ggufs, args.isl + args.osl + 64, args.threads or os.cpu_count() or 1, out)
+    servers = lcs.start_pair(ggufs, args.isl + args.osl + 64, args.threads or os.cpu_count() or 1, out,
+                             quantized=args.gguf_type != "none")
     endpoint = openai_completions(lcs.extra_inputs(tokenizer))
     rows, per_run = [], []
     try:
