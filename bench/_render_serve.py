@@ -113,7 +113,7 @@ def serve_load(d: dict[str, Any]) -> str:
     slo = [x["slo"] for x in g if x]
     m = d["machine"]
     text = ("\n".join(_headline(d)) + "\n\n" + "\n".join(_per_level(d["points"])) + "\n\n" + "\n".join(_checks(d))
-            + "\n".join(_llamacpp(d)))
+            + ("\n" + "\n".join(_llamacpp(d)) if d.get("llamacpp") else ""))
     return (text + f"\n\n{a['model']} {a['quant']} engines (HARP prunes layers {a['prune_layers']}), "
             f"{a['isl']} tokens in / {a['osl']} out (ignore_eos), KV budget {a['kv_budget']} for each model, one "
             f"tritonserver ({d['provenance']['versions']['tritonserver']}) holding both, AIPerf "
