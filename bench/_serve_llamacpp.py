@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,7 @@ class LlamaServer:
 
     def __init__(self, gguf: Path, name: str, n_ctx: int, threads: int, log: Path, timeout: float = 300.0,
                  plain_cpu_buffers: bool = False):
-        from harp_trt.triton_runtime import free_ports
+        from harp_trt.triton_runtime import free_ports, http_ok, wait_ready
 
         self.name, self.port = name, free_ports(1)[0]
         self.log = log
@@ -60,25 +58,16 @@ class LlamaServer:
                "--interrupt_requests", "False"]
         self.command = cmd
         self._out = log.open("w")
-        t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT)
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
-                self.stop()
-                raise HarpError(f"llama_cpp.server for {gguf} did not come up: {log.read_text()[-1500:]}")
-            time.sleep(0.5)
-        self.startup_s = time.monotonic() - t0
+        startup = wait_ready(self.proc, lambda: http_ok(f"{self.http}/v1/models", timeout=2), timeout, poll=0.5)
+        if startup is None:
+            self.stop()
+            raise HarpError(f"llama_cpp.server for {gguf} did not come up: {log.read_text()[-1500:]}")
+        self.startup_s = startup
 
     @property
     def http(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http}/v1/models", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shutil
 import statistics
@@ -298,8 +299,6 @@ def llamacpp_sweep(aiperf: Path, tokenizer: Path, args, out: Path) -> dict[str, 
     """The same sweep against llama.cpp's own server (``bench/_serve_llamacpp.py``), one process per
     model, through AIPerf's OpenAI ``completions`` endpoint; ``serialises``: no run ever streamed two
     responses at once (``streams_in_flight``)."""
-    import os
-
     from harp_trt.bench import _serve_llamacpp as lcs
     from harp_trt.bench._serve_aiperf import openai_completions
 

@@ -116,6 +116,26 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """Whether a GET of ``url`` answers 200 (a server's readiness endpoint)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_ready(proc: subprocess.Popen, ready, timeout: float, poll: float = 0.1) -> float | None:
+    """Seconds until ``ready()`` held for the server process ``proc``; None when it exited first or
+    ``timeout`` seconds passed."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and proc.poll() is None:
+        if ready():
+            return time.monotonic() - t0
+        time.sleep(poll)
+    return None
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen
@@ -134,11 +154,7 @@ class Server:
         return f"127.0.0.1:{self.grpc_port}"
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.http + "/v2/health/ready", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self.http + "/v2/health/ready")
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
@@ -194,13 +210,10 @@ def start(repo: Path | list[Path], root: Path, timeout: float = 120.0, wheel: Pa
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     srv = Server(proc, http, grpc, log, prefix)
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            break
-        if srv.ready():
-            srv.startup_s = time.monotonic() - t0
-            return srv
-        time.sleep(0.1)
+    startup = wait_ready(proc, srv.ready, timeout)
+    if startup is not None:
+        srv.startup_s = startup
+        return srv
     srv.stop(5)
     raise RuntimeError(f"tritonserver not ready after {time.monotonic() - t0:.0f} s (exit {proc.returncode}):\n"
                        f"{srv.log_tail()}")

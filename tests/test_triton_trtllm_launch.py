@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-import urllib.request
 
 import pytest
 
 import _tritonserver
 from conftest import TEST_CACHE
+from harp_trt.triton_runtime import http_ok, wait_ready
 from test_triton_trtllm import _docker_runs, _parse_docker_run, tp2  # noqa: F401 (tp2: the fixture)
 
 
@@ -41,13 +40,7 @@ def test_a_real_tritonserver_takes_the_readme_server_flags(tp2, tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        ready, t0 = False, time.monotonic()
-        while not ready and proc.poll() is None and time.monotonic() - t0 < 60:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as r:
-                    ready = r.status == 200
-            except OSError:
-                time.sleep(0.2)
+        ready = wait_ready(proc, lambda: http_ok(f"http://127.0.0.1:{http}/v2/health/ready"), 60, poll=0.2) is not None
         text = log.read_text(errors="replace")
         assert ready, text[-3000:]
     finally:
