@@ -1,8 +1,8 @@
 """What the GPU-host scripts (``gpu_check.py``, ``gpu_prefill.py``, ``trtllm_check.py``) share: a run
 that cannot happen on this machine raises :class:`Refused`, and :func:`run_main` turns it into exit 2
 with ``{"status": "refused", "reason": ...}`` as the last stdout line (the reason also on stderr), or
-prints the result as one JSON object with its ``status``. The model shapes (``SHAPES``) and the 95 %
-confidence interval (``ci95``) live here too, for the scripts and ``_gpu_engines.py`` alike."""
+prints the result as one JSON object with its ``status``. The 95 % confidence interval (``ci95``)
+lives here too, for the scripts and ``_gpu_engines.py`` alike (the model shapes: ``bench/shapes.py``)."""
 from __future__ import annotations
 
 import json
@@ -11,25 +11,7 @@ import statistics
 import sys
 from typing import Any, Callable
 
-__all__ = ["Refused", "run_main", "device_or_refuse", "SHAPES", "ci95", "prefill_row"]
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                        tie_word_embeddings=False,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
-                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-    # --dry-run: same code path at toy size (CPU-friendly)
-    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                 max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
-}
-
+__all__ = ["Refused", "run_main", "device_or_refuse", "ci95", "prefill_row"]
 
 def ci95(xs: list[float]) -> tuple[float, float, float]:
     """(mean, half-width of the 95 % confidence interval, median)."""

@@ -26,7 +26,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from harp_trt.bench._gpu_common import SHAPES, Refused, prefill_row
+from harp_trt.bench._gpu_common import Refused, prefill_row
+from harp_trt.bench.shapes import DRY_RUN, SHAPES, head_dim
 
 __all__ = ["ENGINES", "GPU_RUNTIMES", "WEIGHTS", "probe", "engine_info", "add_engine_options", "shape_params", "disk_needed", "build_engines",
            "time_engine_prefill",
@@ -82,7 +83,7 @@ _RUNTIMES = {"genai": (_genai_info, _genai_engines), "llamacpp": (_llamacpp_info
 GPU_RUNTIMES = tuple(_RUNTIMES)
 
 
-def probe(engine: str, script: str, dry_run: bool, shape: str = "tiny", workdir: str = "") -> dict[str, Any]:
+def probe(engine: str, script: str, dry_run: bool, shape: str = DRY_RUN, workdir: str = "") -> dict[str, Any]:
     """The runtime's version and GPU support; :class:`Refused` where it does not import, where it
     has no GPU support and this is not a ``--dry-run``, or where ``workdir`` (default: the temporary
     folder) has less free disk than ``shape``'s artifacts need."""
@@ -123,7 +124,7 @@ def shape_params(shape: str) -> int:
     """Parameters of a ``SHAPES`` entry (untied embeddings; attention biases, where a family has
     them, left out: 0.002 % of Qwen2-7B, nothing for a disk estimate)."""
     c = SHAPES[shape]
-    h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    h, hd, inter = c["hidden_size"], head_dim(c), c["intermediate_size"]
     attn = 2 * h * c["num_attention_heads"] * hd + 2 * h * c["num_key_value_heads"] * hd
     return 2 * c["vocab_size"] * h + c["num_hidden_layers"] * (attn + 3 * h * inter + 2 * h) + h
 

@@ -38,13 +38,14 @@ if str(ROOT) not in sys.path:
 
 from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
+from harp_trt.bench.shapes import DRY_RUN, GPU_MODELS  # noqa: E402
 
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama3.1-8b", choices=["llama3.1-8b", "qwen2-7b"])
+    ap.add_argument("--model", default="llama3.1-8b", choices=GPU_MODELS)
     ap.add_argument("--layers", type=int, default=8, help="P for the full search and prefill (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=32768, help="calibration tokens (default %(default)s)")
     ap.add_argument("--seq-len", type=int, default=4096, help="window length (default %(default)s)")
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError:
         ap.error(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}")
     if args.dry_run:
-        args.shape, args.layers, args.tokens, args.seq_len, args.seq_lens = "tiny", 2, 64, 16, (16, 32)
+        args.shape, args.layers, args.tokens, args.seq_len, args.seq_lens = DRY_RUN, 2, 64, 16, (16, 32)
     else:
         args.shape = args.model
     if args.tokens < args.seq_len:

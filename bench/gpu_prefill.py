@@ -33,14 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from harp_trt.bench._gpu_common import SHAPES, ci95, device_or_refuse, prefill_row, run_main  # noqa: E402  (after the path above)
+from harp_trt.bench._gpu_common import ci95, device_or_refuse, prefill_row, run_main  # noqa: E402  (after the path above)
 from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
+from harp_trt.bench.shapes import DRY_RUN, GPU_MODELS, SHAPES  # noqa: E402
 
 DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DRY_SEQ_LENS = (16, 32, 64)
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama3.1-8b", choices=[k for k in SHAPES if k != "tiny"])
+    ap.add_argument("--model", default="llama3.1-8b", choices=GPU_MODELS)
     ap.add_argument("--layers", type=int, default=8, help="top layers pruned by HARP (default %(default)s)")
     ap.add_argument("--seq-lens", default=None, help=f"comma-separated (default {','.join(map(str, DEFAULT_SEQ_LENS))})")
     ap.add_argument("--repeats", type=int, default=10)
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--seq-lens must be comma-separated integers, got {args.seq_lens!r}")
     args.seq_lens = lens or (DRY_SEQ_LENS if args.dry_run else DEFAULT_SEQ_LENS)
     if args.dry_run:
-        args.shape = "tiny"
+        args.shape = DRY_RUN
         args.layers = min(args.layers, 2)
         args.decode_context = min(args.decode_context, 32)
         args.max_batch = min(args.max_batch, 8)

@@ -27,44 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-# Hugging Face config fields of each shape (the published configs' shapes; weights are random)
-SHAPES: dict[str, dict] = {
-    "tiny": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
-                 max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6),
-    "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
-                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    # the long-context shapes of bench/long_context.py --shape (issue 21): small enough for a 24 GB
-    # CPU machine, positions past 8192
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
-                        tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
-                        rms_norm_eps=1e-5,
-                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
-                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    # Qwen2-7B's dimensions in the llama family (no q/k/v bias: 0.01 % of the weights): llama.cpp's
-    # deci graph has no attention bias, so a Qwen2 plan has no deci GGUF (harp_trt/families/qwen2.py);
-    # the long-context bench times llama.cpp at 7B on this one, ORT on both (issue 31)
-    "qwen2-7b-llama": dict(model_type="llama", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                           num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                           tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0,
-                           rms_norm_eps=1e-6),
-    "tiny-llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
-                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6),
-    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
-                        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-}
+from harp_trt.bench.shapes import SHAPES  # one table for every script
+
 SHARD_BYTES = 2 << 30
 
 
@@ -137,11 +101,11 @@ def write_random_model(shape: str, folder: Path, tokenizer_from: Path | None, se
 def _measured(cmd: list[str], env: dict) -> dict:
     """Run one command under a tiny wrapper process that reports the command's own peak RSS
     (``RUSAGE_CHILDREN`` of the wrapper: the command alone), its seconds and exit code."""
-    wrapper = ("import json,os,resource,subprocess,sys,time;t=time.perf_counter();"
+    wrapper = ("import json,subprocess,sys,time;from harp_trt.memory import children_peak_rss_bytes;"
+               "t=time.perf_counter();"
                "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
-               "r=resource.getrusage(resource.RUSAGE_CHILDREN);"
                "sys.stderr.write(p.stderr);print(p.stdout);"
-               "print(json.dumps({'__probe__':1,'peak_rss':r.ru_maxrss*1024,'code':p.returncode,"
+               "print(json.dumps({'__probe__':1,'peak_rss':children_peak_rss_bytes(),'code':p.returncode,"
                "'seconds':time.perf_counter()-t}))")
     p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, env=env)
     lines = p.stdout.strip().splitlines()

@@ -108,4 +108,4 @@ def test_engine_refusals(engine, module, tmp_path):
     if disk_needed(engine, "llama3.1-8b") > shutil.disk_usage(tmp_path).free:
         with pytest.raises(Refused, match="GiB free: pass --workdir on a larger disk"):
             probe(engine, "gpu_prefill.py", True, "llama3.1-8b", str(tmp_path / "work"))
-    assert probe(engine, "gpu_prefill.py", True, "tiny", str(tmp_path / "work"))["gpu"] is False
+    assert probe(engine, "gpu_prefill.py", True, "tiny-gpu", str(tmp_path / "work"))["gpu"] is False
