@@ -15,7 +15,7 @@ import logging
 import re
 from typing import Callable
 
-__all__ = ["tune_allocator", "peak_rss_bytes", "proc_kib_fields", "proc_kib", "parse_bytes", "host_available",
+__all__ = ["tune_allocator", "peak_rss_bytes", "children_peak_rss_bytes", "proc_kib_fields", "proc_kib", "parse_bytes", "host_available",
            "memory_share", "kv_budget_bytes", "sequences_admitted"]
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,23 @@ def peak_rss_bytes() -> int:
     keeps across fork and exec, so a benchmark run as a child of a larger process would report that
     process's peak. Elsewhere ``getrusage``'s (read as KiB)."""
     hwm = proc_kib("/proc/self/status", "VmHWM")
-    if hwm is not None:
-        return hwm
+    return hwm if hwm is not None else _ru_maxrss_bytes("RUSAGE_SELF")
+
+
+def children_peak_rss_bytes() -> int:
+    """The largest peak resident set of this process's waited-for children (``getrusage``'s
+    ``RUSAGE_CHILDREN``), 0 where it is unknown. To measure one command alone, run it from a small
+    process that reads this (``bench/scale_probe.py``): Linux carries ``ru_maxrss`` across fork and
+    exec, so a command forked from a large process would report at least that process's size."""
+    return _ru_maxrss_bytes("RUSAGE_CHILDREN")
+
+
+def _ru_maxrss_bytes(who: str) -> int:
+    """``getrusage(who).ru_maxrss`` in bytes (Linux counts it in KiB), the one reading of it."""
     try:
         import resource
 
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return int(resource.getrusage(getattr(resource, who)).ru_maxrss) * 1024
     except (ImportError, OSError):
         return 0
 

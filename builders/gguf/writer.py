@@ -39,6 +39,7 @@ from harp_trt.dims import ModelDims
 from harp_trt.errors import UnsupportedArchitectureError
 from harp_trt.families import FamilySpec, family_of
 from harp_trt.fold import RoleReader, fold_vo
+from harp_trt.kvcache import kv_cache_bytes
 from harp_trt.weights import WeightReader, hf_config
 
 __all__ = ["DeciLayer", "deci_layers", "check_supported", "rope_factors", "ROPE_FREQ_TYPES", "permute_qk", "write_deci_gguf", "kv_bytes_per_token",
@@ -80,8 +81,9 @@ def deci_layers(alphas: Mapping[int, float], dims: ModelDims) -> list[DeciLayer]
 
 def kv_bytes_per_token(layers: list[DeciLayer], head_dim: int, element_bytes: int) -> int:
     """K + V bytes one token costs with flash attention on (no V padding), by the rule of the
-    ``llama_kv_cache`` constructor: ``head size x KV heads`` per layer for K and for V."""
-    return sum(2 * head_dim * l.kv_heads * element_bytes for l in layers)
+    ``llama_kv_cache`` constructor: ``head size x KV heads`` per layer for K and for V
+    (``harp_trt.kvcache.kv_cache_bytes`` of each layer's own KV heads)."""
+    return sum(kv_cache_bytes(l.kv_heads, head_dim, element_bytes) for l in layers)
 
 
 def _rope_theta(config) -> tuple[float, str]:
