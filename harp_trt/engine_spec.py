@@ -3,16 +3,18 @@
 An engine folder (written by ``harp_trt.builders.ort``, read by ``generate``, the bench, the genai and
 Triton deployments and the served Triton model) holds the graph, its tokenizer and ``engine.json``,
 whose ``"format"`` is ``ENGINE_FORMAT``; ``builders/ort/builder.py``'s docstring lists its fields.
-This module owns the file name, the format string and how the file is read and written, as
-``harp_trt.onnx_io`` owns the ONNX I/O names (``tests/test_house.py`` checks no other module spells
-them). Light: json and pathlib only, so the Triton model and the CLI import it freely."""
+This module owns the file name, the format string, how the file is read and written and how an
+engine's thread count is read, as ``harp_trt.onnx_io`` owns the ONNX I/O names
+(``tests/test_house_owners.py`` checks no other module spells them). Light: json and pathlib only,
+so the Triton model and the CLI import it freely."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["ENGINE_JSON", "ENGINE_FORMAT", "is_engine", "engine_json", "read_engine_spec", "write_engine_spec"]
+__all__ = ["ENGINE_JSON", "ENGINE_FORMAT", "is_engine", "engine_json", "read_engine_spec", "write_engine_spec",
+           "engine_threads"]
 
 ENGINE_JSON = "engine.json"
 ENGINE_FORMAT = "harp-engine/1"
@@ -47,3 +49,18 @@ def write_engine_spec(folder: str | Path, spec: dict[str, Any]) -> Path:
     f = engine_json(folder)
     f.write_text(json.dumps({**spec, "format": ENGINE_FORMAT}, indent=2))
     return f
+
+
+def engine_threads(spec: Mapping[str, Any] | None, threads: int | str | None = None) -> int | None:
+    """The intra-op thread count an engine runs with, the one reading of every ``threads`` setting:
+    ``threads`` when it is a positive count (the caller's choice: a flag, a Triton parameter), else
+    the ``intra_op_threads`` the engine was built with, else None, the runtime's own default (ONNX
+    Runtime: one per physical core). 0, "" and None all mean "not set". ``ValueError`` for a
+    negative count or a non-integer."""
+    for value in (threads, (spec or {}).get("intra_op_threads")):
+        n = int(value or 0)
+        if n < 0:
+            raise ValueError(f"a thread count must be >= 0 (0: not set), got {value!r}")
+        if n:
+            return n
+    return None

@@ -27,6 +27,7 @@ from .errors import ConfigError, GraphError
 from .extras import require
 from .kvcache import kv_cache_bytes
 from .decoding import Past, StaticCache, sample_next
+from .engine_spec import engine_threads
 from .onnx_io import EXPORT_META_KEY, LOGITS_TO_KEEP, kv_layers_of_names, past_name, present_name
 
 __all__ = ["OrtCausalLM", "StaticCache", "default_providers", "sample_next"]
@@ -130,10 +131,11 @@ class OrtCausalLM:
     @classmethod
     def from_engine(cls, folder: str | Path, providers: Sequence[str] | None = None,
                     intra_op_threads: int | None = None, profile_prefix: str | None = None) -> "OrtCausalLM":
-        """Open an engine folder built by ``harp_trt.builders.ort``, with its recorded thread count."""
+        """Open an engine folder built by ``harp_trt.builders.ort``; ``intra_op_threads`` as
+        ``harp_trt.engine_spec.engine_threads`` reads it (0 or None: the engine's recorded count)."""
         folder = Path(folder)
         spec = _read_engine_json(folder)
-        threads = intra_op_threads if intra_op_threads is not None else (spec.get("intra_op_threads") or None)
+        threads = engine_threads(spec, intra_op_threads)
         return cls(folder / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads,
                    profile_prefix=profile_prefix)
 

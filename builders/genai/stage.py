@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.engine_spec import ENGINE_JSON, engine_json, is_engine, read_engine_spec
+from harp_trt.engine_spec import ENGINE_JSON, engine_json, engine_threads, is_engine, read_engine_spec
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError, VerificationError
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, MODEL_FILE, TOKENIZER_FILES, kv_layers_of_names,
                               present_name, read_export_meta)
@@ -187,8 +187,8 @@ def genai_config_for(info: EngineInfo, config: GenaiConfig) -> dict[str, Any]:
               "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     outputs = {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
-    if info.spec.get("intra_op_threads"):
-        session["intra_op_num_threads"] = int(info.spec["intra_op_threads"])
+    if engine_threads(info.spec):
+        session["intra_op_num_threads"] = engine_threads(info.spec)
     return {
         "model": {
             **_token_ids(info.path), "context_length": int(context), "type": "llama",

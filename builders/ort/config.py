@@ -43,7 +43,8 @@ class QuantSpec:
 class OrtBuildConfig(StageConfig):
     """``attention``: ``gqa`` converts opset-23 Attention to com.microsoft GroupQueryAttention
     (fastest on CPU), ``onnx`` keeps it. ``optimization_level``: ORT graph optimizations baked into
-    the saved model. ``intra_op_threads``: recorded for ``generate`` (0 = ORT's default).
+    the saved model. ``intra_op_threads``: recorded in engine.json for every session of the engine (0 = ORT's
+    default; ``harp_trt.engine_spec.engine_threads``).
     ``providers``: () = CUDA when onnxruntime-gpu is installed, else CPU. ``fuse_matmuls``: MatMuls
     of one activation (q/k/v, gate/up) become one MatMul and a Split (``fuse_matmuls.py``, exact:
     onnxruntime-genai's fused QKV). ``logits_to_keep``: a ``logits_to_keep`` input (default 0 = every

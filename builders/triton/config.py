@@ -23,7 +23,7 @@ class TritonRepoConfig(StageConfig):
     Python-backend model generating inside the server with the vLLM backend's I/O; ``onnx``: the
     graph on Triton's onnxruntime backend, the client keeps the KV cache), ``device`` (``cpu`` ->
     KIND_CPU, ``gpu`` -> KIND_GPU instances), ``instances``, ``threads`` (ORT intra-op threads; 0 =
-    ORT's default), ``link`` (hard-link model files instead of copying where the filesystem
+    the engine's recorded count, else ORT's default: ``harp_trt.engine_spec.engine_threads``), ``link`` (hard-link model files instead of copying where the filesystem
     allows), ``max_active`` / ``kv_budget`` / ``max_input_len`` / ``max_seq_len`` (python serving: most
     sequences batched together, the KV memory that admits them, prompt and total token limits; 0 =
     the model's), and
@@ -43,7 +43,7 @@ class TritonRepoConfig(StageConfig):
     device: str = option("cpu", group=ORT, choices=("cpu", "gpu"),
                          help="instance kind: cpu -> KIND_CPU, gpu -> KIND_GPU (default %(default)s)")
     instances: int = option(1, group=ORT, help="model instances (default %(default)s)")
-    threads: int = option(0, group=ORT, help="ONNX Runtime intra-op threads, 0 = its default (default %(default)s)")
+    threads: int = option(0, group=ORT, help="ONNX Runtime intra-op threads, 0 = the engine's, else ORT's default (default %(default)s)")
     link: bool = option(True, group=ORT, flag="--copy", negate=True,
                         help="copy model files instead of hard-linking them")
     max_batch_size: int = option(0, group=LLM, help="Triton max batch size, 0 = the engine's (default %(default)s)")

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from harp_trt.engine_spec import write_engine_spec
+from harp_trt.engine_spec import engine_threads, write_engine_spec
 from harp_trt.errors import ConfigError
 from harp_trt.onnx_io import parse_kv_name, tokenizer_files
 
@@ -104,7 +104,7 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
     params = {"engine_dir": "engine", "max_active": str(max_active), "kv_budget": config.kv_budget,
               "max_seq_len": str(max_seq),
               "max_input_len": str(min(config.max_input_len or max_seq, max_seq)),
-              "intra_op_threads": str(config.threads or (engine or {}).get("intra_op_threads") or 0),
+              "intra_op_threads": str(engine_threads(engine, config.threads) or 0),
               "providers": "CUDAExecutionProvider,CPUExecutionProvider" if config.device == "gpu" else "CPUExecutionProvider",
               # as `harp-trt generate` tokenizes: no BOS/special tokens added to the prompt
               "add_special_tokens": "false", "eos_token_ids": ",".join(map(str, _eos_ids(source)))}

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
+from harp_trt.engine_spec import engine_threads
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError
 from harp_trt.onnx_io import copy_tokenizer, tokenizer_files
 from harp_trt.mapping import ParallelMapping
@@ -118,7 +119,7 @@ class TritonRepoStage(Stage[TritonRepoConfig]):
         header = header + ["max_batch_size 0: every tensor lists its batch dimension; the client keeps the "
                            "KV cache (past_key_values.* in, present.* out)."]
         engine = info.engine or {}
-        threads = config.threads or int(engine.get("intra_op_threads") or 0)
+        threads = engine_threads(engine, config.threads) or 0
         providers = [str(x) for x in engine.get("providers") or []]
         if config.device == "gpu" and providers and not any("CUDA" in x or "Tensorrt" in x for x in providers):
             log.warning("ORT engine %s was optimized for %s; ONNX Runtime's saved optimized graphs can hold "

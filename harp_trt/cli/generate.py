@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "max_tokens": {"default": 64},
         "temperature": {"default": None, "help": "sampling temperature with --sample (default 1.0)"}})
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (default: engine.json's)")
+    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (0 or unset: engine.json's, else ORT's default)")
     p.add_argument("--no-stream", action="store_true", help="print nothing while generating")
 
 
@@ -60,7 +60,7 @@ def check_arguments(args) -> SamplingParams:
     if not args.prompt.strip():
         raise ConfigError("--prompt is empty", "pass the text to continue, e.g. --prompt 'The capital of France is'")
     if args.threads is not None and args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0 (0: ORT's default), got {args.threads}")
+        raise ConfigError(f"--threads must be >= 0 (0: engine.json's), got {args.threads}")
     return sampling_from_args(args)
 
 

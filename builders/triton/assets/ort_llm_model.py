@@ -61,7 +61,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        from harp_trt.engine_spec import is_engine, read_engine_spec
+        from harp_trt.engine_spec import engine_threads, is_engine, read_engine_spec
         from harp_trt.ort_session import OrtCausalLM
         from harp_trt.serving import BatchedGenerator
 
@@ -70,7 +70,7 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
         engine = Path(args["model_repository"]) / args["model_version"] / params.get("engine_dir", "engine")
         spec = read_engine_spec(engine) if is_engine(engine) else {}
-        threads = int(params.get("intra_op_threads") or 0) or spec.get("intra_op_threads") or None
+        threads = engine_threads(spec, params.get("intra_op_threads"))
         providers = [p for p in params.get("providers", "").split(",") if p] or None
         self.lm = OrtCausalLM(engine / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine), trust_remote_code=False)
