@@ -388,30 +388,3 @@ def test_the_size_scan_counts_lines(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    pass\n")
     assert _oversized(probe) == ["probe.py:1 f: 81 lines"]
-
-
-# ---- one owner per contract ----------------------------------------------------------------------
-OWNED_LITERALS = {"engine.json": "harp_trt/engine_spec.py", "harp-engine/1": "harp_trt/engine_spec.py"}
-
-
-def _owned_literal_uses(root: Path) -> list[str]:
-    """``file:line literal`` for every string constant equal to an ``OWNED_LITERALS`` key outside its
-    owner (docstrings that mention one in longer text do not count)."""
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith((".venv/", "tests/")) or "/." in "/" + rel:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Constant) and node.value in OWNED_LITERALS and OWNED_LITERALS[node.value] != rel:
-                found.append(f"{rel}:{node.lineno} {node.value!r}")
-    return found
-
-
-def test_the_engine_contract_has_one_owner(tmp_path):
-    """``engine.json`` and its format string are spelled in harp_trt/engine_spec.py alone; everything
-    else reads and writes engines through it (issue 33: the literal was in 8+ files, the format copied)."""
-    assert _owned_literal_uses(ROOT) == []
-    (tmp_path / "harp_trt").mkdir()
-    (tmp_path / "harp_trt" / "x.py").write_text('SPEC = "engine.json"\n"""A docstring naming engine.json."""\n')
-    assert _owned_literal_uses(tmp_path) == ["harp_trt/x.py:1 'engine.json'"]  # the scan sees a use
