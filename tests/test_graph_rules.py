@@ -15,7 +15,7 @@ from harp_trt.builders.ort.gqa import FuseGroupQueryAttention
 from harp_trt.builders.ort.passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, LogitsToKeepPass,
                                          QuantizeEmbeddingPass, QuantizeWeightsPass, graph_passes, run_passes)
 from harp_trt.errors import ConfigError, GraphError
-from harp_trt.graph_rules import GraphRule, MatchResult
+from harp_trt.graph_rules import GraphRule, MatchResult, RulePass
 from harp_trt.rewrite.graph import remove_dead
 from harp_trt.rewrite.rules import DEFAULT_RULES
 
@@ -102,8 +102,56 @@ def test_run_passes_keeps_harp_errors_typed():
     x = _value("x", (2,))
     relu = ir.node("Relu", [x], name="r")
     model = _model([relu], [x], [relu.outputs[0]])
-    assert run_passes([], model) is model
+    assert run_passes([], model) == (model, {})
     with pytest.raises(ConfigError, match="^bad block$"):
         run_passes([RemoveUnusedNodesPass(), _Raise(ConfigError("bad block"))], model)
     with pytest.raises(ir_passes.PassError):
         run_passes([_Raise(ValueError("a bug"))], model)
+
+
+class _ReluToSigmoid(GraphRule):
+    """A toy rule: a Relu named ``ok*`` becomes a Sigmoid; others are left with a reason."""
+
+    name, description, key = "ReluToSigmoid", "Relu nodes", "toy"
+
+    def pattern(self, graph):
+        return [n for n in graph if n.op_type == "Relu"]
+
+    def check(self, graph, node):
+        return MatchResult(node) if node.name.startswith("ok") else MatchResult.fail("not ok")
+
+    def rewrite(self, graph, node):
+        new = ir.node("Sigmoid", [node.inputs[0]], name=node.name + "/sigmoid")
+        graph.insert_before(node, [new])
+        node.outputs[0].replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        return new
+
+
+def _relus(*names):
+    x = _value("x", (2,))
+    nodes = [ir.node("Relu", [x], name=n) for n in names]
+    for n in nodes:
+        n.outputs[0].name = n.name + "_y"
+    return _model(nodes, [x], [n.outputs[0] for n in nodes])
+
+
+def test_the_driver_checks_every_candidate_and_reports_in_the_result():
+    """RulePass: pattern -> check -> rewrite for each candidate; the PassResult carries the rule's
+    report (matched, and each candidate left alone with its reason); run_passes hands back every
+    report by key, in order, with the model the passes left."""
+    model = _relus("ok1", "bad", "ok2")
+    out, reports = run_passes([RulePass(_ReluToSigmoid()), RemoveUnusedNodesPass()], model)
+    assert [(n.name, n.op_type) for n in out.graph] == [("ok1/sigmoid", "Sigmoid"), ("bad", "Relu"), ("ok2/sigmoid", "Sigmoid")]
+    assert list(reports) == ["toy"] and reports["toy"]["rule"] == "ReluToSigmoid"
+    assert reports["toy"]["skipped"] == {"bad": "not ok"}
+    assert [n.name for n in reports["toy"]["matched"]] == ["ok1", "ok2"]  # describe: the match by default
+    first = type("First", (_ReluToSigmoid,), {"first_only": True})()
+    result = RulePass(first)(_relus("ok1", "ok2"))
+    assert result.modified and len(result.report["matched"]) == 1 and result.key == "toy"
+    strict = type("Strict", (_ReluToSigmoid,), {"must_match": True, "fail_hint": "teach it"})()
+    with pytest.raises(GraphError, match="ReluToSigmoid found no match at bad: not ok") as e:
+        run_passes([RulePass(strict, "build")], _relus("ok1", "bad"))
+    assert e.value.hint == "teach it"
+    unmatched = RulePass(_ReluToSigmoid())(_relus("bad"))
+    assert not unmatched.modified and unmatched.report["skipped"] == {"bad": "not ok"}

@@ -53,9 +53,7 @@ class OrtBuilder:
 
         from harp_trt.ort_session import default_providers
 
-        from .gqa import GqaReport
-        from .passes import (FuseGroupQueryAttentionPass, FuseSiblingMatMulsPass, LogitsToKeepPass,
-                             QuantizeEmbeddingPass, QuantizeWeightsPass, graph_passes)
+        from .passes import engine_fields, graph_passes
 
         config = config or OrtBuildConfig()
         src = Path(onnx_path)
@@ -69,16 +67,11 @@ class OrtBuilder:
                              "--quant quantizes only graphs this tool wrote",
                              "run `harp-trt build` or `harp-trt rewrite` to produce the graph")
         passes = graph_passes(config, meta, STAGE)
-        staged, external = self._transform(src, out, passes)
+        staged, external, reports = self._transform(src, out, passes)
         if source_read is not None and meta.get("storage") == "compact":
             source_read()
-        report = next((p.report for p in passes if isinstance(p, FuseGroupQueryAttentionPass)), GqaReport())
-        quant = next((p.report for p in passes if isinstance(p, QuantizeWeightsPass)), None)
-        emb = next((p.report for p in passes if isinstance(p, QuantizeEmbeddingPass)), None)
-        if quant is not None and emb is not None:
-            quant = {**quant, "embedding": emb}
-        fused = next((p.report.to_dict() for p in passes if isinstance(p, FuseSiblingMatMulsPass)), None)
-        keep = next((p.report for p in passes if isinstance(p, LogitsToKeepPass)), None)
+        fields = engine_fields(reports)
+        quant = fields["quant"]
         providers = list(config.providers) or default_providers()
         try:
             self._optimize(src, staged, out / MODEL_FILE, config, providers, external)
@@ -109,21 +102,22 @@ class OrtBuilder:
             "format": ENGINE_FORMAT, "backend": self.backend, "model": MODEL_FILE,
             "external_data": (out / (MODEL_FILE + EXTERNAL_DATA_SUFFIX)).exists(), "providers": providers,
             "intra_op_threads": config.intra_op_threads, "graph_optimization_level": config.optimization_level,
-            "attention": report.to_dict(), "kv": self._kv_layout(out / MODEL_FILE, meta),
-            "verify": check, "quant": quant, "fused_matmuls": fused, "logits_to_keep": keep,
+            "attention": fields["attention"], "kv": self._kv_layout(out / MODEL_FILE, meta),
+            "verify": check, "quant": quant, "fused_matmuls": fields["fused_matmuls"],
+            "logits_to_keep": fields["logits_to_keep"],
             "source": {"onnx": str(src), "export_meta": meta.get("format")},
             "tokenizer_files": copied, "versions": {"onnxruntime": ort.__version__},
         }
         write_engine_spec(out, spec)
         log.info("engine %s: attention on GQA for %d layers, KV %d B/token (dense %d)", out,
-                 len(report.matched), spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"])
+                 len(fields["attention"]["converted_layers"]), spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"])
         return spec
 
     @staticmethod
-    def _transform(src: Path, out: Path, passes: list) -> tuple[Path, bool]:
+    def _transform(src: Path, out: Path, passes: list) -> tuple[Path, bool, dict]:
         """Load ``src`` with its weights, run ``passes`` (``passes.py``: the one place that orders
         them) and save the result beside the engine as ``.staged.onnx``. Returns (path, whether
-        its weights went to external data)."""
+        its weights went to external data, the passes' reports by key)."""
         import onnx_ir as ir
 
         from .passes import run_passes
@@ -136,7 +130,7 @@ class OrtBuilder:
             raise GraphError(STAGE, f"cannot load {src} with its weights: {type(e).__name__}: {e}"[:400],
                              "check model.onnx.data sits next to model.onnx") from None
         expand(model)  # a compact graph's weights as (lazy) fp32 initializers: the engine is plain
-        model = run_passes(passes, model)
+        model, reports = run_passes(passes, model)
         weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                            if v.const_value is not None)
         # above 1 GiB (not only past protobuf's 2 GB) the weights go to external data: saved inline,
@@ -144,7 +138,7 @@ class OrtBuilder:
         external = weight_bytes > min(EXTERNAL_DATA_THRESHOLD, 1 << 30)
         staged = out / ".staged.onnx"
         ir.save(model, staged, external_data=(staged.name + EXTERNAL_DATA_SUFFIX) if external else None)
-        return staged, external
+        return staged, external, reports
 
     @staticmethod
     def _optimize(src: Path, staged: Path, target: Path, config: OrtBuildConfig, providers: list[str],

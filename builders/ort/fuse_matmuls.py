@@ -15,15 +15,15 @@ column the blocks and scales the separate weights would have had. It runs on the
 One rule of the house protocol (``harp_trt/graph_rules.py``), run by ``FuseSiblingMatMulsPass``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from harp_trt.graph_rules import GraphRule, MatchResult
+from harp_trt.graph_rules import GraphRule, MatchResult, RuleReport
 
-__all__ = ["FuseSiblingMatMuls", "SiblingMatMuls", "FuseReport"]
+__all__ = ["FuseSiblingMatMuls", "SiblingMatMuls"]
 
 
 @dataclass
@@ -31,16 +31,6 @@ class SiblingMatMuls:
     x: ir.Value                       # the activation every MatMul reads
     nodes: list[ir.Node]              # in graph order
     widths: list[int]                 # each weight's N
-
-
-@dataclass
-class FuseReport:
-    fused: list[dict[str, Any]] = field(default_factory=list)     # {"input", "matmuls", "widths"}
-    skipped: dict[str, str] = field(default_factory=dict)         # input name -> reason
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rule": FuseSiblingMatMuls.name, "groups": len(self.fused),
-                "matmuls": sum(len(g["matmuls"]) for g in self.fused), "fused": self.fused, "skipped": self.skipped}
 
 
 def _weight(node: ir.Node) -> ir.TensorProtocol | None:
@@ -58,6 +48,15 @@ class FuseSiblingMatMuls(GraphRule[SiblingMatMuls]):
 
     name = "FuseSiblingMatMuls"
     description = "MatMuls of one activation by constant weights (q/k/v, gate/up)"
+    key = "fused_matmuls"
+
+    def describe(self, m: SiblingMatMuls, added: Any) -> dict[str, Any]:
+        return {"input": m.x.name, "matmuls": [n.name for n in m.nodes], "widths": m.widths}
+
+    def summary(self, report: RuleReport) -> dict[str, Any]:
+        """The groups fused, and why other candidates were left alone."""
+        return {"rule": self.name, "groups": len(report.matched), "matmuls": sum(len(g["matmuls"]) for g in report.matched),
+                "fused": report.matched, "skipped": report.skipped}
 
     def pattern(self, graph: ir.Graph) -> list[ir.Value]:
         seen: dict[int, ir.Value] = {}

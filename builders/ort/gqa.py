@@ -37,12 +37,13 @@ from typing import Any, Mapping
 import numpy as np
 import onnx_ir as ir
 
-from harp_trt.graph_rules import GraphRule, MatchResult
+from harp_trt.graph_rules import GraphRule, MatchResult, RuleReport
 from harp_trt.onnx_io import parse_kv_name
 
-__all__ = ["FuseGroupQueryAttention", "GqaMatch", "GqaReport", "MS_DOMAIN"]
+__all__ = ["FuseGroupQueryAttention", "GqaMatch", "MS_DOMAIN", "NO_EXPORT_META"]
 
 MS_DOMAIN = "com.microsoft"
+NO_EXPORT_META = "graph has no harp_trt.export metadata (not from export_dense); left unchanged"
 
 
 @dataclass
@@ -65,16 +66,6 @@ class GqaMatch:
     q_norm: ir.Node | None = None  # per-head RMSNormalization on Q / K (QK-norm), kept and re-packed
     k_norm: ir.Node | None = None
     window: int | None = None      # the layer's sliding window (FamilySpec.layer_windows), None: full
-
-
-@dataclass
-class GqaReport:
-    matched: list[int] = field(default_factory=list)          # layer indices converted
-    skipped: dict[str, str] = field(default_factory=dict)     # Attention node name -> reason
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rule": FuseGroupQueryAttention.name, "converted_layers": self.matched,
-                "skipped": self.skipped}
 
 
 def _attr(node: ir.Node, name: str, default=None):
@@ -129,6 +120,10 @@ class FuseGroupQueryAttention(GraphRule[GqaMatch]):
 
     name = "FuseGroupQueryAttention"
     description = "opset-23 Attention with the export's rotary and KV-cache Concat"
+    key = "attention"
+    must_match = True  # every Attention of our export fuses (sliding windows included)
+    fail_hint = ("the export's attention graph has a form the rule does not know; teach it in builders/ort/gqa.py "
+                 "(OrtBuildConfig.attention='onnx' keeps the opset-23 Attention)")
 
     def __init__(self, num_heads: int, kv_heads: int, head_dim: int, window_layers=None):
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
@@ -151,6 +146,20 @@ class FuseGroupQueryAttention(GraphRule[GqaMatch]):
             window_layers = {i: sw for i in range(meta["num_layers"])
                              if not types or types[i] == "sliding_attention"}
         return cls(meta["num_heads"], meta["kv_heads"], meta["head_dim"], window_layers)
+
+    # -- the report: the layers converted ------------------------------------------------------
+    def describe(self, m: GqaMatch, added: Any) -> int:
+        return m.layer
+
+    def finish(self, model: ir.Model, report: RuleReport) -> None:
+        if report.matched:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+        else:
+            report.skipped.setdefault("*", "no opset-23 Attention nodes (eager attention export?)")
+
+    @classmethod
+    def summary(cls, report: RuleReport) -> dict[str, Any]:
+        return {"rule": cls.name, "converted_layers": report.matched, "skipped": report.skipped}
 
     # -- pattern / check ----------------------------------------------------------------------
     def pattern(self, graph: ir.Graph) -> list[ir.Node]:

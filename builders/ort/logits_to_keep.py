@@ -25,11 +25,12 @@ before quantization, so the LM head it finds is still a plain ``MatMul``/``Gemm`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from harp_trt.graph_rules import GraphRule, MatchResult
+from harp_trt.graph_rules import GraphRule, MatchResult, RuleReport
 from harp_trt.onnx_io import LOGITS_TO_KEEP
 
 __all__ = ["LOGITS_TO_KEEP", "LogitsToKeep", "LmHead"]
@@ -60,6 +61,16 @@ class LogitsToKeep(GraphRule[LmHead]):
 
     name = "LogitsToKeep"
     description = "logits_to_keep input (0 = all): the LM head over the last positions only"
+    key = "logits_to_keep"
+    first_only = True
+
+    def describe(self, m: LmHead, added: Any) -> str:
+        return m.head.name
+
+    def summary(self, report: RuleReport) -> dict[str, Any]:
+        """Which head it cut, or why it left the graph alone."""
+        why = "" if report.matched else next(iter(report.skipped.values()), f"the graph has no {LOGITS} output")
+        return {"rule": self.name, "lm_head": report.matched[0] if report.matched else None, "skipped": why}
 
     def pattern(self, graph: ir.Graph) -> list[ir.Value]:
         return [v for v in graph.outputs if v.name == LOGITS]

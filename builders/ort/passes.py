@@ -1,6 +1,7 @@
-"""The ORT build's graph passes and the one place that orders them (``graph_passes``), composed
-with onnx-ir's ``Sequential`` (``passes/_pass_infra.py``) as onnxscript's ``optimize_for_ort``
-composes its own:
+"""The ORT build's graph passes and the one place that orders them (``graph_passes``), run in
+order by ``harp_trt.graph_rules.run_passes`` (as onnx-ir's ``Sequential`` would, and as onnxscript's
+``optimize_for_ort`` composes its own), which hands back each pass's report by the engine field it
+fills (``engine_fields``). The rule passes are ``RulePass`` over one rule each:
 
     FuseGroupQueryAttentionPass -> RemoveUnusedNodesPass     (attention="gqa")
     FuseSiblingMatMulsPass -> RemoveUnusedNodesPass          (fuse_matmuls)
@@ -11,155 +12,73 @@ composes its own:
 ONNX Runtime's own graph optimizations run after these, on the saved graph (``builder.py``)."""
 from __future__ import annotations
 
-import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import onnx_ir as ir
 import onnx_ir.passes as ir_passes
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from harp_trt.errors import GraphError, HarpError
+from harp_trt.graph_rules import RulePass, RuleReport, RuleResult, run_passes
 
 from .config import OrtBuildConfig, QuantSpec
-from .fuse_matmuls import FuseReport, FuseSiblingMatMuls
-from .gqa import MS_DOMAIN, FuseGroupQueryAttention, GqaReport
+from .fuse_matmuls import FuseSiblingMatMuls
+from .gqa import NO_EXPORT_META, FuseGroupQueryAttention
 from .logits_to_keep import LogitsToKeep
 from .quant import quantize_weights
 from .quant_embedding import QuantizeEmbedding
 
 __all__ = ["FuseGroupQueryAttentionPass", "FuseSiblingMatMulsPass", "LogitsToKeepPass", "QuantizeWeightsPass", "graph_passes",
-           "QuantizeEmbeddingPass", "run_passes"]
-
-log = logging.getLogger(__name__)
+           "QuantizeEmbeddingPass", "run_passes", "engine_fields"]
 
 
-class FuseGroupQueryAttentionPass(ir_passes.InPlacePass):
-    """Every ``Attention`` becomes ``GroupQueryAttention`` (one that ``FuseGroupQueryAttention`` does
-    not match is a GraphError with the reason); ``report`` says which layers were converted, or why
-    the whole graph was left alone. ``meta`` is the export metadata
-    (``harp_trt.onnx_io.read_export_meta``): without it nothing changes."""
+class FuseGroupQueryAttentionPass(RulePass):
+    """Every ``Attention`` becomes ``GroupQueryAttention`` (one that the rule does not match is a
+    GraphError with the reason). ``meta`` is the export metadata (``harp_trt.onnx_io.read_export_meta``):
+    without it nothing changes and the report says so."""
 
     def __init__(self, meta: Mapping[str, Any]):
-        super().__init__()
-        self.meta = meta
-        self.report = GqaReport()
+        super().__init__(FuseGroupQueryAttention.from_export_meta(meta), "build")
 
-    def call(self, model: ir.Model) -> ir_passes.PassResult:
-        report = self.report = GqaReport()
-        rule = FuseGroupQueryAttention.from_export_meta(self.meta)
-        if rule is None:
-            report.skipped["*"] = "graph has no harp_trt.export metadata (not from export_dense); left unchanged"
-            return ir_passes.PassResult(model, modified=False)
-        graph = model.graph
-        candidates = rule.pattern(graph)
-        if not candidates:
-            report.skipped["*"] = "no opset-23 Attention nodes (eager attention export?)"
-        for node in candidates:
-            found = rule.check(graph, node)
-            if not found:   # every Attention of our export fuses (sliding windows included)
-                raise GraphError("build", f"GroupQueryAttention fusion found no match at {node.name}: "
-                                 f"{found.reason}", "the export's attention graph has a form the rule does not "
-                                 "know; teach it in builders/ort/gqa.py (OrtBuildConfig.attention='onnx' "
-                                 "keeps the opset-23 Attention)")
-            rule.rewrite(graph, found.match)
-            report.matched.append(found.match.layer)
-        if report.matched:
-            model.opset_imports.setdefault(MS_DOMAIN, 1)
-        log.info("GroupQueryAttention: converted layers %s; skipped %d", report.matched, len(report.skipped))
-        for name, why in report.skipped.items():
-            log.info("  not converted %s: %s", name, why)
-        return ir_passes.PassResult(model, modified=bool(report.matched))
+    def call(self, model: ir.Model) -> RuleResult:
+        if self.rule is None:
+            report = FuseGroupQueryAttention.summary(RuleReport(FuseGroupQueryAttention.name, skipped={"*": NO_EXPORT_META}))
+            return RuleResult(model, modified=False, key=FuseGroupQueryAttention.key, report=report)
+        return super().call(model)
 
 
-class FuseSiblingMatMulsPass(ir_passes.InPlacePass):
-    """Every group ``FuseSiblingMatMuls`` matches becomes one MatMul and a Split (``fuse_matmuls.py``);
-    ``report`` lists the groups and why other candidates were left alone."""
+class FuseSiblingMatMulsPass(RulePass):
+    """Every group of MatMuls reading one activation becomes one MatMul and a Split (``fuse_matmuls.py``)."""
 
     def __init__(self):
-        super().__init__()
-        self.report = FuseReport()
-
-    def call(self, model: ir.Model) -> ir_passes.PassResult:
-        report = self.report = FuseReport()
-        rule, graph = FuseSiblingMatMuls(), model.graph
-        for x in rule.pattern(graph):
-            found = rule.check(graph, x)
-            if not found:
-                report.skipped[x.name or "?"] = found.reason
-                continue
-            rule.rewrite(graph, found.match)
-            report.fused.append({"input": x.name, "matmuls": [n.name for n in found.match.nodes],
-                                 "widths": found.match.widths})
-        log.info("FuseSiblingMatMuls: %d groups of %d MatMuls fused; skipped %d", len(report.fused),
-                 sum(len(g["matmuls"]) for g in report.fused), len(report.skipped))
-        return ir_passes.PassResult(model, modified=bool(report.fused))
+        super().__init__(FuseSiblingMatMuls(), "build")
 
 
-class LogitsToKeepPass(ir_passes.InPlacePass):
-    """The ``logits_to_keep`` input in front of the LM head (``logits_to_keep.py``); ``report`` says
-    which head it cut, or why it left the graph alone."""
+class LogitsToKeepPass(RulePass):
+    """The ``logits_to_keep`` input in front of the LM head (``logits_to_keep.py``)."""
 
     def __init__(self):
-        super().__init__()
-        self.report: dict[str, Any] = {}
+        super().__init__(LogitsToKeep(), "build")
 
-    def call(self, model: ir.Model) -> ir_passes.PassResult:
-        rule, graph = LogitsToKeep(), model.graph
-        self.report = {"rule": rule.name, "lm_head": None, "skipped": ""}
-        for logits in rule.pattern(graph):
-            found = rule.check(graph, logits)
-            if not found:
-                self.report["skipped"] = found.reason
-                log.info("LogitsToKeep: left alone: %s", found.reason)
-                return ir_passes.PassResult(model, modified=False)
-            rule.rewrite(graph, found.match)
-            self.report["lm_head"] = found.match.head.name
-            return ir_passes.PassResult(model, modified=True)
-        self.report["skipped"] = "the graph has no logits output"
-        return ir_passes.PassResult(model, modified=False)
+
+class QuantizeEmbeddingPass(RulePass):
+    """The embedding Gather as GatherBlockQuantized at the weights' bits (``quant_embedding.py``)."""
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__(QuantizeEmbedding(spec.bits, spec.block_size), "build")
 
 
 class QuantizeWeightsPass(ir_passes.InPlacePass):
     """Weight-only int4/int8 ``MatMulNBits`` (``quant.py``), weight by weight in place (the tied
-    LM head's weight is folded first); ``report`` is what changed."""
+    LM head's weight is folded first); its report, under ``quant``, is what changed. Not a rule:
+    every weight MatMul is quantized, none is left for a reason."""
 
     def __init__(self, spec: QuantSpec, stage: str):
         super().__init__()
         self.spec, self.stage = spec, stage
-        self.report: dict[str, Any] | None = None
 
-    def call(self, model: ir.Model) -> ir_passes.PassResult:
-        out, self.report = quantize_weights(model, self.spec, self.stage)
-        return ir_passes.PassResult(out, modified=True)
-
-
-class QuantizeEmbeddingPass(ir_passes.InPlacePass):
-    """The embedding Gather as GatherBlockQuantized at the weights' bits (``quant_embedding.py``);
-    ``report``: the tables quantized, their bytes before and after, and why others were not."""
-
-    def __init__(self, spec: QuantSpec):
-        super().__init__()
-        self.spec = spec
-        self.report: dict[str, Any] = {}
-
-    def call(self, model: ir.Model) -> ir_passes.PassResult:
-        rule = QuantizeEmbedding(self.spec.bits, self.spec.block_size)
-        done, skipped, before, after = [], {}, 0, 0
-        for node in rule.pattern(model.graph):
-            found = rule.check(model.graph, node)
-            if not found:
-                skipped[node.name or "Gather"] = found.reason
-                continue
-            done.append(node.inputs[0].name)
-            new = rule.rewrite(model.graph, found.match)
-            before += found.match.table.nbytes
-            after += sum(v.const_value.nbytes for v in new.inputs if v is not None and v.const_value is not None)
-        if done:
-            model.opset_imports.setdefault(MS_DOMAIN, 1)
-        self.report = {"rule": rule.name, "tables": done, "bits": self.spec.bits, "block_size": self.spec.block_size,
-                       "bytes_fp32": before, "bytes_quantized": after, "skipped": skipped}
-        log.info("QuantizeEmbedding: %d tables, %.1f MB -> %.1f MB", len(done), before / 1e6, after / 1e6)
-        return ir_passes.PassResult(model, modified=bool(done))
+    def call(self, model: ir.Model) -> RuleResult:
+        out, report = quantize_weights(model, self.spec, self.stage)
+        return RuleResult(out, modified=True, key="quant", report=report)
 
 
 def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) -> list[ir_passes.PassBase]:
@@ -178,15 +97,13 @@ def graph_passes(config: OrtBuildConfig, meta: Mapping[str, Any], stage: str) ->
     return passes
 
 
-def run_passes(passes: Sequence[ir_passes.PassBase], model: ir.Model) -> ir.Model:
-    """``Sequential(*passes)`` on ``model``; the model they return. A harp-trt error raised inside
-    a pass comes out as itself (``Sequential`` wraps every error in ``PassError``)."""
-    if not passes:
-        return model
-    try:
-        return ir_passes.Sequential(*passes)(model).model
-    except ir_passes.PassError as e:
-        if isinstance(e.__cause__, HarpError):
-            raise e.__cause__ from None
-        raise
-
+def engine_fields(reports: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's fields from the passes' reports (``run_passes``): what a pass that did not run
+    leaves (no attention fusion: an empty conversion list; the others: None), the embedding's
+    report inside the weights' (``quant.embedding``)."""
+    out = {"attention": reports.get("attention") or FuseGroupQueryAttention.summary(RuleReport(FuseGroupQueryAttention.name)),
+           "quant": reports.get("quant"), "fused_matmuls": reports.get("fused_matmuls"),
+           "logits_to_keep": reports.get("logits_to_keep")}
+    if out["quant"] is not None and reports.get("embedding") is not None:
+        out["quant"] = {**out["quant"], "embedding": reports["embedding"]}
+    return out

@@ -13,14 +13,18 @@ weight, so only the Gather reads the table. One rule of the house protocol (``ha
 run by ``QuantizeEmbeddingPass``."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from harp_trt.graph_rules import GraphRule, MatchResult
+from harp_trt.graph_rules import GraphRule, MatchResult, RuleReport
 
 from .gqa import MS_DOMAIN
+
+log = logging.getLogger(__name__)
 
 __all__ = ["QuantizeEmbedding", "EmbeddingMatch", "quantize_rows"]
 
@@ -29,6 +33,7 @@ __all__ = ["QuantizeEmbedding", "EmbeddingMatch", "quantize_rows"]
 class EmbeddingMatch:
     gather: ir.Node
     table: np.ndarray
+    name: str                         # the table initializer's
 
 
 def quantize_rows(table: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,8 +61,29 @@ class QuantizeEmbedding(GraphRule[EmbeddingMatch]):
     name = "QuantizeEmbedding"
     description = "Gather of a constant fp32 embedding table"
 
+    key = "embedding"
+
     def __init__(self, bits: int, block_size: int):
         self.bits, self.block_size = bits, block_size
+
+    def name_of(self, node: ir.Node) -> str:
+        return node.name or "Gather"
+
+    def describe(self, m: EmbeddingMatch, new: ir.Node) -> dict[str, Any]:
+        return {"table": m.name, "bytes_fp32": int(m.table.nbytes),
+                "bytes_quantized": sum(v.const_value.nbytes for v in new.inputs if v is not None and v.const_value is not None)}
+
+    def finish(self, model: ir.Model, report: RuleReport) -> None:
+        if report.matched:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+
+    def summary(self, report: RuleReport) -> dict[str, Any]:
+        """The tables quantized, their bytes before and after, and why others were not."""
+        before = sum(t["bytes_fp32"] for t in report.matched)
+        after = sum(t["bytes_quantized"] for t in report.matched)
+        log.info("QuantizeEmbedding: %d tables, %.1f MB -> %.1f MB", len(report.matched), before / 1e6, after / 1e6)
+        return {"rule": self.name, "tables": [t["table"] for t in report.matched], "bits": self.bits,
+                "block_size": self.block_size, "bytes_fp32": before, "bytes_quantized": after, "skipped": report.skipped}
 
     def pattern(self, graph: ir.Graph) -> list[ir.Node]:
         out = []
@@ -77,7 +103,7 @@ class QuantizeEmbedding(GraphRule[EmbeddingMatch]):
             return MatchResult.fail(f"table is {table.dtype}, not float32")
         if table.shape[1] % self.block_size or (self.bits == 4 and self.block_size % 2):
             return MatchResult.fail(f"block {self.block_size} does not divide the row length {table.shape[1]}")
-        return MatchResult(EmbeddingMatch(node, table))
+        return MatchResult(EmbeddingMatch(node, table, node.inputs[0].name))
 
     def rewrite(self, graph: ir.Graph, m: EmbeddingMatch) -> ir.Node:
         data, scale, zp = quantize_rows(m.table, self.bits, self.block_size)

@@ -17,6 +17,7 @@ import onnx_ir as ir
 import onnx_ir.passes as ir_passes
 
 from ..errors import GraphError, PostconditionError
+from ..graph_rules import RuleResult
 from ..onnx_io import parse_any_kv_name
 from .graph import STAGE, DeadCode, remove_dead
 from .rules import DEFAULT_RULES, AttentionMatch, AttentionRule, describe
@@ -63,8 +64,9 @@ class RewritePostconditionError(PostconditionError, ir_passes.PostconditionError
 
 
 @dataclass
-class RewriteResult(ir_passes.PassResult):
-    """``PassResult`` (``model``, ``modified``) plus what was matched and changed per layer."""
+class RewriteResult(RuleResult):
+    """``PassResult`` (``model``, ``modified``) plus what was matched and changed per layer; as a
+    ``RuleResult`` its ``report`` (under ``harp``) is ``to_dict()``, which ``run_passes`` hands back."""
 
     layers: list[LayerReport] = field(default_factory=list)
     nodes_before: int = 0
@@ -385,6 +387,9 @@ class HarpRewritePass(ir_passes.InPlacePass):
                      len(dead.nodes), harp_params, replaced_params, edit.params_added, cleanup_params, len(ins))
             reports.append(rep)
         graph.meta.pop("harp_names", None)
-        return RewriteResult(model=model, modified=bool(reports), layers=reports, nodes_before=nodes_before,
-                             nodes_after=len(graph), params_before=params_before, params_after=_params(graph),
-                             kv_inputs_before=kv_before, kv_inputs_after=len(_kv_inputs(graph)))
+        result = RewriteResult(model=model, modified=bool(reports), key="harp", layers=reports,
+                               nodes_before=nodes_before, nodes_after=len(graph), params_before=params_before,
+                               params_after=_params(graph), kv_inputs_before=kv_before,
+                               kv_inputs_after=len(_kv_inputs(graph)))
+        result.report = result.to_dict()
+        return result

@@ -24,6 +24,7 @@ from ..compact import compact, expand
 from ..config import digest_of
 from ..dims import attention_dims
 from ..errors import GraphError, PostconditionError, PreconditionError
+from ..graph_rules import run_passes
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, PLAN_META_KEY, check_plan_weights, copy_tokenizer, file_digest,
                        parse_kv_name, read_export_meta)
 from ..plan import Plan
@@ -124,7 +125,8 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     if not meta:
         facts = graph_facts(model.graph, head_dim)
         check_foreign_graph(plan, facts, model_config, model_ref)
-    result = HarpRewritePass(plan.alpha_map, plan.num_layers, head_dim=head_dim, fitted=fitted)(model)
+    model, reports = run_passes([HarpRewritePass(plan.alpha_map, plan.num_layers, head_dim=head_dim, fitted=fitted)],
+                                model)
     if meta:
         meta = {**meta, "kv_layers": [i for i in meta.get("kv_layers", range(plan.num_layers))
                                       if i not in plan.alpha_map],
@@ -136,13 +138,13 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     if meta.get("storage") == "compact":
         compact(model)  # the weights read from the checkpoint back at its width; folded ones fp32
     external = save_graph(model, out_path, external_threshold_bytes=external_data_mb * (1 << 20))
-    report = result.to_dict()
+    report = dict(reports["harp"])
     report["external_data"] = external
     report["shape_annotations_fixed"] = shapes_fixed
     report["source"] = {"harp_export": bool(meta), **({"graph_facts": facts} if facts is not None else {})}
     report["storage"] = meta.get("storage", "full")
     report["kv_inputs"] = sum(1 for v in model.graph.inputs if (k := parse_kv_name(v.name)) and k.direction == "past")
-    del model, result  # the checker loads the saved file again: one copy of the weights at a time
+    del model  # the checker loads the saved file again: one copy of the weights at a time
     try:
         check_onnx(out_path, full_check=True, strict_shapes=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
