@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import DeployTarget, StageCli  # declared beside each stage's config
 from .lazy import Registry, load_object
 
-__all__ = ["Registry", "load_object", "StageSpec", "Step", "BackendSpec", "Engines", "STAGES", "BACKENDS",
-           "PHASES"]
+__all__ = ["Registry", "load_object", "StageSpec", "StageCli", "DeployTarget", "Step", "BackendSpec", "Engines",
+           "STAGES", "BACKENDS", "PHASES"]
 
 
 # ---- the pipeline's stages and backends: the one registry the pipeline and the CLI walk ---------
@@ -43,6 +44,15 @@ class StageSpec:
         if sub:
             module = importlib.import_module(importlib.util.resolve_name(sub, module.__package__))
         return getattr(module, attr)
+
+    def cli(self) -> StageCli:
+        """The stage's ``StageCli``: ``CLI`` of its config module (light), or none declared."""
+        import importlib
+
+        cli = getattr(importlib.import_module(self.config.partition(":")[0]), "CLI", StageCli())
+        if not isinstance(cli, StageCli):
+            raise TypeError(f"CLI of {self.config} is not a harp_trt.registry.StageCli")
+        return cli
 
     def config_class(self) -> type:
         from .config import StageConfig

@@ -20,13 +20,20 @@ NOT_CONFIG = {
     "cache": set(),
     "bench": {"--plan", "--artifact", "--model", "--dense-engine", "--harp-engine", "--dtype", "--device",
               "--max-ppl-increase", "--min-speedup", "--force"},       # inputs, placement and gates
-    "deploy trtllm": {"--plan", "--model", "--force"},
-    "deploy triton": {"--artifact", "--out", "--force"},
-    "deploy genai": {"--artifact", "--out", "--force"},
-    "deploy gguf": {"--plan", "--model", "--out", "--force"},
     # the sampling flags are SamplingParams' fields; these are the session's own settings
     "generate": {"--artifact", "--prompt", "--sample", "--chat", "--threads", "--no-stream"},
 }
+
+
+def _deploy_inputs() -> dict[str, set[str]]:
+    """``deploy TARGET``'s flags that set no field: the inputs its ``DeployTarget`` declares."""
+    from harp_trt.cli.deploy import targets
+
+    return {f"deploy {name}": ({"--plan", "--model"} if t.source == "plan" else {"--artifact"})
+            | ({"--out"} if t.out != "none" else set()) | {"--force"} for name, (_, t) in targets().items()}
+
+
+NOT_CONFIG.update(_deploy_inputs())
 _EVERY_COMMAND = {"-h", "--help", "--workdir", "--json", "-v", "--verbose"}
 
 
@@ -97,3 +104,26 @@ def test_bench_engine_choices_are_the_registry():
     (bench,) = [p for name, p in _commands() if name == "bench"]
     (engine,) = [a for a in bench._actions if "--engine" in a.option_strings]
     assert list(engine.choices) == ENGINES.names() and engine.config_field == "BenchConfig.engine"
+
+
+def _cli_string_uses(names: set[str]) -> list[str]:
+    """``file:line name`` for every string constant in harp_trt/cli/ equal to one of ``names``."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return [f"{f.name}:{n.lineno} {n.value}" for f in sorted((root / "harp_trt" / "cli").glob("*.py"))
+            for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Constant) and n.value in names]
+
+
+def test_deploy_targets_come_from_their_stages():
+    """``harp-trt deploy``'s targets, their inputs and their summaries are declared by the stages
+    (``StageCli.deploy`` in each light config module); the CLI spells no target's name."""
+    from harp_trt.cli.deploy import targets
+    from harp_trt.registry import STAGES
+
+    found = targets()
+    assert set(found) == {"trtllm", "triton", "genai", "gguf"}
+    assert all(STAGES.get(stage).cli().deploy is target for stage, target in found.values())
+    assert _cli_string_uses(set(found)) == []
+    assert _cli_string_uses({"gguf"}) == [] and _cli_string_uses({"deploy"})  # the scan sees a name

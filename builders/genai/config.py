@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import StageConfig, option
+from harp_trt.config import DeployTarget, StageCli, StageConfig, option
 
-__all__ = ["GenaiConfig"]
+__all__ = ["GenaiConfig", "CLI"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,3 +37,13 @@ class GenaiConfig(StageConfig):
     def validate(self) -> None:
         self.check_ints(("context_length",), 0)
         self.check_ints(("verify_tokens",), 1)
+
+
+CLI = StageCli(deploy=DeployTarget(
+    help="onnxruntime-genai folder (og.Model) for an ORT engine",
+    description="write a folder onnxruntime-genai opens with og.Model: the engine's graph, tokenizer files and a "
+                "genai_config.json read from its metadata",
+    source="artifact", deploy="deploy_genai", summary="deploy_summary",
+    artifact_help="ORT engine folder (build-ort artifact) or its cache key",
+    out_help="folder to write (new or empty); default: the cached genai-<key> artifact in --workdir",
+    force_help="replace --out if it is not empty / rebuild the cached folder"))

@@ -344,3 +344,12 @@ def deploy_genai(artifact: str | os.PathLike, out: str | os.PathLike | None, con
     body = stage.write_to(config, {"engine": info}, out, source=info.path, source_kind="engine", force=force)
     log.info("wrote onnxruntime-genai folder %s in %.2f s", out, time.perf_counter() - t0)
     return {**body["genai"], "folder": str(out), "cached": False}
+
+
+def deploy_summary(r: dict[str, Any], config: GenaiConfig) -> dict[str, Any]:
+    """``harp-trt deploy genai``'s result (``--json``, the summary) from ``deploy_genai``'s report."""
+    return {"folder": r["folder"], "cached": r["cached"], "artifact": r["artifact"]["path"],
+            "kv_layers": r["kv_layers"], "pruned_layers": r["pruned_layers"], "quant": r["quant"],
+            "past_present_share_buffer": r["past_present_share_buffer"], "context_length": r["context_length"],
+            "logits": r.get("logits", "all"),   # folders written before --last-logits hold every position's
+            "verified": bool((r.get("verify") or {}).get("equal"))}

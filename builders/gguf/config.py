@@ -6,10 +6,10 @@ import dataclasses
 import difflib
 from typing import ClassVar
 
-from harp_trt.config import StageConfig, option
+from harp_trt.config import DeployTarget, StageCli, StageConfig, option
 from harp_trt.errors import ConfigError
 
-__all__ = ["GgufConfig", "DTYPES", "GGUF_TYPES"]
+__all__ = ["GgufConfig", "DTYPES", "GGUF_TYPES", "CLI"]
 
 DTYPES = ("f32", "f16", "bf16")  # tensor types the writer stores (norms and other 1-D tensors stay f32)
 # llama.cpp quantization types (``enum llama_ftype`` in vendor/llama.cpp include/llama.h,
@@ -49,3 +49,14 @@ class GgufConfig(StageConfig):
 def _hint(value: object, valid: tuple[str, ...]) -> str | None:
     close = difflib.get_close_matches(str(value).lower(), valid, n=1)
     return f"did you mean {close[0]!r}?" if close else None
+
+
+CLI = StageCli(
+    build_flags=((("gguf_type",), ""), (("dtype",), "gguf-")),
+    own_quant="for llama.cpp quantization use --gguf-type",
+    deploy=DeployTarget(
+        help="llama.cpp deci GGUF for a HARP plan (verified in llama.cpp)",
+        description="write a llama.cpp GGUF (deci architecture: pruned layers as one folded linear attention, no KV "
+                    "cache) for a HARP plan, verified in llama.cpp",
+        source="plan", deploy="deploy_gguf", summary="deploy_summary",
+        out_help="folder to write (new or empty); default: the cached gguf-<key> artifact in --workdir"))

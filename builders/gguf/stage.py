@@ -306,3 +306,16 @@ def deploy_gguf(plan: Plan | None, model, out: str | os.PathLike | None, config:
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("wrote llama.cpp GGUF folder %s in %.2f s", out, time.perf_counter() - t0)
     return {**body, "folder": str(out), "cached": False}
+
+
+def deploy_summary(r: dict[str, Any], config: GgufConfig) -> dict[str, Any]:
+    """``harp-trt deploy gguf``'s result (``--json``, the summary) from ``deploy_gguf``'s report."""
+    v = r.get("verification") or {}
+    return {"folder": r["folder"], "cached": r["cached"], "file": r["file"], "quantized_file": r["quantized_file"],
+            "architecture": r["architecture"], "dtype": r["dtype"], "pruned_layers": r["pruned_layers"],
+            "kv_bytes_per_token": r["kv_bytes_per_token"], "kv_bytes_per_token_dense": r["kv_bytes_per_token_dense"],
+            "kv_bytes_per_token_no_flash_attn": r["kv_bytes_per_token_no_flash_attn"],
+            "flash_attn_required": r["flash_attn_required"], "tokenizer": r["tokenizer"]["source"],
+            "verify_max_abs_diff": v.get("max_abs_diff"), "verify_tolerance": v.get("tolerance"),
+            "greedy_equal": v.get("greedy_equal"), "llama_cpp": r["llama_cpp"]["version"],
+            "_tables": {"layers": [{k: ("" if val is None else val) for k, val in row.items()} for row in r["layers"]]}}

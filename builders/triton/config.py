@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import StageConfig, option
+from harp_trt.config import DeployTarget, StageCli, StageConfig, option
 from harp_trt.errors import ConfigError
 
 from .releases import DEFAULT_TRITON_RELEASE, KNOWN_RELEASES
 
-__all__ = ["TritonRepoConfig"]
+__all__ = ["TritonRepoConfig", "CLI"]
 
 ORT, LLM = "ONNX Runtime model", "TensorRT-LLM models"  # help sections
 
@@ -117,3 +117,13 @@ class TritonRepoConfig(StageConfig):
         if self.batch_scheduler_policy not in ("guaranteed_no_evict", "max_utilization"):
             raise ConfigError(f"batch_scheduler_policy must be 'guaranteed_no_evict' or 'max_utilization', "
                               f"got {self.batch_scheduler_policy!r}")
+
+
+CLI = StageCli(deploy=DeployTarget(
+    help="Triton model repository for an ONNX or TensorRT-LLM artifact",
+    description="write a Triton model repository (config.pbtxt checked against Triton's schema, client.py, "
+                "README.md) for an ONNX or TensorRT-LLM artifact",
+    source="artifact", deploy="write_repository", summary="deploy_summary", out="required",
+    artifact_help="export/rewrite/ORT-engine folder with model.onnx, or a trtllm artifact (folder or cache key)",
+    out_help="model repository folder to write (must be new or empty)",
+    force_help="replace --out if it exists and is not empty"))

@@ -222,3 +222,27 @@ def write_repository(artifact: str | os.PathLike, out: str | os.PathLike, config
     report = json.loads((out / REPO_MANIFEST).read_text())
     log.info("wrote Triton repository %s in %.2f s", out, time.perf_counter() - t0)
     return {**report, "repository": str(out)}
+
+
+def deploy_summary(r: dict[str, Any], config: TritonRepoConfig) -> dict[str, Any]:
+    """``harp-trt deploy triton``'s result (``--json``, the summary) from ``write_repository``'s report."""
+    result = {"repository": r["repository"], "kind": r["kind"], "artifact": r["artifact"]["path"],
+              "artifact_stage": r["artifact"]["stage"]}
+    if r["kind"] == "onnx" and r.get("serving") == "python":
+        result.update({"model": r["model"], "serving": "python", "instance_kind": r["instance_kind"],
+                       "inputs": len(r["inputs"]), "weights": r["placed_by"]})
+    elif r["kind"] == "onnx":
+        result.update({"model": r["model"], "serving": "onnx", "instance_kind": r["instance_kind"],
+                       "inputs": len(r["inputs"]), "outputs": len(r["outputs"]), "kv_layers": r["kv_layers"],
+                       "pruned_layers": r["pruned_layers"], "weights": r["placed_by"],
+                       "triton_onnxruntime": r["compat"]["triton_onnxruntime"]})
+    else:
+        v = r["template_values"]
+        result.update({"models": ", ".join(r["models"]), "engine_dir": r["engine_dir"], "engine_built": r["engine_built"],
+                       "max_batch_size": v["triton_max_batch_size"],
+                       "max_attention_window_size": v["max_attention_window_size"],
+                       "decoupled": v["decoupled_mode"], "triton_release": r["triton_release"],
+                       "tensorrt_llm": r["tensorrt_llm_version"], "image": r["image"]})
+        result["_tables"] = {"template keys": [{"key": k, "value": "(backend default)" if val is None else val}
+                                               for k, val in v.items()]}
+    return result

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import StageConfig, option
+from harp_trt.config import DeployTarget, StageCli, StageConfig, option
 from harp_trt.errors import ConfigError
 from harp_trt.versions import TRTLLM_VERSION  # the TensorRT-LLM these checkpoints target
 
-__all__ = ["TrtllmCheckpointConfig", "DTYPE_NAMES", "TRTLLM_VERSION"]
+__all__ = ["TrtllmCheckpointConfig", "DTYPE_NAMES", "TRTLLM_VERSION", "CLI"]
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # checkpoint dtypes (the keys of checkpoint.DTYPES)
 
@@ -49,3 +49,12 @@ class TrtllmCheckpointConfig(StageConfig):
             raise ConfigError(f"tokens_per_block must be a power of two >= 2, got {t!r}")
         if self.build not in ("auto", "never"):
             raise ConfigError(f"build must be 'auto' or 'never', got {self.build!r}")
+
+
+CLI = StageCli(
+    build_flags=((("tp_size", "pp_size"), ""),),
+    deploy=DeployTarget(
+        help="TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
+        description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan",
+        source="plan", summary="deploy_summary", out="none",  # the pipeline runs the stage: a cached artifact
+        force_help="rebuild even if the artifact is cached"))

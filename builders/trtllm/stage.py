@@ -204,3 +204,21 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
             raise VerificationError(self.name, f"trtllm-build failed (exit {r.returncode}): "
                                     f"{(r.stderr or r.stdout).strip()[-400:]}", "see build_engine.log in the artifact")
         return {"built": True, "dir": "engine"}
+
+
+def deploy_summary(art: Any, config: TrtllmCheckpointConfig) -> dict[str, Any]:
+    """``harp-trt deploy trtllm``'s result (``--json``, the summary) from the stage's artifact."""
+    m = art.manifest
+    ck = m["checkpoint"]
+    rows = [{"layer": r["layer"], "kind": r["kind"], "alpha": "" if r["alpha"] is None else r["alpha"],
+             "kv_heads": r["kv_heads"], "window": r["window"] or "full"} for r in ck["layers"]]
+    return {
+        "artifact": str(art.path), "cached": art.cached, "architecture": ck["architecture"],
+        "route": ck["route"], "dtype": config.dtype, "tp": config.tp_size, "pp": config.pp_size,
+        "kv_bytes_per_token": ck["kv_bytes_per_token"], "kv_bytes_per_token_unpruned": ck["kv_bytes_per_token_unpruned"],
+        "kv_bytes_per_sequence": ck["kv_bytes_per_sequence"],
+        "kv_bytes_per_sequence_unpruned": ck["kv_bytes_per_sequence_unpruned"],
+        "verify_max_abs_diff": (m.get("verification") or {}).get("max_abs_diff"),
+        "hf_checkpoint": m["hf_checkpoint"].get("written"), "engine_built": m["engine"]["built"],
+        "build_script": str(art.path / "build_engine.sh"), "_tables": {"layers": rows},
+    }

@@ -16,12 +16,15 @@ HELP = "calibrate -> rewrite -> build (-> bench), reusing every cached artifact"
 BENCH_FIELDS = ("engine", "seq_lens", "tasks", "limit", "repeats", "batch_sizes", "threads")
 BENCH_DEFAULTS = {"engine": None, "seq_lens": "128,512,1024,2048", "tasks": "none", "repeats": 3}
 QUANT_FIELDS = ("quant", "quant_block_size", "quant_symmetric", "quant_accuracy_level", "quant_embedding")
-TRTLLM_FIELDS = ("tp_size", "pp_size")
-# stage -> its flag groups as build takes them ((fields, flag prefix), ...): offered under "--backend
-# <stage>" and made into that stage's config where the chosen backend runs the stage
-STAGE_FLAGS = {"gguf": ((("gguf_type",), ""), (("dtype",), "gguf-")), "trtllm": ((TRTLLM_FIELDS, ""),)}
-# stage -> how its output is quantized where --quant (the ORT engine's) does not apply
-OWN_QUANT = {"gguf": "for llama.cpp quantization use --gguf-type"}
+
+
+def stage_flags() -> dict[str, tuple]:
+    """stage -> its flag groups as build takes them ((fields, flag prefix), ...), declared by the stage
+    (``StageCli.build_flags``): offered under "--backend <stage>" and made into that stage's config
+    where the chosen backend runs the stage."""
+    from ..registry import STAGES
+
+    return {name: flags for name in STAGES.names() if (flags := STAGES.get(name).cli().build_flags)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          group="with --bench (the bench command's flags, prefixed)")
     add_config_arguments(p, STAGES.get("build-ort").config_class(), QUANT_FIELDS,
                          group="ORT engine quantization (weight-only, onnxruntime.quantization MatMulNBits)")
-    for stage, groups in STAGE_FLAGS.items():
+    for stage, groups in stage_flags().items():
         for fields, prefix in groups:
             add_config_arguments(p, STAGES.get(stage).config_class(), fields, prefix=prefix, group=f"--backend {stage}")
 
@@ -70,7 +73,7 @@ def run(args) -> dict:
     stages = _stages(args.backend)
     _check_replacement(calib_config.replacement)
     configs = {"build-ort": _ort_config(args, stages)}
-    for stage in sorted(stages & set(STAGE_FLAGS)):
+    for stage in sorted(stages & set(stage_flags())):
         configs[stage] = _stage_config(stage, args)
     with progress_bar(not args.json) as (on_candidate, on_phase):
         res = run_build(args.model, calib_config, store, backend=args.backend, force=args.force,
@@ -119,12 +122,12 @@ def _check_replacement(replacement: str) -> None:
 
 
 def _stage_config(stage: str, args):
-    """``stage``'s config from its ``STAGE_FLAGS``."""
+    """``stage``'s config from its ``stage_flags()``."""
     from ..registry import STAGES
     from ._options import values_from_args
 
     cls = STAGES.get(stage).config_class()
-    return cls.from_dict({k: v for fields, prefix in STAGE_FLAGS[stage]
+    return cls.from_dict({k: v for fields, prefix in stage_flags()[stage]
                           for k, v in values_from_args(cls, args, fields, prefix=prefix).items()})
 
 
@@ -139,7 +142,7 @@ def _ort_config(args, stages: set[str] | None = None):
 
         ort = [name for name in BACKENDS.names() if "build-ort" in _stages(name)]
         raise ConfigError(f"--quant applies to the ORT engine (backends {', '.join(ort)}), not {args.backend}",
-                          next((OWN_QUANT[s] for s in sorted(stages) if s in OWN_QUANT), None))
+                          next((h for s in sorted(stages) if (h := STAGES.get(s).cli().own_quant)), None))
     return config_from_args(STAGES.get("build-ort").config_class(), args, QUANT_FIELDS)
 
 
