@@ -30,8 +30,9 @@ What counts as code that runs (each rule has a reason):
    a string literal in code that counts, naming a module of this repository, is
    ``from package.module import attr``.
 4. A package whose counted code imports computed submodule names
-   (``importlib.import_module(f"{__name__}.{x}")`` in ``builders/triton/__init__.py``) takes every
-   module beneath it whole.
+   (``importlib.import_module(f"{__name__}.{x}")`` in ``builders/triton/__init__.py``) or registers
+   them all (``Registry.register_package``, ``harp_trt/families/__init__.py``) takes every module
+   beneath it whole.
 5. Counted code that uses ``__file__`` and names a file or folder beside its module in a string
    literal reads that data (``builders/triton/assets``: files copied into a Triton repository):
    every file there counts, its Python files also as modules taken whole.
@@ -233,7 +234,8 @@ def _scan(src: _Source, root: Path) -> _File:
             literal = bool(node.args) and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
             if called == "require" and literal:  # rule 6 (a module of this repository is never required)
                 part.external.add(node.args[0].value.split(".")[0])
-            elif called == "import_module" and isinstance(node.func, ast.Attribute) and node.args and not literal:
+            elif isinstance(node.func, ast.Attribute) and (called == "import_module" and node.args and not literal
+                                                           or called == "register_package"):  # rule 4
                 part.dynamic = True
             elif called == "globals" and isinstance(node.func, ast.Name):
                 part.uses_globals = True

@@ -52,6 +52,20 @@ class Registry(Generic[T]):
         for name in names:
             self._add(name, f"{package}.{name}")
 
+    def register_package(self, package: str, attr: str, skip: Iterable[str] = ()) -> None:
+        """Register every module of ``package`` (its files, found without importing them; names
+        starting with ``_`` and ``skip`` aside), in name order, as ``package.<module>:<attr>`` under
+        the module's name: a new entry is a new file that defines ``attr``, with no line to add
+        here (as lm-evaluation-harness finds its tasks by scanning their folder)."""
+        import importlib.util
+        import pkgutil
+
+        spec = importlib.util.find_spec(package)
+        found = sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations or []))
+        for name in found:
+            if not name.startswith("_") and name not in set(skip):
+                self._add(name, f"{package}.{name}:{attr}")
+
     def _add(self, name: str, target: Any) -> None:
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} registered twice")

@@ -165,6 +165,25 @@ def test_a_function_counts_when_code_that_runs_names_it(tmp_path):
     codekey.clear_cache()
 
 
+
+def test_a_package_registry_takes_every_module_of_its_package(tmp_path):
+    """Rule 4 for ``Registry.register_package`` (the families: a new family is a file, named by no
+    string): every module of the package counts, so editing any family re-keys the stages."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/fams/__init__.py": "from pkg.reg import R\nR.register_package(__name__, 'FAMILY')\n",
+        "pkg/fams/one.py": "import numpy\nFAMILY = 1\n",
+        "pkg/reg.py": "class R:\n    @staticmethod\n    def register_package(package, attr):\n        pass\n",
+        "pkg/stage.py": "import pkg.fams\n",
+    })
+    codekey.clear_cache()
+    closure = import_closure(("pkg.stage",), tmp_path)
+    assert "pkg.fams.one" in closure.modules and "numpy" in closure.external
+    real = import_closure(("harp_trt.calib.stage",))
+    assert {f"harp_trt.families.{m.stem}" for m in (codekey.REPO_ROOT / "harp_trt/families").glob("*.py")
+            if m.stem != "__init__"} <= set(real.modules)
+    codekey.clear_cache()
+
 # A fresh interpreter imports the stage's module and runs it on a tiny model with ``__import__`` and
 # ``importlib.import_module`` traced: every import statement that repository code executes is
 # recorded as (importer, absolute module, names taken). The model and corpus are resolved untraced

@@ -135,3 +135,30 @@ def test_no_branch_on_family_or_architecture_names(path):
                 bad += [(node.lineno, c.value) for c in consts
                         if isinstance(c, ast.Constant) and c.value in names]
     assert not bad, f"{path} compares against family / architecture names: {bad}"
+
+
+def test_a_family_is_a_file_found_by_the_registry(tmp_path):
+    """Every module of harp_trt/families but base is one family, registered under its file's name,
+    which is the family's ``name``; the registry finds a new file without a line added anywhere."""
+    import sys
+
+    from harp_trt.families import FAMILIES
+    from harp_trt.families.base import FamilySpec
+    from harp_trt.lazy import Registry
+
+    assert FAMILIES.names() == ["gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"]
+    assert all(FAMILIES.get(n).name == n and issubclass(FAMILIES.get(n), FamilySpec) for n in FAMILIES.names())
+    pkg = tmp_path / "fams"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_private.py").write_text("")
+    (pkg / "newfam.py").write_text("FAMILY = 'the new one'\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        found = Registry("model family")
+        found.register_package("fams", "FAMILY")
+        assert found.names() == ["newfam"] and found.get("newfam") == "the new one"
+    finally:
+        sys.path.remove(str(tmp_path))
+        for m in [m for m in sys.modules if m == "fams" or m.startswith("fams.")]:
+            del sys.modules[m]

@@ -9,13 +9,10 @@ from .base import ROUTE_LINEAR, ROUTE_WINDOW1, FamilySpec, GgufTarget, TrtllmTar
 __all__ = ["FAMILIES", "FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "family_of",
            "family_for_model_type"]
 
-FAMILIES: Registry[type[FamilySpec]] = Registry("model family")
-FAMILIES.register("llama", "harp_trt.families.llama:LlamaFamily")
-FAMILIES.register("mistral", "harp_trt.families.mistral:MistralFamily")
-FAMILIES.register("qwen2", "harp_trt.families.qwen2:Qwen2Family")
-FAMILIES.register("gemma2", "harp_trt.families.gemma2:Gemma2Family")
-FAMILIES.register("qwen3", "harp_trt.families.qwen3:Qwen3Family")
-FAMILIES.register("gemma3", "harp_trt.families.gemma3:Gemma3Family")
+# every module here but base is one family: its FAMILY, registered under the module's name (which
+# is the family's name; tests/test_families.py checks both)
+FAMILIES: Registry[type[FamilySpec]] = Registry("model family", FamilySpec)
+FAMILIES.register_package(__name__, "FAMILY", skip=("base",))
 
 
 # model types we know and refuse, with why and what to use instead

@@ -46,3 +46,6 @@ class Gemma2Family(FamilySpec):
         kw.update(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")
         return kw
+
+
+FAMILY = Gemma2Family

@@ -41,3 +41,6 @@ class Gemma3Family(Gemma2Family):
         overrides.setdefault("layer_types", ["full_attention" if i % 3 == 2 else "sliding_attention"
                                              for i in range(n)])
         return super().tiny_config(**overrides)
+
+
+FAMILY = Gemma3Family

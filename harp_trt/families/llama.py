@@ -16,3 +16,6 @@ class LlamaFamily(FamilySpec):
     # llama.cpp's deci architecture (Nemotron-51B's) computes a kept layer as llama does and a pruned one
     # as attn_output . attn_norm(x) + x (vendor/llama.cpp src/models/deci.cpp, llama_model_deci::graph)
     gguf = GgufTarget("deci")
+
+
+FAMILY = LlamaFamily

@@ -15,3 +15,6 @@ class MistralFamily(LlamaFamily):
         ``layer_types`` says: ``modeling_mistral.py`` ``MistralAttention.forward`` passes
         ``sliding_window=config.sliding_window`` for all layers and ``MistralConfig`` has no layer types."""
         return (getattr(hf_config, "sliding_window", None) or None,) * hf_config.num_hidden_layers
+
+
+FAMILY = MistralFamily

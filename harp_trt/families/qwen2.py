@@ -25,3 +25,6 @@ class Qwen2Family(LlamaFamily):
     gguf = GgufTarget("deci", refusal="llama.cpp's deci linear attention has no bias (src/models/deci.cpp adds "
                       "attn_output.bias only on kept layers), so a pruned Qwen2 layer's folded V bias "
                       "alpha * W_O . b_V cannot be written")
+
+
+FAMILY = Qwen2Family

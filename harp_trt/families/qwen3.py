@@ -27,3 +27,6 @@ class Qwen3Family(LlamaFamily):
         kw = super().tiny_config_kwargs()
         kw.update(head_dim=32, attention_bias=False)  # heads * head_dim = 128 != hidden 64, as in Qwen3-4B
         return kw
+
+
+FAMILY = Qwen3Family
