@@ -2,6 +2,7 @@
 serves: ``ort`` (ONNX Runtime engine folders), ``trtllm`` (TensorRT-LLM checkpoints and the
 ``trtllm-build`` script), ``triton`` (model repositories around either).
 
-Backends are registered in the one registry, ``harp_trt.registry.BACKENDS`` / ``STAGES``, as
-``"module:Class"`` strings: ``import builders`` pulls in no runtime (onnxruntime, TensorRT-LLM,
-Triton), and each backend's config lives in a light ``config.py`` the CLI reads."""
+Each folder is a stage that declares itself in its light ``config.py`` (``STAGE``, a
+``harp_trt.stage_spec.StageSpec`` naming its classes as ``"module:Class"`` strings), where
+``harp_trt.registry.STAGES`` finds it; the pipeline's backends (``BACKENDS``) compose them.
+``import builders`` pulls in no runtime (onnxruntime, TensorRT-LLM, Triton)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harp_trt.config import StageConfig, option, parse_grid, parse_ints, parse_seq_len
+from harp_trt.stage_spec import StageSpec
 from harp_trt.data import PAPER_BOS
 from harp_trt.errors import ConfigError
 
@@ -145,3 +146,7 @@ class CalibrateConfig(StageConfig):
         if d.get("replacement") == "harp":  # the paper's plans keep the keys they had before fitted maps
             d.pop("replacement")
         return d
+
+
+STAGE = StageSpec("calibrate", "harp_trt.calib.stage:CalibrateStage", "harp_trt.calib.config:CalibrateConfig", "calibrate",
+                  "score layers, choose P, search alpha (arXiv 2507.01900, Algorithm 1)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Any, Generic, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 from .errors import UnknownNameError
 
@@ -29,10 +29,21 @@ def load_object(target: str) -> Any:
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str, base: type | str | None = None):
+    def __init__(self, kind: str, base: type | str | None = None,
+                 discover: Callable[[], Iterable[tuple[str, Any]]] | None = None):
+        """``discover``: called once, on the first lookup, for ``(name, target)`` pairs to register
+        (the stages, found where they live: ``harp_trt.registry.find_stages``)."""
         self.kind = kind
         self._base = base
         self._entries: dict[str, Any] = {}
+        self._discover = discover
+
+    def _discovered(self) -> dict[str, Any]:
+        if self._discover is not None:
+            discover, self._discover = self._discover, None
+            for name, target in discover():
+                self._add(name, target)
+        return self._entries
 
     def register(self, name: str, target: Any = None):
         """``register("x", "pkg.mod:Cls")`` or use as decorator ``@register("x")``."""
@@ -72,14 +83,14 @@ class Registry(Generic[T]):
         self._entries[name] = target
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._discovered())
 
     def in_order(self) -> list[str]:
         """The names in the order they were registered (a CLI lists its commands so)."""
-        return list(self._entries)
+        return list(self._discovered())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._discovered()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -87,7 +98,7 @@ class Registry(Generic[T]):
     def check(self, name: str) -> str:
         """``name`` if registered, else ``UnknownNameError`` listing the valid names with a "did you
         mean"; imports nothing."""
-        if name not in self._entries:
+        if name not in self._discovered():
             close = difflib.get_close_matches(name, self.names(), n=1)
             hint = f"did you mean {close[0]!r}?" if close else None
             raise UnknownNameError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}", hint)

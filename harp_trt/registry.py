@@ -5,64 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import DeployTarget, StageCli  # declared beside each stage's config
 from .lazy import Registry, load_object
+from .stage_spec import DeployTarget, StageCli, StageSpec
 
 __all__ = ["Registry", "load_object", "StageSpec", "StageCli", "DeployTarget", "Step", "BackendSpec", "Engines",
            "STAGES", "BACKENDS", "PHASES"]
 
 
 # ---- the pipeline's stages and backends: the one registry the pipeline and the CLI walk ---------
-@dataclass(frozen=True)
-class StageSpec:
-    """A stage, named as its ``Stage.name``. ``stage``: ``"module:Class"`` of the ``harp_trt.stage.Stage``
-    subclass (importing it loads the stage's runtime); ``config``: ``"module:Class"`` of its
-    ``StageConfig``, in a light module (no torch/onnx) so the CLI can read defaults; ``phase``: the
-    pipeline phase it belongs to (``--force PHASE`` reruns it and every later phase)."""
-
-    stage: str
-    config: str
-    phase: str
-    help: str
-
-    def stage_class(self) -> type:
-        from .stage import Stage
-
-        cls = load_object(self.stage)
-        if not (isinstance(cls, type) and issubclass(cls, Stage)):
-            raise TypeError(f"{self.stage} is not a harp_trt.stage.Stage subclass")
-        return cls
-
-    def entry(self, target: str):
-        """A public function of the stage's package, for the CLI's commands that are not one
-        ``Stage.execute`` (``deploy triton --out``, the bench's gates): ``"name"`` in the stage's
-        module, or ``".sub:name"`` in a module beside it; imported now."""
-        import importlib.util
-
-        module = importlib.import_module(self.stage.partition(":")[0])
-        sub, _, attr = target.rpartition(":")
-        if sub:
-            module = importlib.import_module(importlib.util.resolve_name(sub, module.__package__))
-        return getattr(module, attr)
-
-    def cli(self) -> StageCli:
-        """The stage's ``StageCli``: ``CLI`` of its config module (light), or none declared."""
-        import importlib
-
-        cli = getattr(importlib.import_module(self.config.partition(":")[0]), "CLI", StageCli())
-        if not isinstance(cli, StageCli):
-            raise TypeError(f"CLI of {self.config} is not a harp_trt.registry.StageCli")
-        return cli
-
-    def config_class(self) -> type:
-        from .config import StageConfig
-
-        cls = load_object(self.config)
-        if not (isinstance(cls, type) and issubclass(cls, StageConfig)):
-            raise TypeError(f"{self.config} is not a harp_trt.config.StageConfig subclass")
-        return cls
-
-
 @dataclass(frozen=True)
 class Step:
     """One pipeline step: run stage ``stage`` and record its artifact as ``name``. ``inputs`` maps
@@ -124,27 +74,35 @@ class BackendSpec:
 
 PHASES = ("calibrate", "export", "rewrite", "build", "bench")  # pipeline order, for --force
 
-STAGES: Registry[StageSpec] = Registry("stage")
-STAGES.register("calibrate", StageSpec("harp_trt.calib.stage:CalibrateStage", "harp_trt.calib.config:CalibrateConfig", "calibrate",
-                                       "score layers, choose P, search alpha (arXiv 2507.01900, Algorithm 1)"))
-STAGES.register("export", StageSpec("harp_trt.export.export:ExportStage", "harp_trt.export.config:ExportConfig",
-                                    "export", "dense ONNX graph with a KV cache"))
-STAGES.register("rewrite", StageSpec("harp_trt.rewrite.stage:RewriteStage", "harp_trt.rewrite.config:RewriteConfig",
-                                     "rewrite", "HARP graph surgery (Eq. 4-5), verified against PyTorch"))
-STAGES.register("build-ort", StageSpec("harp_trt.builders.ort.builder:OrtBuildStage", "harp_trt.builders.ort.config:OrtBuildConfig",
-                                       "build", "ONNX Runtime engine folder"))
-STAGES.register("trtllm", StageSpec("harp_trt.builders.trtllm.stage:TrtllmCheckpointStage",
-                                    "harp_trt.builders.trtllm.config:TrtllmCheckpointConfig", "build",
-                                    "TensorRT-LLM checkpoint + build_engine.sh"))
-STAGES.register("triton", StageSpec("harp_trt.builders.triton.stage:TritonRepoStage",
-                                    "harp_trt.builders.triton.config:TritonRepoConfig", "build",
-                                    "Triton model repository around an engine"))
-STAGES.register("genai", StageSpec("harp_trt.builders.genai.stage:GenaiStage", "harp_trt.builders.genai.config:GenaiConfig", "build",
-                                   "onnxruntime-genai folder (og.Model) around an engine"))
-STAGES.register("gguf", StageSpec("harp_trt.builders.gguf.stage:GgufStage", "harp_trt.builders.gguf.config:GgufConfig", "build",
-                                  "llama.cpp deci GGUF (HARP layers as linear attention), verified in llama.cpp"))
-STAGES.register("bench", StageSpec("harp_trt.bench.stage.stage:BenchStage", "harp_trt.bench.stage.config:BenchConfig", "bench",
-                                   "latency and accuracy, dense vs HARP"))
+# Where stages live: a package here, or a package directly under one, whose ``config`` module
+# defines ``STAGE`` (a ``StageSpec``) is a stage. A new stage is a folder; no line is added here.
+STAGE_ROOTS = ("harp_trt.calib", "harp_trt.export", "harp_trt.rewrite", "harp_trt.builders", "harp_trt.bench.stage")
+
+
+def find_stages(roots: tuple[str, ...] = STAGE_ROOTS) -> list[StageSpec]:
+    """The ``STAGE`` of every ``config`` module in ``roots`` and the packages directly under them,
+    in name order. Config modules are light (the CLI reads them for flags); nothing else loads."""
+    import importlib
+    import importlib.util
+    import pkgutil
+    from pathlib import Path
+
+    found = []
+    for root in roots:
+        places = [Path(p) for p in importlib.util.find_spec(root).submodule_search_locations or []]
+        packages = [root] + [f"{root}.{m.name}" for p in places for m in pkgutil.iter_modules([str(p)]) if m.ispkg]
+        for pkg in packages:
+            folder = Path(*places[0].parts, *pkg.split(".")[len(root.split(".")):])
+            if (folder / "config.py").is_file():
+                spec = getattr(importlib.import_module(f"{pkg}.config"), "STAGE", None)
+                if spec is not None:
+                    if not isinstance(spec, StageSpec):
+                        raise TypeError(f"{pkg}.config.STAGE is not a harp_trt.stage_spec.StageSpec")
+                    found.append(spec)
+    return sorted(found, key=lambda s: s.name)
+
+
+STAGES: Registry[StageSpec] = Registry("stage", discover=lambda: ((s.name, s) for s in find_stages()))
 
 _ORT_QUANTIZED, _ORT_EXACT = "harp_trt.builders.ort.steps:quantized", "harp_trt.builders.ort.steps:exact"
 _ORT_STEPS = (

@@ -215,8 +215,14 @@ def traced_module(name, package=None):
     return real_import_module(name, package)
 
 builtins.__import__, importlib.import_module = traced, traced_module
+# the lookup is the harness's: finding the stage imports every stage's config module, so it runs
+# untraced and what it imported is forgotten; the stage's own import chain then runs traced
+on[0] = False
 from harp_trt.registry import STAGES
 spec = STAGES.get(stage_name)
+for m in [m for m in sys.modules if m.split(".")[0] == "harp_trt"]:
+    del sys.modules[m]
+on[0] = True
 stage_cls = spec.stage_class()
 on[0] = False
 from harp_trt.data import load_corpus

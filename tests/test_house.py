@@ -11,9 +11,16 @@ from pathlib import Path
 from harp_trt.codekey import PACKAGE_DIRS
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGE_PACKAGES = ("harp_trt.calib", "harp_trt.export", "harp_trt.rewrite", "harp_trt.builders.ort",
-                  "harp_trt.builders.trtllm", "harp_trt.builders.triton", "harp_trt.builders.genai",
-                  "harp_trt.builders.gguf", "harp_trt.bench.stage")
+
+
+def _stage_packages() -> tuple[str, ...]:
+    """Each stage's package, as the registry finds the stages (a new runtime's folder is one)."""
+    from harp_trt.registry import STAGES
+
+    return tuple(sorted({STAGES.get(n).stage.partition(":")[0].rpartition(".")[0] for n in STAGES.names()}))
+
+
+STAGE_PACKAGES = _stage_packages()
 
 
 def _group(module: str) -> str | None:

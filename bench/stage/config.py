@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from harp_trt.config import StageConfig, digest_of, option, parse_batch_sizes, parse_ints, parse_tasks
+from harp_trt.stage_spec import StageSpec
 from harp_trt.errors import ConfigError
 from harp_trt.lazy import Registry
 
@@ -132,3 +133,7 @@ def _dir_digest(folder: str) -> str:
     if not p.is_dir():
         return f"missing:{folder}"
     return digest_of({str(f.relative_to(p)): f.read_text(errors="replace") for f in sorted(p.rglob("*.yaml"))})
+
+
+STAGE = StageSpec("bench", "harp_trt.bench.stage.stage:BenchStage", "harp_trt.bench.stage.config:BenchConfig", "bench",
+                  "latency and accuracy, dense vs HARP")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import DeployTarget, StageCli, StageConfig, option
+from harp_trt.config import StageConfig, option
+from harp_trt.stage_spec import DeployTarget, StageCli, StageSpec
 
 __all__ = ["GenaiConfig", "CLI"]
 
@@ -47,3 +48,6 @@ CLI = StageCli(deploy=DeployTarget(
     artifact_help="ORT engine folder (build-ort artifact) or its cache key",
     out_help="folder to write (new or empty); default: the cached genai-<key> artifact in --workdir",
     force_help="replace --out if it is not empty / rebuild the cached folder"))
+
+STAGE = StageSpec("genai", "harp_trt.builders.genai.stage:GenaiStage", "harp_trt.builders.genai.config:GenaiConfig", "build",
+                  "onnxruntime-genai folder (og.Model) around an engine", CLI)

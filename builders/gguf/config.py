@@ -6,7 +6,8 @@ import dataclasses
 import difflib
 from typing import ClassVar
 
-from harp_trt.config import DeployTarget, StageCli, StageConfig, option
+from harp_trt.config import StageConfig, option
+from harp_trt.stage_spec import DeployTarget, StageCli, StageSpec
 from harp_trt.errors import ConfigError
 
 __all__ = ["GgufConfig", "DTYPES", "GGUF_TYPES", "CLI"]
@@ -60,3 +61,6 @@ CLI = StageCli(
                     "cache) for a HARP plan, verified in llama.cpp",
         source="plan", deploy="deploy_gguf", summary="deploy_summary",
         out_help="folder to write (new or empty); default: the cached gguf-<key> artifact in --workdir"))
+
+STAGE = StageSpec("gguf", "harp_trt.builders.gguf.stage:GgufStage", "harp_trt.builders.gguf.config:GgufConfig", "build",
+                  "llama.cpp deci GGUF (HARP layers as linear attention), verified in llama.cpp", CLI)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harp_trt.config import StageConfig, option
+from harp_trt.stage_spec import StageSpec
 from harp_trt.errors import ConfigError
 
 __all__ = ["OrtBuildConfig", "QuantSpec", "LEVELS", "QUANT_MODES", "ACCURACY_LEVELS"]
@@ -92,3 +93,7 @@ class OrtBuildConfig(StageConfig):
 
     def quant_spec(self) -> QuantSpec:
         return QuantSpec(self.quant, self.quant_block_size, self.quant_symmetric, self.quant_accuracy_level)
+
+
+STAGE = StageSpec("build-ort", "harp_trt.builders.ort.builder:OrtBuildStage", "harp_trt.builders.ort.config:OrtBuildConfig", "build",
+                  "ONNX Runtime engine folder")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import DeployTarget, StageCli, StageConfig, option
+from harp_trt.config import StageConfig, option
+from harp_trt.stage_spec import DeployTarget, StageCli, StageSpec
 from harp_trt.errors import ConfigError
 
 from .releases import DEFAULT_TRITON_RELEASE, KNOWN_RELEASES
@@ -127,3 +128,6 @@ CLI = StageCli(deploy=DeployTarget(
     artifact_help="export/rewrite/ORT-engine folder with model.onnx, or a trtllm artifact (folder or cache key)",
     out_help="model repository folder to write (must be new or empty)",
     force_help="replace --out if it exists and is not empty"))
+
+STAGE = StageSpec("triton", "harp_trt.builders.triton.stage:TritonRepoStage", "harp_trt.builders.triton.config:TritonRepoConfig", "build",
+                  "Triton model repository around an engine", CLI)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from harp_trt.config import DeployTarget, StageCli, StageConfig, option
+from harp_trt.config import StageConfig, option
+from harp_trt.stage_spec import DeployTarget, StageCli, StageSpec
 from harp_trt.errors import ConfigError
 from harp_trt.versions import TRTLLM_VERSION  # the TensorRT-LLM these checkpoints target
 
@@ -58,3 +59,6 @@ CLI = StageCli(
         description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan",
         source="plan", summary="deploy_summary", out="none",  # the pipeline runs the stage: a cached artifact
         force_help="rebuild even if the artifact is cached"))
+
+STAGE = StageSpec("trtllm", "harp_trt.builders.trtllm.stage:TrtllmCheckpointStage", "harp_trt.builders.trtllm.config:TrtllmCheckpointConfig", "build",
+                  "TensorRT-LLM checkpoint + build_engine.sh", CLI)

@@ -24,7 +24,7 @@ def stage_flags() -> dict[str, tuple]:
     where the chosen backend runs the stage."""
     from ..registry import STAGES
 
-    return {name: flags for name in STAGES.names() if (flags := STAGES.get(name).cli().build_flags)}
+    return {name: flags for name in STAGES.names() if (flags := STAGES.get(name).cli.build_flags)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +142,7 @@ def _ort_config(args, stages: set[str] | None = None):
 
         ort = [name for name in BACKENDS.names() if "build-ort" in _stages(name)]
         raise ConfigError(f"--quant applies to the ORT engine (backends {', '.join(ort)}), not {args.backend}",
-                          next((h for s in sorted(stages) if (h := STAGES.get(s).cli().own_quant)), None))
+                          next((h for s in sorted(stages) if (h := STAGES.get(s).cli.own_quant)), None))
     return config_from_args(STAGES.get("build-ort").config_class(), args, QUANT_FIELDS)
 
 

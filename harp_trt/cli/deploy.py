@@ -40,7 +40,7 @@ def targets() -> dict:
 
     out = {}
     for name in STAGES.names():
-        target = STAGES.get(name).cli().deploy
+        target = STAGES.get(name).cli.deploy
         if target is not None:
             out[name] = (name, target)
     return out

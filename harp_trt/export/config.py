@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import StageConfig
+from ..stage_spec import StageSpec
 from ..errors import ConfigError
 
 __all__ = ["ExportConfig"]
@@ -39,3 +40,7 @@ class ExportConfig(StageConfig):
             raise ConfigError(f"ExportConfig.storage must be full or compact, got {self.storage!r}")
         if self.storage == "compact" and self.dtype != "float32":
             raise ConfigError("ExportConfig.storage='compact' applies to float32 graphs")
+
+
+STAGE = StageSpec("export", "harp_trt.export.export:ExportStage", "harp_trt.export.config:ExportConfig", "export",
+                  "dense ONNX graph with a KV cache")

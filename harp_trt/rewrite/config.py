@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import StageConfig, option
+from ..stage_spec import StageSpec
 from ..errors import ConfigError
 from ..onnx_io import EXTERNAL_DATA_THRESHOLD, PROTOBUF_LIMIT
 
@@ -38,3 +39,7 @@ class RewriteConfig(StageConfig):
         from ..verify import VerifyConfig
 
         return VerifyConfig(rtol=self.rtol, decode_steps=self.decode_steps, greedy_steps=self.greedy_steps)
+
+
+STAGE = StageSpec("rewrite", "harp_trt.rewrite.stage:RewriteStage", "harp_trt.rewrite.config:RewriteConfig", "rewrite",
+                  "HARP graph surgery (Eq. 4-5), verified against PyTorch")
