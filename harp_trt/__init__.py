@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 # (``__path__``, not ``__file__``: harp_trt.codekey would count the folders named below as data
 # this module reads, rule 5; the finder only imports them, and imports are counted by name)
 _ROOT = _path.dirname(_path.abspath(__path__[0]))
-_FOLDERS = {"harp_trt.bench": "bench", "harp_trt.builders": "builders", "harp_trt.calib": "calib"}  # codekey.PACKAGE_DIRS
+# the one mapping in code (pyproject.toml's package-dir says the same to the installer; tests/test_house.py)
+PACKAGE_DIRS = {"harp_trt.bench": "bench", "harp_trt.builders": "builders", "harp_trt.calib": "calib"}
 
 
 class _Beside:
@@ -23,10 +24,10 @@ class _Beside:
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        return _PathFinder.find_spec(name, [_ROOT]) if name in _FOLDERS else None
+        return _PathFinder.find_spec(name, [_ROOT]) if name in PACKAGE_DIRS else None
 
 
 # a checkout (an installed wheel holds harp_trt/builders/ itself)
 if not _path.isdir(_path.join(__path__[0], "builders")) and \
-        all(_path.isfile(_path.join(_ROOT, f, "__init__.py")) for f in _FOLDERS.values()):
+        all(_path.isfile(_path.join(_ROOT, f, "__init__.py")) for f in PACKAGE_DIRS.values()):
     _sys.meta_path.insert(0, _Beside)

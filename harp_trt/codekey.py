@@ -71,14 +71,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import PACKAGE_DIRS  # import name -> checkout folder, defined once (harp_trt/__init__.py)
+
 __all__ = ["CodeKey", "Closure", "code_key", "import_closure", "library_versions_of", "installed_version", "IMPLIES",
            "REPO_ROOT", "PACKAGE_DIRS", "module_file", "source_digest", "clear_cache"]
 
 # (``__spec__.origin`` is this file; not ``__file__``, which would make rule 5 take the folder
 # names of PACKAGE_DIRS for data beside it where they are, in an installed wheel)
 REPO_ROOT = Path(__spec__.origin).resolve().parent.parent
-# import name -> its folder at the repository's top level (pyproject.toml: [tool.setuptools] package-dir)
-PACKAGE_DIRS = {"harp_trt.bench": "bench", "harp_trt.builders": "builders", "harp_trt.calib": "calib"}
 
 # a library that works through another, which our code need not import: its version shapes the
 # output of code importing the first (transformers tokenizes with tokenizers, reads weights with safetensors)

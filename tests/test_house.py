@@ -196,7 +196,7 @@ def test_the_install_holds_one_top_level_package():
     folders = {_module(f) for folder in _FOLDERS for f in (ROOT / folder).rglob("__init__.py")}
     assert sorted(setup["packages"]) == sorted(folders)
     assert {p.split(".")[0] for p in setup["packages"]} == {"harp_trt"}
-    assert setup["package-dir"] == PACKAGE_DIRS == harp_trt._FOLDERS
+    assert setup["package-dir"] == PACKAGE_DIRS and PACKAGE_DIRS is harp_trt.PACKAGE_DIRS
 
 
 def test_a_checkout_imports_its_own_folders(tmp_path):
