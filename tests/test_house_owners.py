@@ -1,10 +1,12 @@
 """The house rule "one owner for each fact" (ARCHITECTURE.md, "The house"; issue 33): each fact below
-is defined in one module and every other module goes through it. Each rule scans the source and
-shows on a planted file that it sees a use."""
+is defined in one module and every other module goes through it, and a stage is declared by the
+stage alone (the core names none). Each rule scans the source and shows on a planted file that it
+sees a use."""
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,41 @@ def test_engine_threads_is_the_one_rule():
     assert engine_threads({"intra_op_threads": 0}) is None and engine_threads(None, None) is None
     with pytest.raises(ValueError, match=">= 0"):
         engine_threads({}, -1)
+
+
+def test_a_stage_is_a_folder_found_by_the_registry(tmp_path):
+    """No stage named in the core: STAGES is what ``find_stages`` reads from the stage folders (each config module's ``STAGE``);
+    the core spells no stage's module: a new runtime under builders/ is found with no line added."""
+    import ast
+    from pathlib import Path
+
+    import harp_trt.registry as registry
+    from harp_trt.registry import find_stages
+
+    from harp_trt.registry import STAGES
+
+    assert STAGES.names() == ["bench", "build-ort", "calibrate", "export", "genai", "gguf", "rewrite", "triton",
+                              "trtllm"]
+    assert all(STAGES.get(n).config.startswith(STAGES.get(n).stage.partition(":")[0].rpartition(".")[0] + ".")
+               for n in STAGES.names())  # declared beside the stage: config and stage in one package
+    owned = {x for n in STAGES.names() for x in (STAGES.get(n).stage, STAGES.get(n).config)}
+    owned |= {x.partition(":")[0] for x in set(owned)}
+    core = [n.value for f in ("registry.py", "pipeline.py", "lazy.py", "stage_spec.py")
+            for n in ast.walk(ast.parse((Path(registry.__file__).parent / f).read_text()))
+            if isinstance(n, ast.Constant) and n.value in owned]
+    assert core == []
+    root = tmp_path / "stg"
+    for folder, body in {"": "", "plain": None, "newrt": "STAGE = S('newrt')", "other": "X = 1"}.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        (root / folder / "__init__.py").write_text("")
+        if body is not None:
+            (root / folder / "config.py").write_text(
+                "from harp_trt.stage_spec import StageSpec\n"
+                "def S(name):\n    return StageSpec(name, 'm:C', 'm:D', 'build', 'a new runtime')\n" + body + "\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert [s.name for s in find_stages(("stg",))] == ["newrt"]
+    finally:
+        sys.path.remove(str(tmp_path))
+        for m in [m for m in sys.modules if m == "stg" or m.startswith("stg.")]:
+            del sys.modules[m]

@@ -197,41 +197,6 @@ def test_core_names_no_backend_option():
 
 
 
-def test_a_stage_is_a_folder_found_by_the_registry(tmp_path):
-    """STAGES is what ``find_stages`` reads from the stage folders (each config module's ``STAGE``);
-    the core spells no stage's module: a new runtime under builders/ is found with no line added."""
-    import ast
-    from pathlib import Path
-
-    import harp_trt.registry as registry
-    from harp_trt.registry import find_stages
-
-    assert STAGES.names() == ["bench", "build-ort", "calibrate", "export", "genai", "gguf", "rewrite", "triton",
-                              "trtllm"]
-    assert all(STAGES.get(n).config.startswith(STAGES.get(n).stage.partition(":")[0].rpartition(".")[0] + ".")
-               for n in STAGES.names())  # declared beside the stage: config and stage in one package
-    owned = {x for n in STAGES.names() for x in (STAGES.get(n).stage, STAGES.get(n).config)}
-    owned |= {x.partition(":")[0] for x in set(owned)}
-    core = [n.value for f in ("registry.py", "pipeline.py", "lazy.py", "stage_spec.py")
-            for n in ast.walk(ast.parse((Path(registry.__file__).parent / f).read_text()))
-            if isinstance(n, ast.Constant) and n.value in owned]
-    assert core == []
-    root = tmp_path / "stg"
-    for folder, body in {"": "", "plain": None, "newrt": "STAGE = S('newrt')", "other": "X = 1"}.items():
-        (root / folder).mkdir(parents=True, exist_ok=True)
-        (root / folder / "__init__.py").write_text("")
-        if body is not None:
-            (root / folder / "config.py").write_text(
-                "from harp_trt.stage_spec import StageSpec\n"
-                "def S(name):\n    return StageSpec(name, 'm:C', 'm:D', 'build', 'a new runtime')\n" + body + "\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        assert [s.name for s in find_stages(("stg",))] == ["newrt"]
-    finally:
-        sys.path.remove(str(tmp_path))
-        for m in [m for m in sys.modules if m == "stg" or m.startswith("stg.")]:
-            del sys.modules[m]
-
 def test_unknown_names_say_did_you_mean():
     with pytest.raises(UnknownNameError, match=r"unknown backend 'onnxrt'.*valid: genai, gguf, ort, triton, trtllm"):
         BACKENDS.get("onnxrt")
