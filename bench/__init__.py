@@ -3,8 +3,10 @@
 Two halves. ``bench/stage/`` is the bench *stage*: ``run_bench(plan_artifact, source, config,
 store)`` (used by ``harp-trt bench`` and ``harp-trt build --bench``), its light ``config.py``,
 the engines it compares and its measurements; what it imports is the stage's code version. The
-``bench/*.py`` files beside it are standalone benchmark *scripts* (``python bench/NAME.py``), each
-ending its stdout with one JSON object: they use the stage and the pipeline, never the reverse.
+``bench/*.py`` files beside it are standalone benchmark *scripts* (``python bench/NAME.py``, or
+``python -m harp_trt.bench.NAME`` from an install), each ending its stdout with one JSON object and
+each named in the README; ``bench/_*.py`` are the helpers they share. They use the stage and the
+pipeline, never the reverse.
 Imports are lazy: ``import bench`` loads nothing heavy."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 that cannot happen on this machine raises :class:`Refused`, and :func:`run_main` turns it into exit 2
 with ``{"status": "refused", "reason": ...}`` as the last stdout line (the reason also on stderr), or
 prints the result as one JSON object with its ``status``. The 95 % confidence interval (``ci95``)
-lives here too, for the scripts and ``_gpu_engines.py`` alike (the model shapes: ``bench/shapes.py``)."""
+lives here too, for the scripts and ``_gpu_engines.py`` alike (the model shapes: ``bench/_shapes.py``)."""
 from __future__ import annotations
 
 import json

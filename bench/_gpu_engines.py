@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from harp_trt.bench._gpu_common import Refused, prefill_row
-from harp_trt.bench.shapes import DRY_RUN, SHAPES, head_dim
+from harp_trt.bench._shapes import DRY_RUN, SHAPES, head_dim
 
 __all__ = ["ENGINES", "GPU_RUNTIMES", "WEIGHTS", "probe", "engine_info", "add_engine_options", "shape_params", "disk_needed", "build_engines",
            "time_engine_prefill",

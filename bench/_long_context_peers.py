@@ -19,11 +19,11 @@ def peer_path(peer: str, resolved, store, args) -> Path:
     """The peer's model of the plan's dense model, built once, cached by model digest (written under a
     temporary name, then renamed). ``genai-int4``: onnxruntime-genai's own builder, int4, the last
     position's logits only (``prune_lm_head``, what a long-prompt user of it picks).
-    ``llamacpp-convert``: llama.cpp's own ``convert_hf_to_gguf.py`` (f16; ``bench/llamacpp_convert.py``),
+    ``llamacpp-convert``: llama.cpp's own ``convert_hf_to_gguf.py`` (f16; ``bench/_llamacpp_convert.py``),
     then its quantizer to ``--gguf-type``: the dense file a llama.cpp user makes, beside our writer's."""
     peers = Path(store.root) / "long_context_peers"
     if peer == "genai-int4":
-        from harp_trt.bench.genai_engine import build_genai_int4
+        from harp_trt.bench._genai_baseline import build_genai_int4
 
         folder = peers / f"genai-int4-last-{resolved.digest[:16]}"
         if not (folder / "genai_config.json").is_file():
@@ -31,7 +31,7 @@ def peer_path(peer: str, resolved, store, args) -> Path:
             build_genai_int4(resolved.folder, tmp, extra_options={"prune_lm_head": "true"})
             tmp.rename(folder)
         return folder
-    from harp_trt.bench.llamacpp_convert import convert_hf_folder, converter_root
+    from harp_trt.bench._llamacpp_convert import convert_hf_folder, converter_root
     from harp_trt.builders.gguf.probe import quantize
 
     path = peers / f"llamacpp-convert-{args.gguf_type}-{resolved.digest[:16]}.gguf"

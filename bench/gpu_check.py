@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 
 from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
 from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
-from harp_trt.bench.shapes import DRY_RUN, GPU_MODELS  # noqa: E402
+from harp_trt.bench._shapes import DRY_RUN, GPU_MODELS  # noqa: E402
 
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
 

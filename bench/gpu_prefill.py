@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 
 from harp_trt.bench._gpu_common import ci95, device_or_refuse, prefill_row, run_main  # noqa: E402  (after the path above)
 from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
-from harp_trt.bench.shapes import DRY_RUN, GPU_MODELS, SHAPES  # noqa: E402
+from harp_trt.bench._shapes import DRY_RUN, GPU_MODELS, SHAPES  # noqa: E402
 
 DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DRY_SEQ_LENS = (16, 32, 64)

@@ -7,7 +7,7 @@
 
 The plan is ``--plan`` (a plan.json, a calibrate artifact or its key) or made from ``--model`` and
 ``--prune-layers`` at ``--alpha`` (speed does not depend on the alphas). ``--shape qwen2.5-0.5b`` (or
-``llama3.2-1b``, any of ``bench/shapes.py``'s) stands in a random-weight model of a real
+``llama3.2-1b``, any of ``bench/_shapes.py``'s) stands in a random-weight model of a real
 model's shapes for ``--model`` (written once into ``--workdir``; positions up to its config's, past
 8192), so long contexts can be timed on a larger model than SmolLM2. The engines are built by
 the pipeline's own stages (``harp_trt.registry.BACKENDS``: the steps the runtime's bench compares),
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--plan", help="plan.json, calibrate artifact folder or its key in --workdir")
     src.add_argument("--model", help="model reference (preset, HF folder); with --prune-layers")
     src.add_argument("--shape", choices=sorted(_shapes()),
-                     help="a random-weight model of these real shapes (bench/shapes.py); with --prune-layers")
+                     help="a random-weight model of these real shapes (bench/_shapes.py); with --prune-layers")
     p.add_argument("--tokenizer", default="smollm2-135m", help="model whose tokenizer --shape borrows")
     p.add_argument("--prune-layers", default="", help="layers to prune with --model, e.g. 22,23,...,29")
     p.add_argument("--alpha", type=float, default=0.5, help="alpha of every pruned layer (default 0.5)")
@@ -155,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _shapes() -> dict[str, dict]:
-    from harp_trt.bench.shapes import SHAPES
+    from harp_trt.bench._shapes import SHAPES
 
     return SHAPES
 

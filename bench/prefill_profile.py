@@ -13,7 +13,7 @@ Sides, each timed as a generator's prefill (the prompt in, the last position's l
   the static KV cache, the LM head over the last position only (``logits_to_keep`` 1);
 * ``torch``: the Hugging Face model, fp32, sdpa, ``logits_to_keep=1`` (what its ``generate`` passes);
 * ``genai_int4`` (``--genai``): onnxruntime-genai's model builder int4 (block 32, accuracy level 4),
-  its generator's prefill (``bench/genai_engine.py``).
+  its generator's prefill (``bench/_genai_baseline.py``).
 
 Every repeat runs each side once, the order rotating; each figure is the median, and our sides'
 speed-ups over PyTorch carry 95 % intervals from the paired repeats (``paired_speedup``), each next to
@@ -181,7 +181,7 @@ class TorchSide(_TorchBase):
 
 class GenaiSide:
     def __init__(self, folder: Path, threads: int):
-        from harp_trt.bench.genai_engine import GenaiEngine
+        from harp_trt.bench._genai_baseline import GenaiEngine
 
         self.engine = GenaiEngine(folder, threads)
         self.quant = "int4"
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     sides[REFERENCE] = TorchSide(resolved, args.threads)
     genai_facts = None
     if args.genai:
-        from harp_trt.bench.genai_engine import build_genai_int4, genai_version
+        from harp_trt.bench._genai_baseline import build_genai_int4, genai_version
 
         gdir = store.root / f"genai-int4-{resolved.digest[:16]}"
         if not (gdir / "genai_config.json").is_file():

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from harp_trt.bench.shapes import SHAPES  # one table for every script
+from harp_trt.bench._shapes import SHAPES  # one table for every script
 
 SHARD_BYTES = 2 << 30
 

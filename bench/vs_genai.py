@@ -5,7 +5,7 @@
 
 A user deploying a small LLM on CPUs with ONNX Runtime would pick onnxruntime-genai's int4 model
 (its model builder, ``-p int4 -e cpu``). This script builds it from the same Hugging Face folder
-(``bench/genai_engine.py``), builds our dense and HARP engines with ``--quant int4`` (the same
+(``bench/_genai_baseline.py``), builds our dense and HARP engines with ``--quant int4`` (the same
 MatMulNBits settings: block 32, symmetric, accuracy level 4), and times the three in one process at
 the same thread count, interleaved (every repeat runs each engine once, the order rotating):
 prefill of 512 and 2048 tokens (seconds to the first token) and greedy decode (tokens/s of
@@ -94,7 +94,7 @@ class _Ours:
 
 def _engines(args, store):
     """(plan, dense int4 engine folder, HARP int4 engine folder, genai folder, build facts)."""
-    from harp_trt.bench.genai_engine import build_genai_int4, genai_graph_facts
+    from harp_trt.bench._genai_baseline import build_genai_int4, genai_graph_facts
     from harp_trt.builders.ort.builder import OrtBuildStage
     from harp_trt.builders.ort.config import OrtBuildConfig
     from harp_trt.calib.config import CalibrateConfig
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from harp_trt.bench.genai_engine import GenaiEngine, GenaiUnavailableError, genai_version
+    from harp_trt.bench._genai_baseline import GenaiEngine, GenaiUnavailableError, genai_version
     from harp_trt.store import ArtifactStore
 
     if genai_version() is None:

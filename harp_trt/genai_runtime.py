@@ -1,7 +1,7 @@
 """Opening onnxruntime-genai folders: the one place that imports ``onnxruntime_genai`` and loads an
 ``og.Model`` on the CPU (or, for the GPU scripts, on CUDA) with a fixed thread count. The genai deploy stage (``builders/genai``), the
 bench's genai engine (``bench/stage/engine_genai.py``) and the genai baseline script
-(``bench/genai_engine.py``) all open folders through it; it lives in the core because no stage
+(``bench/_genai_baseline.py``) all open folders through it; it lives in the core because no stage
 may import another.
 
 ``onnxruntime_genai`` 0.18 aborts the whole process ("Failed to load onnxruntime") when it is

@@ -1,4 +1,4 @@
-"""Test support: llama.cpp's own converter (``harp_trt.bench.llamacpp_convert``) from the wheelhouse's
+"""Test support: llama.cpp's own converter (``harp_trt.bench._llamacpp_convert``) from the wheelhouse's
 ``llama-cpp-python`` sdist, unpacked into the test cache once."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import wheelhouse
 
-from harp_trt.bench import llamacpp_convert
-from harp_trt.bench.llamacpp_convert import LLAMA3_VOCAB
+from harp_trt.bench import _llamacpp_convert as llamacpp_convert
+from harp_trt.bench._llamacpp_convert import LLAMA3_VOCAB
 
 __all__ = ["fetch_converter", "convert_hf_folder", "LLAMA3_VOCAB"]
 

@@ -1,4 +1,4 @@
-"""bench/vs_genai.py and bench/genai_engine.py: the decode byte ideal read from two int4 engines; our
+"""bench/vs_genai.py and bench/_genai_baseline.py: the decode byte ideal read from two int4 engines; our
 engines' timings, checked against a wall clock and against what the timed calls really ran (recorded
 around the real calls: one forward over the whole prompt, the requested number of decode steps); the
 script end to end on a tiny model, its figures checked against each other (medians of its own samples,
@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from _exported import exported
-from harp_trt.bench.genai_engine import stage_hf_folder
+from harp_trt.bench._genai_baseline import stage_hf_folder
 from harp_trt.bench.vs_genai import DECODE_CONTEXT, _byte_ideal, _graph_bytes, _Ours, main
 from harp_trt.builders.ort.builder import OrtBuilder
 from harp_trt.builders.ort.config import OrtBuildConfig
@@ -83,7 +83,7 @@ def test_byte_ideal_of_two_int4_engines(tmp_path, monkeypatch):
 def test_vs_genai_figures_agree_with_each_other(tmp_path, capsys):
     """The script on a tiny Llama (vocabulary 20000 and 4096 positions, for its 2048-token prompts
     of ids < 20000) against onnxruntime-genai's int4 build of the same folder (~45 s on 2 cores)."""
-    from harp_trt.bench.genai_engine import genai_version
+    from harp_trt.bench._genai_baseline import genai_version
 
     assert genai_version() is not None, "onnxruntime-genai is not installed: pip install -e '.[test]'"
     folder = save_tiny("llama", tmp_path / "m", vocab_size=20000, max_position_embeddings=4096)

@@ -51,7 +51,7 @@ def _engine_literal(node) -> bool:
     return _const(node, {"engine.json", "harp-engine/1"})
 
 
-# ---- model shapes: one table (bench/shapes.py) --------------------------------------------------
+# ---- model shapes: one table (bench/_shapes.py) --------------------------------------------------
 def _model_shape(node) -> bool:
     """A config written out by hand: keywords or dict keys giving both hidden_size and
     num_hidden_layers as numbers."""
@@ -83,7 +83,7 @@ RULES = {
     # fact: (what a use looks like, its owners and why, a planted use the scan must see)
     "engine contract": (_engine_literal, {"harp_trt/engine_spec.py"}, 'SPEC = "engine.json"\n'),
     # families/base.py: the toy config every family's self-check builds, not a model's shape
-    "model shapes": (_model_shape, {"bench/shapes.py", "harp_trt/families/base.py"},
+    "model shapes": (_model_shape, {"bench/_shapes.py", "harp_trt/families/base.py"},
                      "cfg = dict(hidden_size=64, num_hidden_layers=2)\n"),
     "peak RSS": (_rusage, {"harp_trt/memory.py"}, "import resource\nr = resource.getrusage(0).ru_maxrss\n"),
     "threads": (_threads_read, {"harp_trt/engine_spec.py"}, 'n = spec.get("intra_op_threads") or 0\n'),
