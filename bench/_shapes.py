@@ -12,6 +12,9 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor
 _QWEN2_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                  intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
                  max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6)
+_TINY = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=10000.0,
+             rms_norm_eps=1e-6)
 
 SHAPES: dict[str, dict] = {
     # meta-llama/Llama-3.1-8B
@@ -40,12 +43,8 @@ SHAPES: dict[str, dict] = {
                         tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
                         rms_norm_eps=1e-5, rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}),
     # tiny shapes for tests: SmolLM2's vocabulary (scale_probe borrows its tokenizer)
-    "tiny": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
-                 max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6),
-    "tiny-llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
-                       max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "tiny": dict(model_type="qwen2", **_TINY),
+    "tiny-llama": dict(model_type="llama", **_TINY),
     # the GPU scripts' --dry-run: their code path at toy size on any device (no tokenizer needed)
     "tiny-gpu": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 from .errors import UnknownNameError
 
-__all__ = ["Registry", "load_object"]
+__all__ = ["Registry", "load_object", "package_modules"]
 
 T = TypeVar("T")
 
@@ -26,6 +26,16 @@ def load_object(target: str) -> Any:
     mod, _, attr = target.partition(":")
     module = importlib.import_module(mod)
     return getattr(module, attr) if attr else module
+
+
+def package_modules(package: str) -> list[Any]:
+    """The modules and subpackages of ``package`` (``pkgutil.ModuleInfo``, in name order), read from
+    its folders without importing them (finding the package imports its parents only)."""
+    import importlib.util
+    import pkgutil
+
+    spec = importlib.util.find_spec(package)
+    return sorted(pkgutil.iter_modules(spec.submodule_search_locations or []), key=lambda m: m.name)
 
 
 class Registry(Generic[T]):
@@ -68,14 +78,9 @@ class Registry(Generic[T]):
         starting with ``_`` and ``skip`` aside), in name order, as ``package.<module>:<attr>`` under
         the module's name: a new entry is a new file that defines ``attr``, with no line to add
         here (as lm-evaluation-harness finds its tasks by scanning their folder)."""
-        import importlib.util
-        import pkgutil
-
-        spec = importlib.util.find_spec(package)
-        found = sorted(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations or []))
-        for name in found:
-            if not name.startswith("_") and name not in set(skip):
-                self._add(name, f"{package}.{name}:{attr}")
+        for m in package_modules(package):
+            if not m.name.startswith("_") and m.name not in set(skip):
+                self._add(m.name, f"{package}.{m.name}:{attr}")
 
     def _add(self, name: str, target: Any) -> None:
         if name in self._entries:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .lazy import Registry, load_object
+from .lazy import Registry, load_object, package_modules
 from .stage_spec import DeployTarget, StageCli, StageSpec
 
 __all__ = ["Registry", "load_object", "StageSpec", "StageCli", "DeployTarget", "Step", "BackendSpec", "Engines",
@@ -83,17 +83,11 @@ def find_stages(roots: tuple[str, ...] = STAGE_ROOTS) -> list[StageSpec]:
     """The ``STAGE`` of every ``config`` module in ``roots`` and the packages directly under them,
     in name order. Config modules are light (the CLI reads them for flags); nothing else loads."""
     import importlib
-    import importlib.util
-    import pkgutil
-    from pathlib import Path
 
     found = []
     for root in roots:
-        places = [Path(p) for p in importlib.util.find_spec(root).submodule_search_locations or []]
-        packages = [root] + [f"{root}.{m.name}" for p in places for m in pkgutil.iter_modules([str(p)]) if m.ispkg]
-        for pkg in packages:
-            folder = Path(*places[0].parts, *pkg.split(".")[len(root.split(".")):])
-            if (folder / "config.py").is_file():
+        for pkg in [root] + [f"{root}.{m.name}" for m in package_modules(root) if m.ispkg]:
+            if any(m.name == "config" and not m.ispkg for m in package_modules(pkg)):
                 spec = getattr(importlib.import_module(f"{pkg}.config"), "STAGE", None)
                 if spec is not None:
                     if not isinstance(spec, StageSpec):

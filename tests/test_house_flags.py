@@ -30,7 +30,7 @@ def _deploy_inputs() -> dict[str, set[str]]:
     from harp_trt.cli.deploy import targets
 
     return {f"deploy {name}": ({"--plan", "--model"} if t.source == "plan" else {"--artifact"})
-            | ({"--out"} if t.out != "none" else set()) | {"--force"} for name, (_, t) in targets().items()}
+            | ({"--out"} if t.out != "none" else set()) | {"--force"} for name, t in targets().items()}
 
 
 NOT_CONFIG.update(_deploy_inputs())
@@ -124,6 +124,6 @@ def test_deploy_targets_come_from_their_stages():
 
     found = targets()
     assert set(found) == {"trtllm", "triton", "genai", "gguf"}
-    assert all(STAGES.get(stage).cli.deploy is target for stage, target in found.values())
+    assert all(STAGES.get(stage).cli.deploy is target for stage, target in found.items())
     assert _cli_string_uses(set(found)) == []
     assert _cli_string_uses({"gguf"}) == [] and _cli_string_uses({"deploy"})  # the scan sees a name

@@ -187,8 +187,9 @@ def genai_config_for(info: EngineInfo, config: GenaiConfig) -> dict[str, Any]:
               "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     outputs = {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
     session: dict[str, Any] = {"log_id": "onnxruntime-genai", "provider_options": []}
-    if engine_threads(info.spec):
-        session["intra_op_num_threads"] = engine_threads(info.spec)
+    threads = engine_threads(info.spec)
+    if threads:
+        session["intra_op_num_threads"] = threads
     return {
         "model": {
             **_token_ids(info.path), "context_length": int(context), "type": "llama",

@@ -110,7 +110,8 @@ class OrtBuilder:
         }
         write_engine_spec(out, spec)
         log.info("engine %s: attention on GQA for %d layers, KV %d B/token (dense %d)", out,
-                 len(fields["attention"]["converted_layers"]), spec["kv"]["bytes_per_token"], spec["kv"]["dense_bytes_per_token"])
+                 len(fields["attention"]["converted_layers"]), spec["kv"]["bytes_per_token"],
+                 spec["kv"]["dense_bytes_per_token"])
         return spec
 
     @staticmethod

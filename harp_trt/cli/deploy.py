@@ -35,22 +35,19 @@ PLAN_HELP = "calibrate artifact folder (or key) or a plan.json file"
 
 
 def targets() -> dict:
-    """``{target: (stage name, DeployTarget)}`` of every stage that declares one, in registry order."""
+    """``{stage name: DeployTarget}`` of every stage that declares one (the target is named as its
+    stage), in registry order."""
     from ..registry import STAGES
 
-    out = {}
-    for name in STAGES.names():
-        target = STAGES.get(name).cli.deploy
-        if target is not None:
-            out[name] = (name, target)
-    return out
+    declared = {name: STAGES.get(name).cli.deploy for name in STAGES.names()}
+    return {name: target for name, target in declared.items() if target is not None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     found = targets()
     sub = p.add_subparsers(dest="target", required=True, metavar="{" + ",".join(found) + "}")
-    for name, (stage, target) in found.items():
-        t = sub.add_parser(name, help=target.help, description=target.description)
+    for stage, target in found.items():
+        t = sub.add_parser(stage, help=target.help, description=target.description)
         add_target_arguments(t, stage, target)
         _common_suppressed(t)
 
@@ -78,7 +75,7 @@ def run(args) -> dict:
     from ..store import ArtifactStore
 
     t0 = time.perf_counter()
-    stage, target = targets()[args.target]
+    stage, target = args.target, targets()[args.target]
     spec = STAGES.get(stage)
     config = config_from_args(spec.config_class(), args)
     store = ArtifactStore(getattr(args, "workdir", None))  # resolves cache keys; holds a cached artifact
