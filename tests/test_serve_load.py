@@ -23,7 +23,10 @@ from harp_trt.bench import serve_load
 from harp_trt.onnx_io import copy_tokenizer
 from test_calibrate_cli import write_corpus
 
-ISL, OSL = 16, 128
+# OSL long enough that four requests overlap on a busy machine too: at ITL ~0.8 ms a 128-token request took
+# ~0.1 s, and beside another job AIPerf's fourth once started after the first had ended (HARP batch 2, not
+# 4); at 384 tokens one takes ~0.35 s (max_position_embeddings raised to hold ISL + OSL)
+ISL, OSL = 16, 384
 DENSE_KV_PER_TOKEN = 4 * 2 * 2 * 16 * 4   # tiny llama: 4 layers x K,V x 2 KV heads x head_dim 16 x fp32
 
 
@@ -38,7 +41,7 @@ def result(tmp_path_factory, test_cache, smollm2):
     # SmolLM2's byte-level BPE tokenizer: llama.cpp's server tokenizes text with the GGUF's own copy of it
     # (a tokenizer llama.cpp cannot read gives a GGUF of token ids only, which its server cannot serve)
     model = root / "tiny"
-    make_tiny("llama", vocab_size=49152).save_pretrained(model, safe_serialization=True)
+    make_tiny("llama", vocab_size=49152, max_position_embeddings=1024).save_pretrained(model, safe_serialization=True)
     copy_tokenizer(Path(smollm2[0].folder), model, skip=("config.json", "generation_config.json"))
     corpus = write_corpus(root / "corpus.txt")
     # AIPerf's prompts of ISL tokens are ISL give or take a few once the server tokenizes them: this budget
