@@ -9,10 +9,10 @@ does not import, or, without ``--dry-run``, has no GPU support: onnxruntime-gena
 vendor/llama.cpp/src/llama.cpp). A ``--dry-run`` takes the CPU builds and runs the same code on
 the CPU.
 
-:func:`build_engines` saves the random-weight model of the shape (seed 0, stored in bf16: the
-export reads it back in fp32) as a Hugging Face folder, makes the plan (the top ``layers`` at
+:func:`build_engines` writes the random-weight model of the shape (``bench/_random_model.py``, seed 0,
+stored in bf16: the export reads it back in fp32) as a Hugging Face folder, makes the plan (the top ``layers`` at
 alpha 1: latency does not depend on alpha) and builds the dense and HARP artifacts with the
-pipeline's own stages, as ``bench/long_context.py`` does (``build_sources``: genai = export,
+pipeline's own stages, as ``bench/long_context.py`` does (``bench/_pipeline_engines.build_sources``: genai = export,
 rewrite, build-ort, genai; llamacpp = the deci GGUF). At the 8B shapes disk, not the GPU, is the
 limit: :func:`disk_needed` estimates it (bf16 folder, then f16 GGUFs for llama.cpp or fp32 ONNX
 graphs for genai) and :func:`probe` refuses up front where the work folder has less free space.
@@ -136,26 +136,10 @@ def disk_needed(engine: str, shape: str) -> int:
     return 2 * n + _ARTIFACT_BYTES_PER_PARAM[engine] * n
 
 
-def _save_random_model(shape: str, folder: Path) -> Path:
-    """The shape's random-weight model (bf16, seed 0) as a Hugging Face folder (written once)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (folder / "config.json").is_file():
-        return folder
-    kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(folder)
-    return folder
-
-
 def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: bool, headroom: int) -> dict:
     """``{"dense": Engine, "harp": Engine}`` of the shape on ``engine``, on the GPU unless ``dry_run``."""
-    from harp_trt.bench.long_context import build_sources
+    from harp_trt.bench._pipeline_engines import build_sources
+    from harp_trt.bench._random_model import random_model
     from harp_trt.families import family_of
     from harp_trt.models import resolve_model
     from harp_trt.plan import Plan
@@ -164,7 +148,7 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
     from transformers import AutoConfig
 
     store = ArtifactStore(Path(workdir))
-    folder = _save_random_model(shape, Path(workdir) / f"random-{shape}")
+    folder = random_model(shape, Path(workdir) / f"random-{shape}")
     resolved = resolve_model(str(folder), store.root)
     cfg = AutoConfig.from_pretrained(folder)
     n = cfg.num_hidden_layers
@@ -175,7 +159,7 @@ def build_engines(engine: str, shape: str, layers: int, workdir: Path, dry_run: 
 
 
 def time_engine_prefill(engines: dict, seq_lens, repeats: int, warmup: int, vocab: int) -> list[dict]:
-    """Prefill rows as ``harp_trt.bench.gpu_prefill.time_prefill`` writes them, dense and HARP interleaved
+    """Prefill rows as ``harp_trt.bench._gpu_torch.time_prefill`` writes them, dense and HARP interleaved
     (the order flips every repeat); each runtime returns when its logits are on the host."""
     import torch
 
@@ -228,3 +212,17 @@ def close(engines: dict) -> None:
     for e in engines.values():
         e.close()
 
+
+def engine_figures(args, info: dict) -> tuple[list[dict], list[dict], dict, str]:
+    """(prefill rows, decode rows, batches, runtime label) of ``args.engine`` (decode at batch 1): the
+    figures ``bench/_gpu_torch.py`` gives for PyTorch, from :func:`build_engines`."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix="gpu_engines_") as tmp:
+        engines = build_engines(args.engine, args.shape, args.layers, Path(args.workdir or tmp), args.dry_run,
+                                   headroom=args.warmup + args.decode_steps + 2)
+        try:
+            pre = time_engine_prefill(engines, args.seq_lens, args.repeats, args.warmup, vocab)
+            dec = time_engine_decode(engines, args.decode_context, args.decode_steps, vocab)
+        finally:
+            close(engines)
+    return pre, dec, {"dense": 1, "harp": 1}, f"{info['runtime']} {info['version']}"

@@ -12,7 +12,7 @@ depend on shapes only) and reports, as one JSON object on the last stdout line:
   (target: <= 120 s on one H200; the paper reports < 2 hours on an H100);
 * ``naive_vs_cached``: both searches on a smaller grid (P = 2, grid {0, 0.5, 1}, 8k tokens) with the
   speed-up and whether alphas and perplexities agree;
-* ``prefill``: dense vs HARP (P = 8) at 1k-64k tokens (``bench/gpu_prefill.py``'s timing, fewer
+* ``prefill``: dense vs HARP (P = 8) at 1k-64k tokens (``bench/_gpu_torch.py``'s timing, fewer
   repeats), with the paper's H100 figure for reference;
 * ``decode``: tokens/s at the largest batch each model fits, and KV bytes per token.
 
@@ -37,7 +37,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from harp_trt.bench._gpu_common import device_or_refuse, run_main  # noqa: E402  (after the path above)
-from harp_trt.bench._gpu_engines import add_engine_options, engine_info  # noqa: E402
+from harp_trt.bench._gpu_engines import add_engine_options, engine_figures, engine_info  # noqa: E402
+from harp_trt.bench._gpu_torch import build_models, max_batch, sync, time_decode, time_prefill  # noqa: E402
 from harp_trt.bench._shapes import DRY_RUN, GPU_MODELS  # noqa: E402
 
 GRID = tuple(round(0.1 * i, 1) for i in range(11))
@@ -68,13 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def search_figures(model, family, windows, layers, grid, naive: bool) -> dict:
     import copy
 
@@ -83,7 +77,7 @@ def search_figures(model, family, windows, layers, grid, naive: bool) -> dict:
     m = copy.deepcopy(model) if naive else model
     t0 = time.perf_counter()
     res = search_alphas(m, family, windows, layers, grid, naive=naive)
-    _sync(next(m.parameters()).device)
+    sync(next(m.parameters()).device)
     seconds = time.perf_counter() - t0
     if naive:
         del m
@@ -114,8 +108,6 @@ def shape_check(model: str, layers: int = 8) -> dict:
     installed transformers' config and model classes are checked at the GPU run's size."""
     import torch
 
-    from harp_trt.bench.gpu_prefill import build_models
-
     dense, harp, _ = build_models(model, layers, torch.device("meta"), torch.bfloat16)
     return {"model": model, "params": sum(p.numel() for p in dense.parameters()),
             "harp_params": sum(p.numel() for p in harp.parameters()), "layers_pruned": layers}
@@ -141,10 +133,8 @@ def _prefill_summary(out: dict, rows: list[dict]) -> None:
 
 
 def engine_latency(out: dict, args, info: dict) -> None:
-    """Prefill at ``--seq-lens`` and batch-1 decode on ``--engine`` (``harp_trt.bench.gpu_prefill.engine_figures``)."""
+    """Prefill at ``--seq-lens`` and batch-1 decode on ``--engine`` (``bench/_gpu_engines.engine_figures``)."""
     from types import SimpleNamespace
-
-    from harp_trt.bench.gpu_prefill import engine_figures
 
     ctx, steps = (4096, 8) if not args.dry_run else (16, 2)
     ns = SimpleNamespace(engine=args.engine, shape=args.shape, layers=args.layers, workdir=args.workdir,
@@ -161,8 +151,6 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
     """Prefill per ``--seq-lens`` and decode at the largest batch that fits, dense vs HARP, into
     ``out``; what the time budget leaves out is listed in ``out["skipped"]``."""
     import torch
-
-    from harp_trt.bench.gpu_prefill import max_batch, time_decode, time_prefill
 
     rows = []
     for s in args.seq_lens:
@@ -190,7 +178,6 @@ def latency_figures(out: dict, models: dict, args, device, dtype, vocab: int, sp
 def run(args) -> dict:
     import torch
 
-    from harp_trt.bench.gpu_prefill import build_models
     from harp_trt.families import family_of
 
     device, dtype = device_or_refuse("gpu_check.py", args.dry_run)

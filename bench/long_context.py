@@ -27,7 +27,6 @@ counted KV bytes per token, and L/(L-P) for capacity. Speed-ups carry 95 % inter
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -39,17 +38,19 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harp_trt.config import parse_ints  # noqa: E402
 from harp_trt.errors import ConfigError, HarpError  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 from harp_trt.memory import parse_bytes  # noqa: E402
 
 from harp_trt.bench._long_context_peers import PEERS, load_peer, open_peer_plan, peer_path  # noqa: E402
+from harp_trt.bench._pipeline_engines import RUNTIMES, build_sources, make_plan  # noqa: E402
+from harp_trt.bench._shapes import SHAPES  # noqa: E402
 
-__all__ = ["main", "parse_args", "run", "parse_bytes", "parse_ints", "RUNTIMES"]
+__all__ = ["main", "parse_args", "run", "RUNTIMES"]
 
 log = logging.getLogger("long_context")
 
-RUNTIMES = {"ort": "ort", "genai": "genai", "llamacpp": "gguf"}   # runtime -> pipeline backend
 WEIGHT_BYTES = {"none": 4, "int8": 1, "w8a8": 1, "int4": 0.5}                 # ORT weight element size per --quant
 QUIET_LOAD = 0.5   # 1-minute load average before the run at or below which the machine counts as quiet
 
@@ -63,22 +64,12 @@ def machine_note(load_before: float, load_after: float) -> str:
             "noise only" + ("" if state == "quiet" else ", not the other jobs' load"))
 
 
-def parse_ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise ConfigError(f"{flag} takes positive integers, got {text!r}")
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--plan", help="plan.json, calibrate artifact folder or its key in --workdir")
     src.add_argument("--model", help="model reference (preset, HF folder); with --prune-layers")
-    src.add_argument("--shape", choices=sorted(_shapes()),
+    src.add_argument("--shape", choices=sorted(SHAPES),
                      help="a random-weight model of these real shapes (bench/_shapes.py); with --prune-layers")
     p.add_argument("--tokenizer", default="smollm2-135m", help="model whose tokenizer --shape borrows")
     p.add_argument("--prune-layers", default="", help="layers to prune with --model, e.g. 22,23,...,29")
@@ -129,9 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="long_context_out", help="folder for the JSON and the plot")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    a.contexts, a.batches = parse_ints(a.contexts, "--contexts"), parse_ints(a.batches, "--batches")
-    a.prefill_lens = parse_ints(a.prefill_lens, "--prefill-lens") if a.prefill_lens.strip() not in ("", "none") else ()
-    a.layers = parse_ints(a.prune_layers, "--prune-layers") if a.prune_layers else ()
+    a.contexts, a.batches = (parse_ints(getattr(a, f), f"--{f}", positive=True) for f in ("contexts", "batches"))
+    a.prefill_lens = (parse_ints(a.prefill_lens, "--prefill-lens", positive=True)
+                      if a.prefill_lens.strip() not in ("", "none") else ())
+    a.layers = parse_ints(a.prune_layers, "--prune-layers", positive=True) if a.prune_layers else ()
     if (a.model or a.shape) and not a.layers:
         raise ConfigError("--model/--shape need --prune-layers (the layers to prune), e.g. --prune-layers 28,29")
     if a.peer_plan and not a.plan:
@@ -152,103 +144,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ConfigError(f"--cap-context must be >= 0, got {a.cap_context}")
     a.runtimes = list(RUNTIMES) if a.runtime == "all" else [a.runtime]
     return a
-
-
-def _shapes() -> dict[str, dict]:
-    from harp_trt.bench._shapes import SHAPES
-
-    return SHAPES
-
-
-def shape_model(shape: str, tokenizer: str, seed: int, root: Path) -> Path:
-    """The random-weight model of ``shape`` (``bench/scale_probe.write_random_model``: the real
-    config, bf16 weights drawn with ``seed``, ``tokenizer``'s files), written once under ``root``
-    (a temporary folder, then renamed)."""
-    from harp_trt.models import resolve_model
-
-    from harp_trt.bench.scale_probe import write_random_model
-
-    folder = root / "long_context_models" / f"{shape}-seed{seed}"
-    if not (folder / "config.json").is_file():
-        tok = resolve_model(tokenizer, root)
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        log.info("writing a random-weight %s model to %s ...", shape, folder)
-        write_random_model(shape, tmp, tok.folder, seed)
-        tmp.rename(folder)
-    return folder
-
-
-# ---- plan and engines: the pipeline's stages, cached ------------------------------------------
-def calib_config(args):
-    """The calibrate config of a plan made from ``--model``/``--shape`` and ``--prune-layers``."""
-    from harp_trt.registry import STAGES
-
-    return STAGES.get("calibrate").config_class()(
-        layers=len(args.layers), prune_layers=tuple(args.layers), alphas=(float(args.alpha),) * len(args.layers),
-        corpus=args.corpus, tokens=args.calib_tokens, seq_len=min(128, args.calib_tokens))
-
-
-def make_plan(args, store):
-    """(plan, resolved model, calibrate artifact or None)."""
-    from harp_trt.models import resolve_model
-    from harp_trt.pipeline import run_stage
-    from harp_trt.plan import Plan, open_plan
-
-    if args.plan:
-        plan = open_plan(args.plan, store)
-        return plan, resolve_model(plan.model_ref, store.root), None
-    model = str(shape_model(args.shape, args.tokenizer, args.seed, Path(store.root))) if args.shape else args.model
-    resolved = resolve_model(model, store.root)
-    art = run_stage("calibrate", calib_config(args), {"model": resolved}, store)
-    return Plan.load(art.path), resolved, art
-
-
-def stage_configs(backend: str, args) -> dict[str, Any]:
-    """Every stage config of the backend's steps: defaults, with ``--quant`` / ``--gguf-type`` where
-    the stage takes them and the last position's logits only where a generator reads them."""
-    from harp_trt.registry import BACKENDS, STAGES
-
-    configs = {}
-    for name in {s.stage for s in BACKENDS.get(backend).steps}:
-        cfg = STAGES.get(name).config_class()()
-        for field, value in (("quant", args.quant), ("gguf_type", args.gguf_type), ("last_logits", True)):
-            if hasattr(cfg, field):
-                cfg = dataclasses.replace(cfg, **{field: value})
-        configs[name] = cfg
-    return configs
-
-
-def build_sources(runtime: str, plan, resolved, calib_art, store, args) -> dict[str, Any]:
-    """The dense and HARP artifacts the runtime's bench compares. From ``--model``/``--shape``: the
-    pipeline's ``run_build`` with those two engines (the backend's own choices, e.g. compact
-    intermediates at 7B, and its intermediates dropped once read: a 7B int4 pair fits the disk; with
-    ``--gguf-type`` the unquantized GGUFs dropped once verified and quantized, ``drop_unquantized``);
-    from ``--plan``: the backend's steps that lead to them, walked here."""
-    from harp_trt.pipeline import needed_steps, run_build, run_stage
-    from harp_trt.registry import BACKENDS
-
-    backend = RUNTIMES[runtime]
-    spec = BACKENDS.get(backend)
-    # only the dense and HARP engines (not the fp32 references a quantized bench also reads)
-    engines = tuple((v, name) for v, name in spec.bench_engines(runtime, f"backend {backend}")
-                    if v in ("dense", "harp"))
-    configs = stage_configs(backend, args)
-    if calib_art is not None:
-        res = run_build(str(resolved.folder), calib_config(args), store, backend, configs=configs,
-                        engines=engines, keep_intermediates=False)
-        arts = {v: res.artifact(name) for v, name in engines}
-        if args.gguf_type != "none":   # the bench times the quantized files only
-            from harp_trt.bench.stage.engine_llamacpp import drop_unquantized
-
-            arts = {v: drop_unquantized(store, a) for v, a in arts.items()}
-        return arts
-    needed = needed_steps(spec, engines)
-    ctx: dict[str, Any] = {"model": resolved, "plan": plan}
-    for step in spec.steps:
-        if step.name in needed:
-            log.info("%s: %s ...", runtime, step.name)
-            ctx[step.name] = run_stage(step.stage, configs[step.stage], {k: ctx[src] for k, src in step.inputs}, store)
-    return {v: ctx[name] for v, name in engines}
 
 
 def load_pair(runtime: str, plan, sources, args, headroom: int):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from harp_trt.bench._torch_side import TorchSide
+
 log = logging.getLogger("harp_trt.bench.ort_vs_torch")
 
 
@@ -40,40 +42,6 @@ def build_engine(model_ref: str, workdir: str | None, threads: int, attention: s
     engine = OrtBuildStage().execute(store, OrtBuildConfig(attention=attention, intra_op_threads=threads),
                                      {"onnx": export})
     return resolved, export, engine
-
-
-class TorchSide:
-    def __init__(self, resolved, threads: int):
-        import torch
-
-        from harp_trt.models import load_model
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model, _ = load_model(resolved, dtype="float32", attn_implementation="sdpa")
-
-    def prefill(self, ids: np.ndarray):
-        t = self.torch
-        x = t.from_numpy(ids)
-        with t.inference_mode():
-            return self.model(input_ids=x, attention_mask=t.ones_like(x), use_cache=True)
-
-    def decode(self, ids: np.ndarray, steps: int) -> list[float]:
-        t = self.torch
-        x = t.from_numpy(ids)
-        mask = t.ones_like(x)
-        times = []
-        with t.inference_mode():
-            out = self.model(input_ids=x, attention_mask=mask, use_cache=True)
-            cache = out.cache
-            for _ in range(steps):
-                tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                mask = t.cat([mask, t.ones_like(tok)], 1)
-                t0 = time.perf_counter()
-                out = self.model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True)
-                times.append(time.perf_counter() - t0)
-                cache = out.cache
-        return times
 
 
 class OrtSide:

@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 import numpy as np  # noqa: E402
 
-from harp_trt.bench.ort_vs_torch import TorchSide as _TorchBase  # noqa: E402
+from harp_trt.bench._torch_side import TorchSide as _TorchBase  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 
 __all__ = ["main", "flop_parts", "ort_profile_parts", "CATEGORIES"]
@@ -155,7 +155,7 @@ class OrtSide:
 
 
 class TorchSide(_TorchBase):
-    """The Hugging Face model, fp32, sdpa (``bench/ort_vs_torch.py``'s side), prefilling as its
+    """The Hugging Face model, fp32, sdpa (``bench/_torch_side.py``, as ``ort_vs_torch.py`` times it), prefilling as its
     ``generate`` does (``logits_to_keep=1``)."""
 
     def __init__(self, resolved: Any, threads: int):

@@ -4,7 +4,7 @@ tritonserver, each driven by AIPerf at rising concurrency, with admission from o
     python bench/serve_load.py --model smollm2-135m --prune-layers 22,23,24,25,26,27,28,29 --quant int4 \\
         --isl 4096 --osl 1024 --concurrency 1,2,4,8 --kv-budget 1GiB --runs 3 --soak-s 600
 
-The engines are the pipeline's own (``bench/long_context.py``'s ``make_plan`` / ``build_sources``:
+The engines are the pipeline's own (``bench/_pipeline_engines.py``, as ``long_context.py`` builds them:
 cached in ``--workdir``), deployed by ``harp-trt deploy triton`` as the text-in/text-out
 Python-backend model (``harp_trt/serving.py``) under the same ``--kv-budget``. The server is the
 tritonserver of the nvidia-pytriton wheel (``harp_trt.triton_runtime``); AIPerf runs from its pinned
@@ -42,7 +42,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harp_trt.bench.long_context import parse_ints  # noqa: E402
+from harp_trt.config import parse_ints  # noqa: E402
 from harp_trt.errors import ConfigError, HarpError  # noqa: E402
 
 __all__ = ["main", "parse_args", "goodput", "summarize"]
@@ -88,18 +88,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gguf-type", default="none", help="those GGUFs' weights: none (f16) or q4_0 (default none)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    a.levels = parse_ints(a.concurrency, "--concurrency")
-    a.llamacpp_levels = parse_ints(a.llamacpp_concurrency, "--llamacpp-concurrency") if a.llamacpp_concurrency else ()
+    a.levels = parse_ints(a.concurrency, "--concurrency", positive=True)
+    a.llamacpp_levels = (parse_ints(a.llamacpp_concurrency, "--llamacpp-concurrency", positive=True)
+                         if a.llamacpp_concurrency else ())
     if a.llamacpp_levels:
         from harp_trt.bench._serve_llamacpp import available
 
         if (why := available()) is not None:
             raise ConfigError(why)
-    counts = parse_ints(a.requests, "--requests") if a.requests.strip() else tuple(_default_requests(c) for c in a.levels)
+    counts = (parse_ints(a.requests, "--requests", positive=True) if a.requests.strip()
+              else tuple(_default_requests(c) for c in a.levels))
     if len(counts) not in (1, len(a.levels)):
         raise ConfigError(f"--requests takes one count or one per concurrency ({len(a.levels)}), got {a.requests!r}")
     a.counts = dict(zip(a.levels, counts * len(a.levels) if len(counts) == 1 else counts))
-    a.layers = parse_ints(a.prune_layers, "--prune-layers")
+    a.layers = parse_ints(a.prune_layers, "--prune-layers", positive=True)
     if min(a.isl, a.osl, a.runs, a.calib_tokens) < 1 or a.soak_s < 0 or a.kill_after < 0:
         raise ConfigError("--isl, --osl, --runs, --calib-tokens must be >= 1; --soak-s, --kill-after >= 0")
     from harp_trt.memory import kv_budget_bytes
@@ -114,17 +116,17 @@ def _default_requests(concurrency: int) -> int:
 
 # ---- engines and repositories -------------------------------------------------------------------
 def _built(args, runtime: str, **over) -> dict[str, Any]:
-    """The dense and HARP artifacts of the plan for ``runtime`` (``bench/long_context.py``'s
-    ``make_plan`` / ``build_sources``: cached in ``--workdir``)."""
-    from harp_trt.bench import long_context as lc
+    """The dense and HARP artifacts of the plan for ``runtime`` (``bench/_pipeline_engines.py``,
+    as ``long_context.py`` builds them: cached in ``--workdir``)."""
+    from harp_trt.bench._pipeline_engines import build_sources, make_plan
     from harp_trt.store import ArtifactStore
 
     ns = SimpleNamespace(plan=None, shape=None, model=args.model, layers=args.layers, alpha=args.alpha,
                          corpus=args.corpus, calib_tokens=args.calib_tokens, quant=args.quant, gguf_type="none")
     vars(ns).update(over)
     store = ArtifactStore(Path(args.workdir))
-    plan, resolved, calib = lc.make_plan(ns, store)
-    return lc.build_sources(runtime, plan, resolved, calib, store, ns)
+    plan, resolved, calib = make_plan(ns, store)
+    return build_sources(runtime, plan, resolved, calib, store, ns)
 
 
 def engines(args) -> dict[str, Path]:

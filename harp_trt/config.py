@@ -59,11 +59,15 @@ def parse_grid(text: str, flag: str = "--alpha-grid") -> tuple[float, ...]:
         raise ConfigError(f"{flag} must be comma-separated numbers in [0, 1], got {text!r}") from None
 
 
-def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+def parse_ints(text: str, flag: str, *, positive: bool = False) -> tuple[int, ...]:
+    """``"1,2,4"`` -> ``(1, 2, 4)``; ``positive``: at least one, each >= 1 (sizes, counts)."""
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        out = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if positive and (not out or min(out) < 1):
+        raise ConfigError(f"{flag} takes positive integers, got {text!r}")
+    return out
 
 
 def parse_tasks(text: str, flag: str = "--tasks") -> tuple[str, ...]:

@@ -45,7 +45,7 @@ def test_argument_parsing():
 
 
 def test_ci95_student_t():
-    from harp_trt.bench.gpu_prefill import ci95
+    from harp_trt.bench._gpu_common import ci95
 
     mean, half, med = ci95([1.0, 2.0, 3.0])
     # sd = 1, n = 3, t(0.975, 2) = (2p - 1) / sqrt(2p(1 - p)) = 4.3026527 (the old table said 4.303)

@@ -410,15 +410,23 @@ def _entry_point_gaps(root: Path) -> list[str]:
                               (f"bench/{f.name}" not in readme, "README mention")):
             if missing:
                 gaps.append(f"bench/{f.name}: lacks {what}")
+    scripts = {f.stem for f in (root / "bench").glob("[!_]*.py")}
+    for f in sorted((root / "bench").glob("*.py")):   # a script imports helpers, never another script
+        for n in (n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)):
+            mod = n.module or ""
+            names = [mod.rsplit(".", 1)[-1]] + ([a.name for a in n.names] if mod in ("harp_trt.bench", "") else [])
+            if mod.startswith("harp_trt.bench") or n.level:
+                gaps += [f"bench/{f.name}: imports script bench/{x}.py" for x in names if x in scripts]
     return gaps
 
 
 def test_every_public_bench_module_is_a_documented_entry_point(tmp_path):
     """Scripts and helpers apart (issue 33): bench/NAME.py runs (``main`` and the guard) and the README
-    names it; what scripts share lives in bench/_*.py."""
+    names it; what scripts share lives in bench/_*.py, and no bench module imports a script."""
     assert _entry_point_gaps(ROOT) == []
     (tmp_path / "bench").mkdir()
     (tmp_path / "README.md").write_text("`bench/tool.py`")
     (tmp_path / "bench" / "tool.py").write_text("def main():\n    pass\n")
-    (tmp_path / "bench" / "_helper.py").write_text("X = 1\n")
-    assert _entry_point_gaps(tmp_path) == ["bench/tool.py: lacks __main__ guard"]
+    (tmp_path / "bench" / "_helper.py").write_text("from harp_trt.bench.tool import main\n")
+    assert _entry_point_gaps(tmp_path) == ["bench/tool.py: lacks __main__ guard",
+                                           "bench/_helper.py: imports script bench/tool.py"]
