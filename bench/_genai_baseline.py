@@ -2,8 +2,9 @@
 would pick. ``build_genai_int4`` runs onnxruntime-genai's model builder (``-p int4 -e cpu``:
 ``MatMulNBits`` int4 weights, ``GroupQueryAttention`` with a float32 KV cache, an int4
 ``GatherBlockQuantized`` embedding shared with the lm_head when the embeddings are tied) on a
-local Hugging Face folder; ``GenaiEngine`` times prefill and greedy decode of the built folder
-through the genai Python API (``og.Model`` / ``og.Generator``) at a fixed intra-op thread count.
+local Hugging Face folder; ``genai_engine`` opens the built folder as the bench's genai engine,
+which times prefill and greedy decode through the genai Python API (``og.Model`` / ``og.Generator``)
+at a fixed intra-op thread count.
 
 Checked with onnxruntime-genai 0.18.0 on onnxruntime 1.32.0 (``pip install onnxruntime-genai==0.18.0``
 leaves onnxruntime and numpy as they are). Things this module handles for its caller:
@@ -14,8 +15,8 @@ leaves onnxruntime and numpy as they are). Things this module handles for its ca
   repository also has a top-level ``builders`` package, which wins when the builder runs from the
   repository root. The builder therefore runs in a subprocess that puts genai's own folder first
   on ``sys.path``, with a temporary working and cache directory.
-* The folder opens through ``harp_trt.genai_runtime.open_genai_model`` (shared with the genai
-  deploy stage and the bench's genai engine): threads in ``model.decoder.session_options``
+* The folder opens as the bench's genai engine, through ``harp_trt.genai_runtime.open_genai_model``
+  (shared with the genai deploy stage): threads in ``model.decoder.session_options``
   (intra-op = ``threads``, inter-op = 1), ``clear_providers`` for the CPU.
 * ``append_tokens`` runs the prompt's forward; the first ``generate_next_token`` only picks the
   token from those logits; each later one runs one decode forward. The graph computes logits for
@@ -35,13 +36,13 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from harp_trt.errors import PreconditionError, StageError
-from harp_trt.genai_runtime import genai_version, import_genai, open_genai_model  # shared with builders/genai
+from harp_trt.genai_runtime import genai_version, import_genai  # shared with builders/genai
 
 __all__ = [
-    "GenaiUnavailableError", "GenaiBuildError", "GenaiEngine", "build_genai_int4",
+    "GenaiUnavailableError", "GenaiBuildError", "genai_engine", "build_genai_int4",
     "genai_graph_facts", "genai_version", "stage_hf_folder", "BUILDER_MODULE",
     "INSTALL_HINT",
 ]
@@ -210,91 +211,17 @@ def genai_graph_facts(folder: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-class GenaiEngine:
-    """A genai-built folder loaded with ``og.Model`` on CPU with ``threads`` intra-op threads.
-    Each timing call runs one fresh greedy generator (batch 1); the caller repeats and warms up.
-    ``warmup_tokens`` > 0 runs one short prefill + decode at load so lazy initialisation is paid."""
+def genai_engine(folder: str | os.PathLike, threads: int, *, warmup_tokens: int = 16) -> Any:
+    """The genai-built ``folder`` opened as the bench's genai engine (``bench/stage/engine_genai.py``:
+    ``GenaiBenchEngine``, whose ``prefill_seconds`` / ``decode_tokens_per_s`` time whole genai calls)
+    on the CPU with ``threads`` intra-op threads; ``warmup_tokens`` > 0 runs one short prefill and
+    decode first, so lazy initialisation is not timed."""
+    from harp_trt.bench.stage.engine_genai import GenaiBenchEngine
 
-    backend = "onnxruntime-genai"
-
-    def __init__(self, folder: str | os.PathLike, threads: int, *, warmup_tokens: int = 16):
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        self.og = _require_genai()
-        self.folder = Path(folder)
-        self.threads = int(threads)
-        self.genai_config = json.loads((self.folder / "genai_config.json").read_text())
-        t0 = time.perf_counter()
-        self.model = open_genai_model(self.folder, self.threads)
-        self.load_seconds = time.perf_counter() - t0
-        if warmup_tokens > 0:
-            self.decode_tokens_per_s(list(range(100, 100 + warmup_tokens)), 2)
-
-    @property
-    def context_length(self) -> int:
-        """Longest sequence (prompt + generated) the model accepts."""
-        return int(self.genai_config["model"]["context_length"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.genai_config["model"]["vocab_size"])
-
-    def info(self) -> dict[str, Any]:
-        """What was loaded: folder, threads, versions, load time, context length."""
-        return {"backend": self.backend, "folder": str(self.folder), "threads": self.threads,
-                "onnxruntime_genai": genai_version(), "onnxruntime": _ort_version(),
-                "load_seconds": self.load_seconds, "context_length": self.context_length}
-
-    def _generator(self, prompt_len: int, n_new: int, *, ignore_eos: bool) -> Any:
-        max_length = prompt_len + n_new
-        if prompt_len < 1:
-            raise ValueError("the prompt needs at least one token")
-        if max_length > self.context_length:
-            raise ValueError(f"prompt {prompt_len} + {n_new} new tokens exceeds the context length "
-                             f"{self.context_length}")
-        params = self.og.GeneratorParams(self.model)
-        options: dict[str, Any] = {"max_length": max_length, "do_sample": False}
-        if ignore_eos:
-            options["min_length"] = max_length   # EOS cannot end a timed run early
-        params.set_search_options(**options)
-        return self.og.Generator(self.model, params)
-
-    def prefill_seconds(self, ids: Sequence[int]) -> float:
-        """Seconds from handing over the prompt ``ids`` to having the first token (one forward
-        over all of them, then the greedy pick). Generator setup is not timed."""
-        gen = self._generator(len(ids), 1, ignore_eos=True)
-        t0 = time.perf_counter()
-        gen.append_tokens(list(ids))
-        gen.generate_next_token()
-        seconds = time.perf_counter() - t0
-        del gen
-        return seconds
-
-    def decode_tokens_per_s(self, prompt_ids: Sequence[int], n_tokens: int) -> float:
-        """Greedy decode speed: after the prompt's prefill and the first token (not timed), the
-        time of ``n_tokens`` further steps, one forward each; EOS is suppressed."""
-        if n_tokens < 1:
-            raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
-        gen = self._generator(len(prompt_ids), n_tokens + 1, ignore_eos=True)
-        gen.append_tokens(list(prompt_ids))
-        gen.generate_next_token()
-        t0 = time.perf_counter()
-        for _ in range(n_tokens):
-            gen.generate_next_token()
-        seconds = time.perf_counter() - t0
-        del gen
-        return n_tokens / seconds
-
-    def generate(self, prompt_ids: Sequence[int], n_tokens: int) -> list[int]:
-        """Greedy continuation of ``prompt_ids``: up to ``n_tokens`` new ids, stopping at EOS."""
-        gen = self._generator(len(prompt_ids), n_tokens, ignore_eos=False)
-        gen.append_tokens(list(prompt_ids))
-        out: list[int] = []
-        while not gen.is_done():
-            gen.generate_next_token()
-            out.append(int(gen.get_next_tokens()[0]))
-        return out
-
-    def close(self) -> None:
-        """Drop the model (and its ORT session)."""
-        self.model = None
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    _require_genai()
+    engine = GenaiBenchEngine(Path(folder), "genai", int(threads), headroom=0, max_positions=1 << 30)
+    if warmup_tokens > 0:
+        engine.decode_tokens_per_s(list(range(100, 100 + warmup_tokens)), 2)
+    return engine

@@ -181,9 +181,9 @@ class TorchSide(_TorchBase):
 
 class GenaiSide:
     def __init__(self, folder: Path, threads: int):
-        from harp_trt.bench._genai_baseline import GenaiEngine
+        from harp_trt.bench._genai_baseline import genai_engine
 
-        self.engine = GenaiEngine(folder, threads)
+        self.engine = genai_engine(folder, threads)
         self.quant = "int4"
 
     def prefill(self, ids: np.ndarray) -> None:

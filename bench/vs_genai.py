@@ -61,7 +61,7 @@ def _byte_ideal(dense: Path, harp: Path, context: int) -> dict:
 
 
 class _Ours:
-    """Our ORT engine behind the same three measurements as ``GenaiEngine``."""
+    """Our ORT engine behind the same measurements as the genai engine (``_genai_baseline.genai_engine``)."""
 
     def __init__(self, folder: Path, threads: int):
         from harp_trt.ort_session import OrtCausalLM
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from harp_trt.bench._genai_baseline import GenaiEngine, GenaiUnavailableError, genai_version
+    from harp_trt.bench._genai_baseline import GenaiUnavailableError, genai_engine, genai_version
     from harp_trt.store import ArtifactStore
 
     if genai_version() is None:
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         print(json.dumps({"error": str(e)}))
         return 2
     ideal = _byte_ideal(dense_dir, harp_dir, DECODE_CONTEXT + args.decode_tokens // 2)
-    engines = {"genai_int4": GenaiEngine(genai_dir, args.threads), "dense_int4": _Ours(dense_dir, args.threads),
+    engines = {"genai_int4": genai_engine(genai_dir, args.threads), "dense_int4": _Ours(dense_dir, args.threads),
                "harp_int4": _Ours(harp_dir, args.threads)}
     rng = np.random.default_rng(0)
     prompts = {n: [int(t) for t in rng.integers(3, 20000, n)] for n in PREFILLS}

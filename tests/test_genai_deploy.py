@@ -121,6 +121,47 @@ def test_genai_folder_reopens_as_an_engine(built):
     assert OrtCausalLM.from_engine(folder).kv_layers == [0, 1]
 
 
+def test_bench_genai_engine_times_whole_genai_calls(built, monkeypatch):
+    """The one genai timing engine (``bench/_genai_baseline.genai_engine``; vs_genai.py and
+    prefill_profile.py time genai through it): ``generate`` is our greedy continuation up to EOS;
+    ``prefill_seconds`` is one append of the whole prompt and the first pick, inside the call's wall
+    time; ``decode_tokens_per_s`` counts exactly the n steps it ran after that."""
+    import time
+    from types import SimpleNamespace
+
+    import onnxruntime_genai as og
+
+    from harp_trt.bench._genai_baseline import genai_engine
+
+    _, folder = _deploy(built, "top")
+    engine = genai_engine(folder, 2)
+    n = 12
+    got = engine.generate(PROMPT, n)
+    assert got and got == _ours(built["top"], n)[:len(got)] and (len(got) == n or got[-1] in engine.eos), got
+    calls: list[tuple[str, object]] = []
+
+    class Recorded:   # og.Generator, each call written down with its argument
+        def __init__(self, model, params):
+            self.gen = og.Generator(model, params)
+
+        def append_tokens(self, ids):
+            calls.append(("append", len(ids)))
+            self.gen.append_tokens(ids)
+
+        def generate_next_token(self):
+            calls.append(("next", None))
+            self.gen.generate_next_token()
+
+    monkeypatch.setattr(engine, "og", SimpleNamespace(GeneratorParams=og.GeneratorParams, Generator=Recorded))
+    t0 = time.perf_counter()
+    seconds = engine.prefill_seconds(PROMPT)
+    assert 0 < seconds <= time.perf_counter() - t0
+    assert calls == [("append", len(PROMPT)), ("next", None)], calls
+    calls.clear()
+    assert engine.decode_tokens_per_s(PROMPT, 5) > 0
+    assert calls == [("append", len(PROMPT))] + [("next", None)] * 6, calls
+
+
 def _strip_metadata(src: Path, dst: Path) -> Path:
     import onnx
 

@@ -20,14 +20,19 @@ logits to 1.2e-7 on the tiny test models):
 * ``cache_bytes``: the ``present.*`` tensors the generator holds (``get_output``), i.e. the KV
   buffers genai allocated: only for the layers the graph has KV for. With
   ``past_present_share_buffer`` they are ``max_length`` positions long from the first forward, so
-  ``cache_tokens`` reports that length and the bench divides by it."""
+  ``cache_tokens`` reports that length and the bench divides by it.
+
+``prefill_seconds``, ``decode_tokens_per_s`` and ``generate`` time whole genai calls at batch 1, as a
+genai user makes them (``bench/vs_genai.py``, ``bench/prefill_profile.py``): one genai timing engine
+for every script."""
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -78,12 +83,15 @@ class GenaiBenchEngine(Engine):
     def max_positions(self) -> int:
         return self.context
 
-    def _generator(self, batch: int, max_length: int) -> Any:
+    def _generator(self, batch: int, max_length: int, stop_at_eos: bool = False) -> Any:
         if max_length > self.context:
             raise PreconditionError(STAGE, f"genai generator of {max_length} tokens exceeds {self.folder.name}'s "
                                     f"context_length {self.context}", "use shorter --seq-lens / --decode-context")
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=max_length, min_length=max_length, batch_size=batch, do_sample=False)
+        options = dict(max_length=max_length, batch_size=batch, do_sample=False)
+        if not stop_at_eos:   # EOS cannot end a timed run early
+            options["min_length"] = max_length
+        params.set_search_options(**options)
         return self.og.Generator(self.model, params)
 
     def _last_logits(self, gen: Any, batch: int) -> torch.Tensor:
@@ -175,6 +183,40 @@ class GenaiBenchEngine(Engine):
     def cache_tokens(self, state: _State) -> int | None:
         names = self.kv_names(state.gen)
         return int(np.asarray(state.gen.get_output(names[0])).shape[2]) if names else None
+
+    # ---- whole calls, timed inside (bench/vs_genai.py, bench/prefill_profile.py): batch 1, a fresh
+    # greedy generator each, set up untimed; the caller warms up and repeats --------------------------
+    def prefill_seconds(self, ids: Sequence[int]) -> float:
+        """Seconds from handing over the prompt to having the first token: ``append_tokens`` (one
+        forward over the prompt), then ``generate_next_token`` (the greedy pick from those logits)."""
+        gen = self._generator(1, len(ids) + 1)
+        t0 = time.perf_counter()
+        gen.append_tokens(list(ids))
+        gen.generate_next_token()
+        return time.perf_counter() - t0
+
+    def decode_tokens_per_s(self, prompt_ids: Sequence[int], n_tokens: int) -> float:
+        """Greedy decode speed: after the prompt's prefill and first token (untimed), ``n_tokens``
+        further ``generate_next_token`` steps, one forward each."""
+        if n_tokens < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+        gen = self._generator(1, len(prompt_ids) + n_tokens + 1)
+        gen.append_tokens(list(prompt_ids))
+        gen.generate_next_token()
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            gen.generate_next_token()
+        return n_tokens / (time.perf_counter() - t0)
+
+    def generate(self, prompt_ids: Sequence[int], n_tokens: int) -> list[int]:
+        """Greedy continuation of ``prompt_ids``: up to ``n_tokens`` new ids, stopping at EOS."""
+        gen = self._generator(1, len(prompt_ids) + n_tokens, stop_at_eos=True)
+        gen.append_tokens(list(prompt_ids))
+        out: list[int] = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        return out
 
     def close(self) -> None:
         self.model = None
