@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # (``__path__``, not ``__file__``: harp_trt.codekey would count the folders named below as data
 # this module reads, rule 5; the finder only imports them, and imports are counted by name)
 _ROOT = _path.dirname(_path.abspath(__path__[0]))
-# the one mapping in code (pyproject.toml's package-dir says the same to the installer; tests/test_house.py)
+# the one mapping in code (setup.py's package_dir says the same to the installer; tests/test_house.py)
 PACKAGE_DIRS = {"harp_trt.bench": "bench", "harp_trt.builders": "builders", "harp_trt.calib": "calib"}
 
 

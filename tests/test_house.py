@@ -45,7 +45,7 @@ _PACKAGE_OF = {folder: pkg for pkg, folder in PACKAGE_DIRS.items()}
 
 
 def _module(path: Path) -> str:
-    """A file's import name (pyproject.toml's package-dir): ``builders/ort/gqa.py`` -> ``harp_trt.builders.ort.gqa``."""
+    """A file's import name (setup.py's package-dir): ``builders/ort/gqa.py`` -> ``harp_trt.builders.ort.gqa``."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     parts = [*_PACKAGE_OF[parts[0]].split("."), *parts[1:]] if parts[0] in _PACKAGE_OF else parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -177,26 +177,27 @@ def test_no_file_uses_the_folder_names_as_import_names():
     assert [(line, name.split(".")[0]) for line, name in _old_imports(probe)] == [(1, "calib"), (3, "bench"), (4, "bench")]
 
 
-def _pyproject() -> dict:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: pip's copy of the same parser
-        from pip._vendor import tomli as tomllib
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-
-
 def test_the_install_holds_one_top_level_package():
-    """pyproject.toml installs every package folder (``__init__.py``) of harp_trt/, bench/, builders/
-    and calib/, each under harp_trt: no top-level ``builders`` to shadow another distribution's
-    (onnxruntime-genai's builder imports its siblings as top-level modules). The package-dir mapping
-    is the one ``harp_trt.codekey`` and a checkout's finder (``harp_trt/__init__.py``) use."""
+    """setup.py installs every package folder (``__init__.py``) of harp_trt/, bench/, builders/ and
+    calib/, each under harp_trt, found rather than listed: no top-level ``builders`` to shadow
+    another distribution's (onnxruntime-genai's builder imports its siblings as top-level modules),
+    and a new folder installs without an edit. Its package-dir mapping is the one ``harp_trt.codekey``
+    and a checkout's finder (``harp_trt/__init__.py``) use."""
+    import json
+    import subprocess
+    import sys
+
     import harp_trt
 
-    setup = _pyproject()
+    # in a child: importing setuptools puts its vendored distributions on this process's path
+    code = ("import json, runpy; ns = runpy.run_path('setup.py', run_name='probe');"   # not __main__: no setup()
+            "print(json.dumps([ns['packages'](), ns['PACKAGE_DIRS']]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    packages, package_dirs = json.loads(out.stdout.strip().splitlines()[-1])
     folders = {_module(f) for folder in _FOLDERS for f in (ROOT / folder).rglob("__init__.py")}
-    assert sorted(setup["packages"]) == sorted(folders)
-    assert {p.split(".")[0] for p in setup["packages"]} == {"harp_trt"}
-    assert setup["package-dir"] == PACKAGE_DIRS and PACKAGE_DIRS is harp_trt.PACKAGE_DIRS
+    assert sorted(packages) == sorted(folders) and "harp_trt.builders.ort" in folders
+    assert {p.split(".")[0] for p in packages} == {"harp_trt"}
+    assert package_dirs == PACKAGE_DIRS and PACKAGE_DIRS is harp_trt.PACKAGE_DIRS
 
 
 def test_a_checkout_imports_its_own_folders(tmp_path):
