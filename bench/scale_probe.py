@@ -132,6 +132,8 @@ def _stage_figures(stage: str, r: dict, bf16: int) -> dict:
     if stage.startswith("calibrate") and res.get("plan"):
         r["path"] = (res.get("placement") or {}).get("path")
         r["layers"], r["alphas"] = res.get("layers"), res.get("alphas")
+        if res.get("replacement", "harp") != "harp":
+            r["replacement"], r["fitted_layers"] = res["replacement"], res.get("fitted_layers")
     if stage == "deploy":
         for k in ("verify_max_abs_diff", "kv_bytes_per_token", "kv_bytes_per_token_unpruned"):
             r[k] = res.get(k)
@@ -154,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default="int4", help="build stage: none | int4 | int8 (default %(default)s)")
     ap.add_argument("--keep-intermediates", action="store_true", help="build stage: keep export/rewrite weights")
     ap.add_argument("--dtype", default="bfloat16", help="calibration dtype (default %(default)s)")
+    ap.add_argument("--replacement", default="harp",
+                    help="calibrate: harp | rrr | lmmse (the fitted maps' statistics stream layer by layer)")
     ap.add_argument("--clean", action="store_true", help="delete the probe folder at the end")
     args = ap.parse_args(argv)
 
@@ -176,7 +180,7 @@ def main(argv=None) -> int:
     common = ["--workdir", str(cache), "--json"]
     calib = ["calibrate", "--model", str(model_dir), "--dtype", args.dtype, "--device", "cpu",
              "--layers", str(args.layers), "--tokens", str(args.tokens), "--seq-len", str(args.seq_len),
-             "--alpha-grid", args.alpha_grid]
+             "--alpha-grid", args.alpha_grid] + (["--replacement", args.replacement] if args.replacement != "harp" else [])
     stages: dict[str, dict] = {}
     plan = engine = None
     for stage in [s for s in args.stages.split(",") if s]:
