@@ -11,15 +11,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import option
 from .errors import ConfigError
 
-__all__ = ["Placement", "resolve_placement", "DTYPE_NAMES", "available_memory", "choose_sequential",
+__all__ = ["Placement", "PlacementRequest", "resolve_placement", "DTYPE_NAMES", "available_memory", "choose_sequential",
            "torch_dtype"]
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 # weights may take this share of free memory before the sequential mode is chosen
 IN_MEMORY_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What a user asks for (the flags of every command that runs PyTorch), checked against this
+    host by :func:`resolve_placement`."""
+
+    device: str = option("auto", help="auto | cpu | cuda | cuda:N (default auto: CUDA when torch sees a GPU)")
+    dtype: str | None = option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    device_map: str | None = option(None, help="spread a resident model over all visible GPUs (and CPU) with "
+                                               "accelerate: auto | balanced | sequential")
+    sequential: bool | None = option(None, help="load one decoder layer at a time from the safetensors files "
+                                                "(chosen automatically when the weights exceed the free memory)")
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,14 @@ class DeployTarget:
 class StageCli:
     """What a stage adds to the CLI (``StageSpec.cli``): ``build_flags``, its config fields ``harp-trt build`` offers under ``--backend <stage>`` as
     ``((fields, flag prefix), ...)``; ``own_quant``, how its output is quantized where ``--quant``
-    (the ORT engine's) does not apply; ``deploy``, its ``harp-trt deploy`` target, if it has one."""
+    (the ORT engine's) does not apply; ``deploy``, its ``harp-trt deploy`` target, if it has one;
+    ``options``, dataclasses whose ``option()`` fields are flags of the stage's own command that are
+    not its config (the bench's gates: read from a finished summary, outside the artifact key)."""
 
     build_flags: tuple[tuple[tuple[str, ...], str], ...] = ()
     own_quant: str = ""
     deploy: DeployTarget | None = None
+    options: tuple[type, ...] = ()
 
 
 @dataclass(frozen=True)

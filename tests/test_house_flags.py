@@ -8,21 +8,23 @@ import pytest
 
 
 # Flags that set no config field, per command, and why. Everything else a command offers must be
-# generated from a field's option() (its action carries ``config_field``).
-_PLACEMENT = {"--device", "--dtype", "--device-map", "--sequential"}  # harp_trt.device resolves them
-_CALIBRATE = {"--model", "--alpha-order", "--paper-alphas", "--naive"} | _PLACEMENT  # inputs of the alphas
+# generated from a field's option() (its action carries ``config_field``): the stage configs, where
+# PyTorch runs (harp_trt.device.PlacementRequest), what build runs (cli/build.Run), the bench's gates
+# (bench/stage/config.Gates), the sampling (SamplingParams) and generate's session (cli/generate.Session).
+_INPUTS = {"--model", "--plan", "--artifact", "--onnx", "--dense-engine", "--harp-engine", "--prompt"}  # what runs
+_ALPHAS = {"--alpha-order", "--paper-alphas", "--naive"}   # how the alphas are given or searched: turned into
+# the plan's alphas before the config exists (--naive: the reference search, which gives the same plan)
 NOT_CONFIG = {
-    "build": _CALIBRATE | {"--backend", "--force", "--bench", "--keep-intermediates"},  # pipeline choices
-    "calibrate": _CALIBRATE | {"--force"},
-    "score": {"--model", "--save"} | _PLACEMENT,                     # scoring is no stage
-    "eval": {"--plan", "--model", "--split"} | _PLACEMENT,           # nor is eval
+    "build": {"--model", "--force"} | _ALPHAS,          # --force STAGE: which cached artifacts to redo
+    "calibrate": {"--model", "--force"} | _ALPHAS,      # --force: redo a cached artifact
+    "score": {"--model", "--save"},                     # --save: where the table goes
+    "eval": {"--plan", "--model"},
     "rewrite": {"--model", "--plan", "--onnx", "--force"},
     "cache": set(),
-    "bench": {"--plan", "--artifact", "--model", "--dense-engine", "--harp-engine", "--dtype", "--device",
-              "--max-ppl-increase", "--min-speedup", "--force"},       # inputs, placement and gates
-    # the sampling flags are SamplingParams' fields; these are the session's own settings
-    "generate": {"--artifact", "--prompt", "--sample", "--chat", "--threads", "--no-stream"},
+    "bench": {"--plan", "--artifact", "--model", "--dense-engine", "--harp-engine", "--force"},
+    "generate": {"--artifact", "--prompt"},
 }
+assert all(flags - {"--force", "--save"} <= _INPUTS | _ALPHAS for flags in NOT_CONFIG.values())
 
 
 def _deploy_inputs() -> dict[str, set[str]]:

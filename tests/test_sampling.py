@@ -44,7 +44,9 @@ def test_generate_flags_are_the_fields():
     p = next(a for a in build_parser()._actions if a.choices and "generate" in a.choices).choices["generate"]
     fields = {a.option_strings[0]: a.config_field for a in p._actions if getattr(a, "config_field", None)}
     assert fields == {"--max-new-tokens": "SamplingParams.max_tokens", "--temperature": "SamplingParams.temperature",
-                      "--top-k": "SamplingParams.top_k", "--top-p": "SamplingParams.top_p", "--seed": "SamplingParams.seed"}
+                      "--top-k": "SamplingParams.top_k", "--top-p": "SamplingParams.top_p", "--seed": "SamplingParams.seed",
+                      "--sample": "Session.sample", "--chat": "Session.chat", "--threads": "Session.threads",
+                      "--no-stream": "Session.stream"}
     assert _generate_params() == SamplingParams(max_tokens=64)
     assert _generate_params("--temperature", "0.7") == SamplingParams(max_tokens=64)   # greedy without --sample
     assert _generate_params("--sample") == SamplingParams(max_tokens=64, temperature=1.0)

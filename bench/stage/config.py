@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from harp_trt.config import StageConfig, digest_of, option, parse_batch_sizes, parse_ints, parse_tasks
-from harp_trt.stage_spec import StageSpec
+from harp_trt.stage_spec import StageCli, StageSpec
 from harp_trt.errors import ConfigError
 from harp_trt.lazy import Registry
 
@@ -135,5 +135,17 @@ def _dir_digest(folder: str) -> str:
     return digest_of({str(f.relative_to(p)): f.read_text(errors="replace") for f in sorted(p.rglob("*.yaml"))})
 
 
+@dataclass(frozen=True)
+class Gates:
+    """``harp-trt bench``'s pass/fail thresholds (``gates.check_gates``, exit 1 when one fails), read
+    from the summary of a finished or cached run: not part of what is measured or of its key."""
+
+    max_ppl_increase: float | None = option(None, group="gates", help=(
+        "fail (exit 1) if HARP's held-out perplexity exceeds dense by more than this fraction (0.05 = 5 %%)"))
+    min_speedup: float | None = option(None, group="gates", help=(
+        "fail (exit 1) if the prefill speed-up at the longest --seq-lens is below this beyond the noise, i.e. "
+        "its 95%% confidence interval's upper bound is below it"))
+
+
 STAGE = StageSpec("bench", "harp_trt.bench.stage.stage:BenchStage", "harp_trt.bench.stage.config:BenchConfig", "bench",
-                  "latency and accuracy, dense vs HARP")
+                  "latency and accuracy, dense vs HARP", cli=StageCli(options=(Gates,)))

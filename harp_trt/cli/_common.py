@@ -48,16 +48,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 def add_placement_arguments(p: argparse.ArgumentParser, resident_only: bool = False) -> None:
     """--device / --dtype / --device-map / --sequential (harp_trt.device); ``resident_only``: the
     first two (a model that is loaded whole, as bench's torch engine)."""
-    g = p.add_argument_group("where PyTorch runs")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto: CUDA when torch sees a GPU)")
-    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
-    if resident_only:
-        return
-    g.add_argument("--device-map", default=None,
-                   help="spread a resident model over all visible GPUs (and CPU) with accelerate: auto | balanced | sequential")
-    g.add_argument("--sequential", action="store_true", default=None,
-                   help="load one decoder layer at a time from the safetensors files (chosen automatically "
-                        "when the weights exceed the free memory)")
+    from ..device import PlacementRequest
+    from ._options import add_config_arguments
+
+    add_config_arguments(p, PlacementRequest, ("device", "dtype") if resident_only else None, group="where PyTorch runs")
 
 
 def placement_from_args(args, default_dtype: str | None = None):

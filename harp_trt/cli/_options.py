@@ -48,12 +48,15 @@ def _show(value: Any) -> str:
 
 def _kwargs(cls: type, f: dataclasses.Field, o: Option, prefix: str) -> dict[str, Any]:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = kind.removesuffix(" | None")   # an optional field's flag is its type's; unset stays None
     kw: dict[str, Any] = {"dest": _dest(f, prefix), "help": o.help}
     if kind == "bool":
-        if o.negate != bool(f.default):
+        if f.default is not None and o.negate != bool(f.default):
             raise TypeError(f"{cls.__name__}.{f.name}: a bool option flips its default; "
                             f"default {f.default} needs negate={not o.negate}")
         kw["action"] = "store_false" if o.negate else "store_true"
+        if f.default is None:   # three states: not given (None: the command decides), given (True)
+            kw["default"] = None
         return kw
     if o.parse is not None:
         kw.update(type=str, default=_show(f.default))

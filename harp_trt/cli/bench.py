@@ -24,12 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines other than torch: folder (or artifact key) of the HARP engine")
     add_config_arguments(p, _bench_config_class())
     add_placement_arguments(p, resident_only=True)   # the torch engine's
-    p.add_argument("--max-ppl-increase", type=float, default=None,
-                   help="gate: fail (exit 1) if HARP's held-out perplexity exceeds dense by more than this "
-                        "fraction (0.05 = 5 %%)")
-    p.add_argument("--min-speedup", type=float, default=None,
-                   help="gate: fail (exit 1) if the prefill speed-up at the longest --seq-lens is below this "
-                        "beyond the noise, i.e. its 95%% confidence interval's upper bound is below it")
+    from ..registry import STAGES
+
+    for cls in STAGES.get("bench").cli.options:   # the gates
+        add_config_arguments(p, cls)
     p.add_argument("--force", action="store_true", help="re-measure even if the artifact is cached")
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
+from ..config import option
 from ._common import add_calibrate_arguments, add_model_argument, calibrate_config_from_args, progress_bar
 from ._options import add_config_arguments, config_from_args
 
@@ -27,18 +29,27 @@ def stage_flags() -> dict[str, tuple]:
     return {name: flags for name in STAGES.names() if (flags := STAGES.get(name).cli.build_flags)}
 
 
+@dataclass(frozen=True)
+class Run:
+    """What ``harp-trt build`` runs after calibrate: a backend's stages, the bench, what it keeps."""
+
+    backend: str = option("ort", help="the backend whose stages run (default %(default)s)")
+    bench: bool = option(False, help="also run the bench stage (dense vs HARP)")
+    keep_intermediates: bool = option(False, help="keep the ONNX weights of the export and rewrite artifacts once "
+                                                  "the engine is built (default: dropped, their manifests kept; a "
+                                                  "run that needs them rebuilds them)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..registry import BACKENDS, PHASES, STAGES
 
     add_model_argument(p)
     add_calibrate_arguments(p)
-    p.add_argument("--backend", default="ort", help=f"{' | '.join(BACKENDS.names())} (default %(default)s)")
+    add_config_arguments(p, Run, ("backend",),
+                         overrides={"backend": {"help": f"{' | '.join(BACKENDS.names())} (default %(default)s)"}})
     p.add_argument("--force", default=None, metavar="STAGE",
                    help=f"rerun STAGE and every stage after it ({', '.join(PHASES)})")
-    p.add_argument("--bench", action="store_true", help="also run the bench stage (dense vs HARP)")
-    p.add_argument("--keep-intermediates", action="store_true",
-                   help="keep the ONNX weights of the export and rewrite artifacts once the engine is built "
-                        "(default: dropped, their manifests kept; a run that needs them rebuilds them)")
+    add_config_arguments(p, Run, ("bench", "keep_intermediates"))
     bench_help = {"engine": {"help": "runtime the bench compares dense and HARP in, per backend (the first is its "
                                      "default): " + "; ".join(f"{n}: {', '.join(BACKENDS.get(n).bench_names())}"
                                                               for n in BACKENDS.names()),

@@ -2,12 +2,21 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
+from ..config import option
 from ._common import add_placement_arguments, placement_from_args
 from ._options import add_config_arguments
 
 NAME = "eval"
 HELP = "perplexity of dense / alpha=1 / the plan (searched alphas, fitted maps) on any text"
+
+
+@dataclass(frozen=True)
+class Text:
+    """Which text ``harp-trt eval`` scores, beside the search's budget (``CalibrateConfig``'s)."""
+
+    split: str = option("heldout", choices=("heldout", "calib"), help="which half of the corpus (default %(default)s)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,8 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     C = STAGES.get("calibrate").config_class()  # a light module
 
     p.add_argument("--plan", required=True, help="calibrate artifact folder, its key, or a plan.json")
-    p.add_argument("--split", default="heldout", choices=["heldout", "calib"],
-                   help="which half of the corpus (default %(default)s)")
+    add_config_arguments(p, Text)
     # CalibrateConfig's flags: the same text budget the search had
     add_config_arguments(p, C, ("tokens", "seq_len", "corpus"), overrides={
         "corpus": {"help": "'wiki' (held-out split) or a .txt/.jsonl file (default %(default)s)"},

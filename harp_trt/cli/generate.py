@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from dataclasses import dataclass
 
+from ..config import option
 from ..sampling import SamplingParams
 from ._options import add_config_arguments, cli_fields, flag_of, values_from_args
 
@@ -16,18 +18,25 @@ SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "seed")  # Samp
 HELP = "generate text with a built ORT engine (greedy or sampled), streaming it"
 
 
+@dataclass(frozen=True)
+class Session:
+    """How one ``harp-trt generate`` runs, beside what it samples (``SamplingParams``)."""
+
+    sample: bool = option(False, help="sample instead of greedy decoding, at --temperature (1.0 when not given)")
+    chat: bool = option(False, help="wrap the prompt in the tokenizer's chat template")
+    threads: int | None = option(None, help="ORT intra-op threads (0 or unset: engine.json's, else ORT's default)")
+    stream: bool = option(True, negate=True, flag="--no-stream", help="print nothing while generating")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifact", required=True, help="engine folder (holds engine.json) or its cache key")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding, at --temperature "
-                                                         "(1.0 when not given)")
+    add_config_arguments(p, Session, ("sample",))
     # the sampling flags are SamplingParams' fields (harp_trt/sampling.py), as a served request's keys are
     add_config_arguments(p, SamplingParams, SAMPLING_FLAGS, overrides={
         "max_tokens": {"default": 64},
         "temperature": {"default": None, "help": "sampling temperature with --sample (default 1.0)"}})
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads (0 or unset: engine.json's, else ORT's default)")
-    p.add_argument("--no-stream", action="store_true", help="print nothing while generating")
+    add_config_arguments(p, Session, ("chat", "threads", "stream"))
 
 
 def _engine_dir(ref: str, workdir):
@@ -109,7 +118,7 @@ def run(args) -> dict:
 
     def stream(step_tokens):
         new.append(int(step_tokens[0]))
-        if args.no_stream:
+        if not args.stream:
             return
         text = tok.decode(new, skip_special_tokens=True)
         if text.startswith(shown[0]):
@@ -125,7 +134,7 @@ def run(args) -> dict:
                                  stop_token_ids=stops or None,
                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
                                  streamer=stream)
-    if not args.no_stream:
+    if args.stream:
         out_stream.write("\n")
     text = tok.decode(new, skip_special_tokens=True)
     return {"text": text, "prompt_tokens": len(ids), "tokens": fig["new_tokens"],
