@@ -86,14 +86,16 @@ class Plan:
 
         return load_file(str(path))
 
-    def refuse_fitted(self, stage: str, why: str = "", allowed: tuple[str, ...] = ()) -> None:
-        """PreconditionError when the plan's fitted maps cannot go where ``stage`` writes (methods
-        in ``allowed`` can); so no target silently writes HARP's V.O where a fitted map was chosen."""
+    def refuse_fitted(self, stage: str, refused: tuple[tuple[str, str], ...]) -> None:
+        """PreconditionError when the plan's fitted maps are of a method ``stage``'s format cannot
+        hold (``refused``: ``((method, why), ...)``, its ``StageCli.refuses_fitted``); so no target
+        silently writes HARP's V.O where a fitted map was chosen."""
         from .errors import PreconditionError
 
-        if self.fitted_layers and self.replacement not in allowed:
+        why = dict(refused).get(self.replacement)
+        if self.fitted_layers and why is not None:
             raise PreconditionError(stage, f"the plan replaces layers {list(self.fitted_layers)} by a fitted "
-                                    f"{self.replacement} map, which {stage} does not carry{': ' + why if why else ''}",
+                                    f"{self.replacement} map, which {stage} does not carry: {why}",
                                     "calibrate with --replacement rrr (carried by every target) or harp")
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,12 +40,16 @@ class StageCli:
     ``((fields, flag prefix), ...)``; ``own_quant``, how its output is quantized where ``--quant``
     (the ORT engine's) does not apply; ``deploy``, its ``harp-trt deploy`` target, if it has one;
     ``options``, dataclasses whose ``option()`` fields are flags of the stage's own command that are
-    not its config (the bench's gates: read from a finished summary, outside the artifact key)."""
+    not its config (the bench's gates: read from a finished summary, outside the artifact key);
+    ``refuses_fitted``, ``((method, why), ...)``: fitted replacements (``calibrate --replacement``)
+    its output format cannot hold, refused by the stage (``Plan.refuse_fitted``) and by ``build``
+    before any work."""
 
     build_flags: tuple[tuple[tuple[str, ...], str], ...] = ()
     own_quant: str = ""
     deploy: DeployTarget | None = None
     options: tuple[type, ...] = ()
+    refuses_fitted: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

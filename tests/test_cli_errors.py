@@ -129,7 +129,8 @@ CASES = [
     # fitted replacements (calib/fit.py): where no engine or no search can take them
     (["calibrate", "--model", "T", "--replacement", "rrr", "--alphas", "0.5,0.5"], ConfigError,
      "--replacement rrr is chosen by the alpha search, which --alphas skips"),
-    (["build", "--model", "T", "--replacement", "lmmse"], ConfigError, "--replacement lmmse has no engine"),
+    (["build", "--model", "T", "--replacement", "lmmse", "--backend", "gguf"], ConfigError,
+     "--replacement lmmse cannot go to --backend gguf (stage gguf): llama.cpp's deci linear attention"),
 ]
 
 

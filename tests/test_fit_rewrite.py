@@ -1,6 +1,6 @@
-"""A fitted rrr map through the ONNX rewrite (issue 34): the rewritten graph against the PyTorch
-HARP model with the same map (the rewrite's own verification: fp32 logits within 1e-4 of the
-logit scale, 32 equal greedy tokens), and what it must refuse."""
+"""Fitted maps through the ONNX rewrite (issue 34): rrr's two GEMMs and lmmse's one GEMM and bias,
+the rewritten graph against the PyTorch HARP model with the same map (the rewrite's own
+verification: fp32 logits within 1e-4 of the logit scale, 32 equal greedy tokens)."""
 from __future__ import annotations
 
 import json
@@ -74,14 +74,34 @@ def test_rrr_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_pat
         verify_rewrite(art.path / "model.onnx", make_tiny(family, seed=FAMILY_NAMES.index(family)), plan.alpha_map)
 
 
-def test_lmmse_and_a_missing_map_are_refused(exports, tmp_path):  # noqa: F811
-    """lmmse's hidden x hidden map has no place in the ONNX rewrite: a typed PreconditionError naming
-    it (the GGUF and TensorRT-LLM writers: tests/test_fit_targets.py); a plan whose map file is gone
-    fails in one line."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_lmmse_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_path):  # noqa: F811
+    """lmmse (a hidden x hidden map with a bias) through the rewrite: one MatMul and one Add where HARP
+    has V.O (before Gemma2's post-attention norm, as ``HarpAttention.harp_linear`` runs it), within
+    the rewrite's own verification against PyTorch HARP with the map; and (llama) the graph against
+    HARP without the map fails it."""
+    import onnx_ir as ir
+
+    store, export, resolved = exports(family)
+    plan = _fitted_plan(tmp_path / "lm", resolved, family, method="lmmse")
+    art = RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": plan, "model": resolved})
+    assert art.manifest["max_abs_diff"] <= art.manifest["tolerance"], art.manifest
+    report = json.loads((art.path / REPORT).read_text())
+    layer = next(r for r in report["layers"] if r["layer"] == FITTED_LAYER)
+    hidden = ModelDims.from_config(make_tiny(family).config).hidden
+    assert layer["mode"] == "fitted-lmmse" and layer["params_added"] == hidden * hidden + hidden, layer
+    graph = ir.load(str(art.path / "model.onnx")).graph
+    ops = [n.op_type for n in graph if n.name.startswith(f"harp.layers.{FITTED_LAYER}/")]
+    assert ops == ["MatMul", "Add"], ops
+    if family == "llama":
+        with pytest.raises(VerificationError):
+            verify_rewrite(art.path / "model.onnx", make_tiny(family, seed=FAMILY_NAMES.index(family)), plan.alpha_map)
+
+
+def test_a_missing_map_is_refused(exports, tmp_path):  # noqa: F811
+    """A plan whose map file is gone fails in one line (the GGUF and TensorRT-LLM writers refuse
+    lmmse: tests/test_fit_targets.py)."""
     store, export, resolved = exports("llama")
-    plan = _fitted_plan(tmp_path / "lm", resolved, "llama", method="lmmse")
-    with pytest.raises(PreconditionError, match="fitted lmmse map, which rewrite does not carry"):
-        RewriteStage().execute(store, RewriteConfig(), {"export": export, "plan": plan, "model": resolved})
     _fitted_plan(tmp_path / "rrr", resolved, "llama")
     (tmp_path / "rrr" / FITTED_FILE).unlink()
     from harp_trt.errors import ConfigError
@@ -90,7 +110,8 @@ def test_lmmse_and_a_missing_map_are_refused(exports, tmp_path):  # noqa: F811
         Plan.load(tmp_path / "rrr").fitted_tensors()
 
 
-def test_fitted_map_through_the_probe_path(tmp_path):
+@pytest.mark.parametrize("method", ["rrr", "lmmse"])
+def test_fitted_map_through_the_probe_path(tmp_path, method):
     """Quantized builds check a probe (harp_trt.probe: a few layers renumbered, bf16 compact export):
     the fitted map of original layer 4 is renamed onto probe layer 3 (``probe_fitted``) and the probe's
     rewrite equals PyTorch HARP with it (1e-4 of the logit scale), as ``check_probe`` runs them."""
@@ -110,8 +131,9 @@ def test_fitted_map_through_the_probe_path(tmp_path):
     d = ModelDims.from_config(make_tiny("qwen2", num_hidden_layers=6).config)
     g = torch.Generator().manual_seed(3)
     r = d.kv_heads * d.head_dim
-    fmap = FittedMap("rrr", 0.08 * torch.randn(r, d.hidden, generator=g, dtype=torch.float64),
-                     0.08 * torch.randn(d.hidden, r, generator=g, dtype=torch.float64), None, 0.0, 0.0, 0.0)
+    rnd = lambda *shape: 0.08 * torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    fmap = (FittedMap("rrr", rnd(r, d.hidden), rnd(d.hidden, r), None, 0.0, 0.0, 0.0) if method == "rrr" else
+            FittedMap("lmmse", rnd(d.hidden, d.hidden), None, rnd(d.hidden), 0.0, 0.0, 0.0))
     alphas = {3: 0.5, 4: 1.0, 5: 0.5}
     layers = probe_layers(6, alphas)
     fitted = probe_fitted(layers, hf_tensors(fmap, spec, d, 4, torch.float32), spec.layer_prefix)
@@ -120,12 +142,13 @@ def test_fitted_map_through_the_probe_path(tmp_path):
     path = export_folder(tmp_path / "probe", tmp_path / "export", storage="compact")
     pa = probe_alphas(layers, alphas)
     plan = Plan("m", "d", "qwen2", len(layers), "test", tuple(sorted(pa)), tuple(pa[k] for k in sorted(pa)),
-                extra={"replacement": {"method": "rrr", "layers": [3], "file": FITTED_FILE}})
+                extra={"replacement": {"method": method, "layers": [3], "file": FITTED_FILE}})
     out = tmp_path / "rw" / "model.onnx"
     out.parent.mkdir()
     report = rewrite_onnx(path, plan, out, fitted=fitted)
-    assert {r["layer"]: r["mode"] for r in report["layers"]}[3] == "fitted-rrr"
-    assert ir.load(out).graph.initializers["harp.layers.3.v_proj.weight_fitted"].const_value.dtype == ir.DataType.FLOAT
+    assert {r["layer"]: r["mode"] for r in report["layers"]}[3] == f"fitted-{method}"
+    weight = "harp.layers.3.v_proj.weight_fitted" if method == "rrr" else "harp.layers.3.harp_linear.weight"
+    assert ir.load(out).graph.initializers[weight].const_value.dtype == ir.DataType.FLOAT
     cfg = VerifyConfig(decode_steps=2, greedy_steps=2, prompt_len=6, pad=2)
     res = verify_rewrite(out, tmp_path / "probe", pa, cfg, fitted=fitted)
     assert res.max_abs_diff <= res.tolerance

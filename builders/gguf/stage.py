@@ -41,7 +41,7 @@ from harp_trt.onnx_io import check_plan_weights, tokenizer_digest
 from harp_trt.plan import Plan
 from harp_trt.stage import Stage
 
-from .config import GgufConfig
+from .config import CLI, GgufConfig
 from .writer import check_supported, deci_layers, hf_config, kv_bytes_per_token, write_deci_gguf
 
 __all__ = ["GgufStage", "deploy_gguf", "choose_vocab", "vocab_file", "STAGE", "REPORT", "MODEL_FILE", "VERIFY_TOLERANCE", "quantized_name"]
@@ -91,8 +91,7 @@ class GgufStage(Stage[GgufConfig]):
         if plan is not None:
             check_plan_weights(plan.model_digest, model.digest, self.name, f"model {model.ref}")
             plan.check_model(family.name, dims.num_layers, self.name)
-            plan.refuse_fitted(self.name, "llama.cpp's deci linear attention holds one hidden x hidden matrix, "
-                               "folded from rrr's V/O; lmmse's bias has no place there", allowed=("rrr",))
+            plan.refuse_fitted(self.name, CLI.refuses_fitted)
         check_supported(family, cfg, dims)
 
     def run(self, config: GgufConfig, inputs: Mapping[str, Any], out_dir) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from harp_trt.fold import fold_vo
 from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader, hf_config
 
+from .config import CLI
 from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
 __all__ = ["DTYPES", "write_checkpoint", "valid_tp_sizes", "check_layout",
@@ -348,8 +349,7 @@ def check_plan_family(plan: Plan, family: FamilySpec, num_layers: int) -> None:
     """The plan's family and depth are the model's (its weights digest is checked by the stage,
     ``harp_trt.onnx_io.check_plan_weights``)."""
     plan.check_model(family.name, num_layers, STAGE_NAME)
-    plan.refuse_fitted(STAGE_NAME, "DeciLM's linear attention holds one hidden x hidden matrix without a bias, "
-                       "folded from rrr's V/O; lmmse's bias has no place there", allowed=("rrr",))
+    plan.refuse_fitted(STAGE_NAME, CLI.refuses_fitted)
 
 
 def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, *, dtype: str = "float16",

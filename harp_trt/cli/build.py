@@ -82,7 +82,7 @@ def run(args) -> dict:
     calib_config, placement = calibrate_config_from_args(args)
     bench_config = _bench_config(args, placement) if args.bench else None
     stages = _stages(args.backend)
-    _check_replacement(calib_config.replacement)
+    _check_replacement(calib_config.replacement, args.backend)
     configs = {"build-ort": _ort_config(args, stages)}
     for stage in sorted(stages & set(stage_flags())):
         configs[stage] = _stage_config(stage, args)
@@ -122,14 +122,17 @@ def render(result: dict, console) -> None:
     render_build(result, console)
 
 
-def _check_replacement(replacement: str) -> None:
-    """ConfigError before any work for ``--replacement lmmse``: its hidden x hidden map with a bias
-    has no engine (rrr, V.O-shaped, goes to every backend)."""
+def _check_replacement(replacement: str, backend: str) -> None:
+    """ConfigError before any work where a stage of ``backend`` cannot hold ``replacement``'s fitted
+    maps (``StageCli.refuses_fitted``: lmmse's biased hidden x hidden map in a GGUF or a TensorRT-LLM
+    checkpoint); rrr, V.O-shaped, goes to every backend, lmmse to the ONNX ones."""
     from ..errors import ConfigError
+    from ..registry import STAGES
 
-    if replacement == "lmmse":
-        raise ConfigError("--replacement lmmse has no engine: its hidden x hidden map is measured in PyTorch only",
-                          "measure it with harp-trt calibrate --replacement lmmse and harp-trt eval; build with rrr")
+    for stage in sorted(_stages(backend)):
+        why = dict(STAGES.get(stage).cli.refuses_fitted).get(replacement)
+        if why is not None:
+            raise ConfigError(f"--replacement {replacement} cannot go to --backend {backend} (stage {stage}): {why}")
 
 
 def _stage_config(stage: str, args):

@@ -45,16 +45,19 @@ def scale_norm_gain(gain: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def fitted_weights(tensors, family_name: str) -> dict[int, dict[str, np.ndarray]]:
-    """A plan's fitted ``rrr`` maps (``Plan.fitted_tensors``: checkpoint names -> tensors) by layer,
-    as the rewrite rules take them: ``v`` [kv_dim, hidden], ``o`` [hidden, heads * head_dim] and a
-    zero ``vb`` where the family has a v bias, float32 numpy, checkpoint layout."""
+    """A plan's fitted maps (``Plan.fitted_tensors``: checkpoint names -> tensors) by layer, as the
+    rewrite rules take them, float32 numpy, checkpoint layout: ``rrr``'s ``v`` [kv_dim, hidden],
+    ``o`` [hidden, heads * head_dim] and a zero ``vb`` where the family has a v bias; ``lmmse``'s
+    ``w`` [hidden, hidden] and ``b`` [hidden] (``self_attn.harp_linear.*``, ``calib.fit.hf_tensors``)."""
     from ..families import FAMILIES
 
     fam = FAMILIES.get(family_name)()
     head, _, _ = fam.layer_prefix.partition("{i}")
     out: dict[int, dict[str, np.ndarray]] = {}
-    for role in ("v", "o", "vb"):
-        suffix = "." + fam.weight_names[role]
+    names = {**{r: fam.weight_names[r] for r in ("v", "o", "vb")},
+             "w": "self_attn.harp_linear.weight", "b": "self_attn.harp_linear.bias"}
+    for role, tail in names.items():
+        suffix = "." + tail
         for name, t in tensors.items():
             if name.startswith(head) and name.endswith(suffix):
                 layer = int(name[len(head):].split(".", 1)[0])

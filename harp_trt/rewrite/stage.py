@@ -112,9 +112,8 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     A graph without harp-trt's export metadata (optimum, onnxruntime-genai, ...) is first checked
     against the plan and ``model_config`` (the reference model's ``config.json``) by
     ``check_foreign_graph``. ``fitted`` (checkpoint names -> tensors; default the plan's
-    ``fitted_tensors``) are the fitted ``rrr`` maps of the plan's fitted layers."""
-    plan.refuse_fitted(STAGE, "an ONNX graph carries rrr's two GEMMs; lmmse's hidden x hidden map is measured "
-                       "in PyTorch only", allowed=("rrr",))
+    ``fitted_tensors``) are the fitted maps of the plan's fitted layers: ``rrr``'s two GEMMs or
+    ``lmmse``'s one GEMM and bias (``rules/base.py``)."""
     fitted = fitted_weights(plan.fitted_tensors() if fitted is None else fitted, plan.family)
     model = load_graph(src)
     expand(model)  # a compact export's weights as fp32 initializers again, lazily (harp_trt.compact)

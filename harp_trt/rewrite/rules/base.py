@@ -5,6 +5,8 @@ here (``tracing.py``), and the rewrite is the same for every form: HARP Eq. 4-5 
 (``fold.py``)."""
 from __future__ import annotations
 
+from functools import partial
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
@@ -58,7 +60,7 @@ class AttentionMatch:
 class LayerEdit:
     """What one rule's rewrite added (removals are counted by the pass's dead-code sweep)."""
 
-    mode: str                      # alpha-in-o_proj | alpha-in-norm-gain | alpha-mul | removed
+    mode: str                      # alpha-in-o_proj | alpha-in-norm-gain | alpha-mul | removed | fitted-rrr | fitted-lmmse
     nodes_added: list[str] = field(default_factory=list)
     initializers_added: list[str] = field(default_factory=list)
     params_added: int = 0
@@ -235,25 +237,20 @@ class AttentionRule(GraphRule[AttentionMatch]):
     def rewrite(self, graph: ir.Graph, m: AttentionMatch, alpha: float,
                 fitted: Mapping[str, np.ndarray] | None = None) -> LayerEdit:
         """Replace the block; leaves the old one dead for the pass to sweep. ``fitted`` (a fitted
-        ``rrr`` map, ``calib/fit.py``: checkpoint-layout ``v`` [kv_dim, hidden], ``o`` [hidden,
-        heads * head_dim], optional ``vb``) takes the place of the layer's own V and O weights and
-        biases, at alpha 1: the same two GEMMs."""
+        map, ``calib/fit.py``, at alpha 1): ``rrr``'s checkpoint-layout ``v`` [kv_dim, hidden], ``o``
+        [hidden, heads * head_dim], optional ``vb`` take the place of the layer's own V and O weights
+        and biases (the same two GEMMs); ``lmmse``'s ``w`` [hidden, hidden] and ``b`` [hidden] make
+        the block one GEMM and a bias Add (:meth:`_rewrite_linear`)."""
         prefix = f"harp.layers.{m.layer}"
         if alpha == 0.0:
             return LayerEdit(mode="removed", nodes_added=remove_block(graph, m.residual_node, m.residual, prefix))
+        if fitted is not None and "w" in fitted:
+            return self._rewrite_linear(graph, m, fitted, prefix)
         edit = LayerEdit(mode="alpha-in-o_proj" if m.post_norm is None else "alpha-in-norm-gain")
         if fitted is not None:
             edit.mode = "fitted-rrr"
         new_nodes: list[ir.Node] = []
-
-        def init(name: str, arr: np.ndarray) -> ir.Value:
-            val = ir.Value(name=unique_name(graph, name), const_value=ir.tensor(arr, name=None))
-            val.const_value.name = val.name
-            graph.register_initializer(val)
-            edit.initializers_added.append(val.name)
-            edit.params_added += int(arr.size)
-            return val
-
+        init = partial(_add_initializer, graph, edit)
         w_v, b_v = m.w_v, m.b_v
         w_o = const_array(m.w_o)
         if fitted is not None:
@@ -303,6 +300,36 @@ class AttentionRule(GraphRule[AttentionMatch]):
                 new_nodes.append(mul)
         edit.nodes_added = [n.name for n in new_nodes]
         return edit
+
+
+    def _rewrite_linear(self, graph: ir.Graph, m: AttentionMatch, fitted: Mapping[str, np.ndarray],
+                        prefix: str) -> LayerEdit:
+        """``lmmse`` (NBL, arXiv 2505.21077): the block's output is ``x W^T + b``, one hidden x hidden
+        GEMM of the normed input ``x`` and a bias, where HARP has V.O (a post-attention norm, Gemma2's,
+        still follows it, as ``HarpAttention.harp_linear`` does)."""
+        edit = LayerEdit(mode="fitted-lmmse")
+        dtype = const_array(m.w_o).dtype
+        init = partial(_add_initializer, graph, edit)
+        new_nodes: list[ir.Node] = []
+        w = init(f"{prefix}.harp_linear.weight", np.ascontiguousarray(fitted["w"].T.astype(dtype)))
+        out = add_node(graph, new_nodes, "MatMul", [m.x, w], f"{prefix}/harp_linear/MatMul")
+        if "b" in fitted:
+            b = init(f"{prefix}.harp_linear.bias", np.ascontiguousarray(fitted["b"].astype(dtype)))
+            out = add_node(graph, new_nodes, "Add", [out, b], f"{prefix}/harp_linear/Add")
+        graph.insert_after(m.o_node, new_nodes)
+        m.o_out.replace_all_uses_with(out)
+        edit.nodes_added = [n.name for n in new_nodes]
+        return edit
+
+
+def _add_initializer(graph: ir.Graph, edit: LayerEdit, name: str, arr: np.ndarray) -> ir.Value:
+    """``arr`` as a new initializer of ``graph`` (a unique name from ``name``), counted in ``edit``."""
+    val = ir.Value(name=unique_name(graph, name), const_value=ir.tensor(arr, name=None))
+    val.const_value.name = val.name
+    graph.register_initializer(val)
+    edit.initializers_added.append(val.name)
+    edit.params_added += int(arr.size)
+    return val
 
 
 def describe(m: AttentionMatch) -> dict[str, Any]:
