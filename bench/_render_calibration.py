@@ -76,13 +76,16 @@ def replacement_headline(d: dict[str, Any]) -> str:
 
 
 def replacement_speed(files: list[dict[str, Any]] | dict[str, Any]) -> str:
-    """``bench/long_context.py --plan HARP --peer-plan RRR --runs N`` JSONs (one per runtime): per run, the
-    rrr plan's engine's decode speed over the HARP plan's (``vs_harp``: HARP ms / rrr ms, paired 95 %
-    interval over that run's rounds), the median over runs, and whether every interval holds 1."""
-    rows = ["| runtime | context x batch | HARP plan tok/s (median of runs) | rrr plan tok/s | rrr / HARP per run "
+    """``bench/long_context.py --plan HARP --peer-plan FITTED --runs N`` JSONs (one per runtime): per run,
+    the fitted plan's (rrr or lmmse) engine's decode speed over the HARP plan's (``vs_harp``: HARP ms /
+    fitted ms, paired 95 % interval over that run's rounds), the median over runs, and whether every
+    interval holds 1."""
+    files = files if isinstance(files, list) else [files]
+    name = files[0]["runs"][0]["peer_plan"].get("replacement", "rrr")
+    rows = [f"| runtime | context x batch | HARP plan tok/s (median of runs) | {name} plan tok/s | {name} / HARP per run "
             "[95 % interval] | median | every interval holds 1 |", "|---|---|---|---|---|---|---|"]
     cmds, plans = [], None
-    for d in files if isinstance(files, list) else [files]:
+    for d in files:
         runs = d["runs"]
         plans = plans or (runs[0]["plan"], runs[0]["peer_plan"])
         runtime = next(iter(runs[0]["runtimes"]))
@@ -96,9 +99,12 @@ def replacement_speed(files: list[dict[str, Any]] | dict[str, Any]) -> str:
             rows.append(f"| {runtime} | {m0['context']} x {m0['batch']} | {tok['harp']:.1f} | {tok['peer-plan']:.1f} | "
                         f"{per} | {med:.3f} | {'yes' if holds else 'no'} |")
         cmds.append(f"`{d['provenance']['command']}` at {d['provenance']['commit']}")
-    harp, rrr = plans
+    harp, fitted = plans
     removed = lambda p: [l for l, a in zip(p["layers"], p["alphas"]) if a == 0.0]  # noqa: E731
+    blocks = ("two GEMMs of the same shapes in both" if name == "rrr" else
+              f"HARP's two GEMMs (V, then the folded O) in one plan and {name}'s one hidden x hidden GEMM and bias Add "
+              "in the other")
     return ("\n".join(rows) + f"\n\nPruned layers {', '.join(map(str, harp['layers']))} in both plans; blocks removed "
-            f"outright (alpha 0): HARP {', '.join(map(str, removed(harp))) or 'none'}, rrr "
-            f"{', '.join(map(str, removed(rrr))) or 'none'}; every other pruned layer is two GEMMs of the same shapes "
-            f"in both. " + "; ".join(cmds) + ".\n")
+            f"outright (alpha 0): HARP {', '.join(map(str, removed(harp))) or 'none'}, {name} "
+            f"{', '.join(map(str, removed(fitted))) or 'none'}; every other pruned layer is {blocks}. "
+            + "; ".join(cmds) + ".\n")

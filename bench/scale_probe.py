@@ -211,8 +211,11 @@ def main(argv=None) -> int:
         stages[stage] = r
         print(f"{stage}: {r.get('seconds')} s, peak {r.get('peak_rss_gb')} GB, exit {r['exit_code']}",
               file=sys.stderr)
-    out = {"shape": args.shape, "model_bytes_bf16": bf16, "params": info["params"],
-           "write_seconds": info.get("write_seconds"), "stages": stages}
+    from harp_trt.versions import provenance
+
+    out = {"provenance": provenance(sys.argv[1:] if argv is None else list(argv)), "shape": args.shape,
+           "model_bytes_bf16": bf16, "params": info["params"], "write_seconds": info.get("write_seconds"),
+           "stages": stages}
     if args.clean:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(out))
