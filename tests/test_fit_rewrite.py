@@ -93,9 +93,19 @@ def test_lmmse_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_p
     graph = ir.load(str(art.path / "model.onnx")).graph
     ops = [n.op_type for n in graph if n.name.startswith(f"harp.layers.{FITTED_LAYER}/")]
     assert ops == ["MatMul", "Add"], ops
-    if family == "llama":
-        with pytest.raises(VerificationError):
-            verify_rewrite(art.path / "model.onnx", make_tiny(family, seed=FAMILY_NAMES.index(family)), plan.alpha_map)
+    if family != "llama":
+        return
+    with pytest.raises(VerificationError):
+        verify_rewrite(art.path / "model.onnx", make_tiny(family, seed=FAMILY_NAMES.index(family)), plan.alpha_map)
+    # the engines built from that graph: int8 ORT, then a genai folder whose greedy tokens the deploy
+    # checks against that engine's own
+    from harp_trt.builders.genai.stage import deploy_genai
+    from harp_trt.builders.ort.builder import OrtBuilder
+    from harp_trt.builders.ort.config import OrtBuildConfig
+
+    OrtBuilder().build(art.path / "model.onnx", tmp_path / "engine", OrtBuildConfig(quant="int8", intra_op_threads=2))
+    deploy_genai(tmp_path / "engine", tmp_path / "genai")
+    assert json.loads((tmp_path / "genai" / "harp_genai.json").read_text())["verify"]["equal"]
 
 
 def test_a_missing_map_is_refused(exports, tmp_path):  # noqa: F811
