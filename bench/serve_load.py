@@ -22,7 +22,8 @@ L/(L-P), its ceiling on KV-bound admission. Then: malformed requests mixed into 
 server's processes after warm-up and at the end, greedy answers against ``harp-trt generate``), and
 the server SIGKILLed mid-load and started again on the same repository. With
 ``--llamacpp-concurrency``, the same sweep against llama.cpp's own OpenAI-compatible server serving
-the plan's deci GGUFs (``bench/_serve_llamacpp.py``: it serves one request at a time). Writes ``serve_load.json``
+the plan's deci GGUFs (``bench/_serve_llamacpp.py``: it serves one request at a time; ``--llamacpp-osl``
+sets its requests' length, default ``--osl``). Writes ``serve_load.json``
 and ``serve_load.png`` (matplotlib, if installed) under ``--out`` and ends stdout with the JSON."""
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-concurrency", default="",
                    help="AIPerf concurrencies against llama.cpp's own OpenAI-compatible server (llama_cpp.server, "
                         "the serve-llamacpp extra) serving the plan's deci GGUFs; empty (default): not run")
+    p.add_argument("--llamacpp-osl", type=int, default=0,
+                   help="output tokens per request against llama.cpp's server (default 0: --osl); it serves one "
+                        "request at a time, so its sweep's time grows with OSL times the requests")
     p.add_argument("--gguf-type", default="none", help="those GGUFs' weights: none (f16) or q4_0 (default none)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -306,6 +310,7 @@ def llamacpp_sweep(aiperf: Path, tokenizer: Path, args, out: Path) -> dict[str, 
 
     ggufs = gguf_files(args)
     out.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(**{**vars(args), "osl": args.llamacpp_osl or args.osl})
     servers = lcs.start_pair(ggufs, args.isl + args.osl + 64, args.threads or os.cpu_count() or 1, out,
                              quantized=args.gguf_type != "none")
     endpoint = openai_completions(lcs.extra_inputs(tokenizer))
@@ -319,7 +324,7 @@ def llamacpp_sweep(aiperf: Path, tokenizer: Path, args, out: Path) -> dict[str, 
             s.stop()
     flights = [(r.get("streams_in_flight") or {}).get("max") for r in rows]
     return {"servers": lcs.describe(servers), "gguf": {k: str(v) for k, v in ggufs.items()},
-            "gguf_type": args.gguf_type, "points": rows, "goodput_per_run": per_run, "summary": summarize(per_run),
+            "gguf_type": args.gguf_type, "osl": args.osl, "points": rows, "goodput_per_run": per_run, "summary": summarize(per_run),
             "serialises": all(f == 1 for f in flights if f is not None) and any(f is not None for f in flights)}
 
 

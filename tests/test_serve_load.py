@@ -54,6 +54,9 @@ def result(tmp_path_factory, test_cache, smollm2):
             # machine (at the default 20/s the fourth may start after the first has finished)
             "--requests", "8", "--request-rate", "1000", "--runs", "1", "--kv-budget", str(budget),
             "--soak-s", "10", "--kill-after", "3", "--llamacpp-concurrency", "3", "--gguf-type", "q4_0",
+            # llama.cpp's server takes one request at a time (~15 ms a token here): 128 tokens each is enough to
+            # see it serialise, where 384 cost ~45 s more
+            "--llamacpp-osl", "128",
             "--workdir", str(root / "cache"), "--tools", str(test_cache), "--out", str(out)]
     import contextlib
     import io
@@ -97,7 +100,7 @@ def test_llamacpp_server_completes_every_request_one_at_a_time(result):
         assert p["streams_in_flight"]["max"] == 1, p  # three clients, one stream at a time
     assert lc["serialises"] is True
     # llama.cpp-quantized files are served on the plain CPU buffers (AMX repacking segfaulted the first decode)
-    assert lc["gguf_type"] == "q4_0" and set(lc["gguf"]) == {"dense", "harp"}
+    assert lc["gguf_type"] == "q4_0" and set(lc["gguf"]) == {"dense", "harp"} and lc["osl"] == 128
     assert all(v.endswith("-q4_0.gguf") for v in lc["gguf"].values())
     assert all("use_extra_bufts = False" in " ".join(s["command"]) for s in lc["servers"].values())
     assert lc["summary"]["saturation_tokens_per_s"]["harp_over_dense"]["runs"] == 1
