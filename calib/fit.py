@@ -29,6 +29,7 @@ import torch
 
 from harp_trt.dims import ModelDims
 from harp_trt.families import FamilySpec
+from harp_trt.plan import FITTED_LINEAR
 from harp_trt.ppl import PAD
 
 __all__ = ["LAMBDAS", "Moments", "LayerStats", "FittedMap", "layer_moments", "fit_layer", "hf_tensors"]
@@ -222,8 +223,8 @@ def hf_tensors(fmap: FittedMap, family: FamilySpec, dims: ModelDims, layer: int,
     standard checkpoint has, read by ``harp_trt.harp.HarpAttention`` only."""
     pre = family.layer_prefix.format(i=layer)
     if fmap.method == "lmmse":
-        return {pre + "self_attn.harp_linear.weight": fmap.a.to(dtype).contiguous(),
-                pre + "self_attn.harp_linear.bias": fmap.bias.to(dtype).contiguous()}
+        return {f"{pre}{FITTED_LINEAR}.weight": fmap.a.to(dtype).contiguous(),
+                f"{pre}{FITTED_LINEAR}.bias": fmap.bias.to(dtype).contiguous()}
     hd, n_rep = dims.head_dim, dims.heads // dims.kv_heads
     o = torch.zeros(dims.hidden, dims.heads * hd, dtype=torch.float64)
     for g in range(dims.kv_heads):

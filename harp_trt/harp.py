@@ -23,6 +23,7 @@ from torch import nn
 from .dims import ModelDims
 from .families import FamilySpec, family_of
 from .hf_compat import cache_kwarg, holds_no_kv, no_kv_layer
+from .plan import FITTED_LINEAR
 
 __all__ = ["HarpAttention", "ScaledNorm", "apply_harp", "set_alpha", "harp_alphas", "vo_output", "install_fitted"]
 
@@ -169,15 +170,16 @@ def install_fitted(model: nn.Module, layer_idx: int, tensors: Mapping[str, torch
     prefix = family.layer_prefix.format(i=layer_idx) + "self_attn."
     local = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     meta = attn.o_proj.weight.device.type == "meta"
-    if "harp_linear.weight" in local:
-        w = local["harp_linear.weight"]
-        lin = nn.Linear(w.shape[1], w.shape[0], bias="harp_linear.bias" in local, device=attn.o_proj.weight.device,
+    linear = FITTED_LINEAR.removeprefix("self_attn.")
+    if f"{linear}.weight" in local:
+        w = local[f"{linear}.weight"]
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=f"{linear}.bias" in local, device=attn.o_proj.weight.device,
                         dtype=attn.o_proj.weight.dtype)
         if not meta:
             with torch.no_grad():
                 lin.weight.copy_(w)
                 if lin.bias is not None:
-                    lin.bias.copy_(local["harp_linear.bias"])
+                    lin.bias.copy_(local[f"{linear}.bias"])
         attn.harp_linear = lin.requires_grad_(False)
         return
     if meta:

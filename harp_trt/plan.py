@@ -17,6 +17,9 @@ __all__ = ["Plan", "PLAN_FORMAT", "FITTED_FILE", "open_plan"]
 
 PLAN_FORMAT = "harp-plan/1"
 FITTED_FILE = "replacement.safetensors"  # fitted maps (calib/fit.py), beside plan.json in the calibrate artifact
+# an lmmse map's tensors in a layer, after the layer prefix: FITTED_LINEAR + ".weight" / ".bias" (the
+# ``HarpAttention.harp_linear`` module; calib.fit.hf_tensors writes them, the rewrite's fitted_weights reads them)
+FITTED_LINEAR = "self_attn.harp_linear"
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,13 @@ def fitted_weights(tensors, family_name: str) -> dict[int, dict[str, np.ndarray]
     ``o`` [hidden, heads * head_dim] and a zero ``vb`` where the family has a v bias; ``lmmse``'s
     ``w`` [hidden, hidden] and ``b`` [hidden] (``self_attn.harp_linear.*``, ``calib.fit.hf_tensors``)."""
     from ..families import FAMILIES
+    from ..plan import FITTED_LINEAR
 
     fam = FAMILIES.get(family_name)()
     head, _, _ = fam.layer_prefix.partition("{i}")
     out: dict[int, dict[str, np.ndarray]] = {}
     names = {**{r: fam.weight_names[r] for r in ("v", "o", "vb")},
-             "w": "self_attn.harp_linear.weight", "b": "self_attn.harp_linear.bias"}
+             "w": f"{FITTED_LINEAR}.weight", "b": f"{FITTED_LINEAR}.bias"}
     for role, tail in names.items():
         suffix = "." + tail
         for name, t in tensors.items():
