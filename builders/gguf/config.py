@@ -52,13 +52,11 @@ def _hint(value: object, valid: tuple[str, ...]) -> str | None:
     return f"did you mean {close[0]!r}?" if close else None
 
 
-LINEAR_ATTENTION = ("one hidden x hidden matrix without a bias (folded from rrr's V/O): lmmse's bias has no "
-                    "place there; build with --backend ort (or genai, triton) or --replacement rrr")
-
 CLI = StageCli(
     build_flags=((("gguf_type",), ""), (("dtype",), "gguf-")),
     own_quant="for llama.cpp quantization use --gguf-type",
-    refuses_fitted=(("lmmse", "llama.cpp's deci linear attention holds " + LINEAR_ATTENTION),),
+    refuses_fitted=(("lmmse", "llama.cpp's deci linear attention holds one hidden x hidden matrix without a "
+                              "bias (folded from rrr's V/O): lmmse's bias has no place there"),),
     deploy=DeployTarget(
         help="llama.cpp deci GGUF for a HARP plan (verified in llama.cpp)",
         description="write a llama.cpp GGUF (deci architecture: pruned layers as one folded linear attention, no KV "

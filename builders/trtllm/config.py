@@ -54,9 +54,8 @@ class TrtllmCheckpointConfig(StageConfig):
 
 CLI = StageCli(
     build_flags=((("tp_size", "pp_size"), ""),),
-    refuses_fitted=(("lmmse", "DeciLM's linear attention holds one hidden x hidden matrix without a bias (folded "
-                              "from rrr's V/O): lmmse's bias has no place there; build with --backend ort (or "
-                              "genai, triton) or --replacement rrr"),),
+    refuses_fitted=(("lmmse", "DeciLM's linear attention holds one hidden x hidden matrix without a bias "
+                              "(folded from rrr's V/O): lmmse's bias has no place there"),),
     deploy=DeployTarget(
         help="TensorRT-LLM checkpoint + build_engine.sh for a HARP plan (verified in PyTorch)",
         description="write a TensorRT-LLM checkpoint + build_engine.sh for a HARP plan",

@@ -122,17 +122,28 @@ def render(result: dict, console) -> None:
     render_build(result, console)
 
 
-def _check_replacement(replacement: str, backend: str) -> None:
-    """ConfigError before any work where a stage of ``backend`` cannot hold ``replacement``'s fitted
-    maps (``StageCli.refuses_fitted``: lmmse's biased hidden x hidden map in a GGUF or a TensorRT-LLM
-    checkpoint); rrr, V.O-shaped, goes to every backend, lmmse to the ONNX ones."""
-    from ..errors import ConfigError
+def _refusal(replacement: str, backend: str) -> tuple[str, str] | None:
+    """(stage, why) of the first stage of ``backend`` whose format cannot hold ``replacement``'s
+    fitted maps (``StageCli.refuses_fitted``), or None."""
     from ..registry import STAGES
 
     for stage in sorted(_stages(backend)):
         why = dict(STAGES.get(stage).cli.refuses_fitted).get(replacement)
         if why is not None:
-            raise ConfigError(f"--replacement {replacement} cannot go to --backend {backend} (stage {stage}): {why}")
+            return stage, why
+    return None
+
+
+def _check_replacement(replacement: str, backend: str) -> None:
+    """ConfigError before any work where ``backend`` cannot carry ``replacement`` (lmmse's biased
+    hidden x hidden map in a GGUF or a TensorRT-LLM checkpoint), naming the backends that can."""
+    from ..errors import ConfigError
+    from ..registry import BACKENDS
+
+    if (refused := _refusal(replacement, backend)) is not None:
+        can = [b for b in BACKENDS.names() if _refusal(replacement, b) is None]
+        raise ConfigError(f"--replacement {replacement} cannot go to --backend {backend} (stage {refused[0]}): "
+                          f"{refused[1]}", f"build it with --backend {' | '.join(can)}, or --replacement rrr")
 
 
 def _stage_config(stage: str, args):
