@@ -119,8 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "harp-trt"), help="artifact cache")
     p.add_argument("--out", default="long_context_out", help="folder for the JSON and the plot")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    a.contexts, a.batches = (parse_ints(getattr(a, f), f"--{f}", positive=True) for f in ("contexts", "batches"))
+    return _checked(p.parse_args(argv))
+
+
+def _checked(a: argparse.Namespace) -> argparse.Namespace:
+    """The parsed flags with their lists parsed and derived values set; ConfigError names the flag."""
+    a.contexts = parse_ints(a.contexts, "--contexts", positive=True)
+    a.batches = parse_ints(a.batches, "--batches", positive=True)
     a.prefill_lens = (parse_ints(a.prefill_lens, "--prefill-lens", positive=True)
                       if a.prefill_lens.strip() not in ("", "none") else ())
     a.layers = parse_ints(a.prune_layers, "--prune-layers", positive=True) if a.prune_layers else ()

@@ -24,17 +24,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines other than torch: folder (or artifact key) of the HARP engine")
     add_config_arguments(p, _bench_config_class())
     add_placement_arguments(p, resident_only=True)   # the torch engine's
-    from ..registry import STAGES
-
-    for cls in STAGES.get("bench").cli.options:   # the gates
+    for cls in _bench_spec().cli.options:   # the gates
         add_config_arguments(p, cls)
     p.add_argument("--force", action="store_true", help="re-measure even if the artifact is cached")
 
 
-def _bench_config_class() -> type:
+def _bench_spec():
     from ..registry import STAGES
 
-    return STAGES.get("bench").config_class()  # a light module: flags without a runtime
+    return STAGES.get("bench")
+
+
+def _bench_config_class() -> type:
+    return _bench_spec().config_class()  # a light module: flags without a runtime
 
 
 def config_from_args(args):
@@ -54,13 +56,12 @@ def _open(ref: str, store):
 def run(args) -> dict:
     from ..errors import ConfigError
     from ..plan import open_plan
-    from ..registry import STAGES
     from ..store import ArtifactStore
     from ._common import progress_bar
 
     t0 = time.perf_counter()
     config = config_from_args(args)
-    spec = STAGES.get("bench")
+    spec = _bench_spec()
     run_bench, check_gates, serving_rows = (spec.entry(n) for n in ("run_bench", "check_gates", ".report:serving_rows"))
     store = ArtifactStore(args.workdir)
     open_plan(args.plan, store)  # a missing or malformed plan fails here, in one line

@@ -5,10 +5,9 @@ here (``tracing.py``), and the rewrite is the same for every form: HARP Eq. 4-5 
 (``fold.py``)."""
 from __future__ import annotations
 
-from functools import partial
-
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
