@@ -4,13 +4,14 @@ transformers' own config classes:
 * Qwen3 (``harp_trt/families/qwen3.py``: per-head Q/K RMSNorm, ``head_dim`` of its own): ``build``
   calibrates, exports, rewrites (verified against the PyTorch HARP model) and builds ORT engines whose
   GroupQueryAttention fusion keeps the QK-norm (every kept layer converted, fp32 logits equal to the
-  rewrite's); the genai folder's greedy tokens equal ours; llama.cpp and TensorRT-LLM refuse it with
-  the reason (exit 2, one line). The per-family graph tests (export, HARP, engine, prefill, int4,
+  rewrite's); the genai folder's greedy tokens equal ours; ``deploy trtllm`` writes a Qwen3ForCausalLM
+  checkpoint read back equal to the HARP model; llama.cpp refuses it with the reason (exit 2, one line). The per-family graph tests (export, HARP, engine, prefill, int4,
   rewrite) run it through ``conftest.ALL_FAMILIES``; a real tritonserver serves it in
   test_triton_server.py.
 * Gemma3 (``harp_trt/families/gemma3.py``: Gemma2's sandwich norms, QK-norm after the head
   transpose, local and global layers with their own RoPE bases): a pruned global and a pruned local
-  layer verified, the kept global layer GQA-fused, the genai folder, the same refusals.
+  layer verified, the kept global layer GQA-fused, the genai folder, a Gemma3ForCausalLM checkpoint, the
+  same llama.cpp refusal.
 * Llama-3.2's shape (``model_type`` llama, tied embeddings, ``llama3`` RoPE scaling): ``build`` and
   the llama.cpp GGUF and TensorRT-LLM checkpoint, each verified against the PyTorch HARP model."""
 from __future__ import annotations
@@ -116,18 +117,33 @@ def test_genai_folder_greedy_equals_ours(family, request, capsys):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-@pytest.mark.parametrize("target,needle", [("trtllm", "do not cover QK-norm layers"),
-                                           ("gguf", "no per-head Q/K RMSNorm")])
-def test_refused_where_the_format_cannot_express_it(family, target, needle, request, capsys):
+def test_refused_where_the_format_cannot_express_it(family, request, capsys):
+    """llama.cpp's deci graph has no per-head Q/K norm: exit 2, one line naming the targets that take it."""
     folder, cache, corpus = request.getfixturevalue(family)
     _build(capsys, folder, cache, corpus)
     plan = next(cache.glob("calibrate-*"))
     capsys.readouterr()
-    code, _, err = run_json(capsys, "deploy", target, "--plan", str(plan), "--model", str(folder),
+    code, _, err = run_json(capsys, "deploy", "gguf", "--plan", str(plan), "--model", str(folder),
                             "--workdir", str(cache), "--json")
-    assert code == 2 and needle in err and family in err
-    assert not list(cache.glob(f"{target}-*"))
+    assert code == 2 and "no per-head Q/K RMSNorm" in err and family in err
+    assert not list(cache.glob("gguf-*"))
     assert "ort" in err.split("hint:")[-1] or "ORT" in err   # the line says which target takes it
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3", "Qwen3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
+def test_deploy_trtllm_writes_a_verified_qk_norm_checkpoint(family, arch, request, capsys):
+    """``deploy trtllm`` on the calibrated plan: the family's own TensorRT-LLM architecture, window-1
+    pruned layers, read back equal to the PyTorch HARP model with TensorRT-LLM's QK-norm eps
+    (tests/test_trtllm_qk_norm.py has the layer-level checks)."""
+    folder, cache, corpus = request.getfixturevalue(family)
+    _build(capsys, folder, cache, corpus)
+    plan = next(cache.glob("calibrate-*"))
+    capsys.readouterr()
+    code, trt, err = run_json(capsys, "deploy", "trtllm", "--plan", str(plan), "--model", str(folder),
+                              "--workdir", str(cache), "--json")
+    assert code == 0, err
+    assert trt["architecture"] == arch and trt["verify_max_abs_diff"] <= trt["verify_tolerance"]
+    assert "QK-norm eps 1e-05 as TensorRT-LLM computes it (the model's own: 1e-06)" in trt["verify_reference"]
 
 
 def test_llama32_shape_end_to_end(tmp_path, capsys):

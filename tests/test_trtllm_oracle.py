@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from harp_trt.builders.trtllm import read_checkpoint, write_checkpoint
+from harp_trt.builders.trtllm.stage import _qk_norm_eps
+from harp_trt.builders.trtllm.targets import QK_LAYERNORM_EPS
 from harp_trt.builders.trtllm.trtllm_models import ACTIVATIONS
 from harp_trt.codekey import module_file
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
@@ -45,15 +47,17 @@ def models(tmp_path_factory):
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
     root = tmp_path_factory.mktemp("oracle")
     out = {}
-    for fam in ("llama", "qwen2", "gemma2"):
+    for fam in ("llama", "qwen2", "gemma2", "qwen3", "gemma3"):
         m = make_tiny(fam, **({"tie_word_embeddings": True} if fam == "gemma2" else {}))
         with torch.no_grad():  # HF initialises biases to zero: perturb them so a lost bias shows
             for n, p in m.named_parameters():
                 if n.endswith("bias"):
                     p.add_(0.5 * torch.randn_like(p))
         m.save_pretrained(root / fam, safe_serialization=True)
+        ref = apply_harp(copy.deepcopy(m), ALPHAS)
+        _qk_norm_eps(ref, QK_LAYERNORM_EPS)   # Qwen3 / Gemma3: TensorRT-LLM's QK-norm eps (row qk-norm-eps)
         with torch.no_grad():
-            out[fam] = (root / fam, apply_harp(copy.deepcopy(m), ALPHAS)(ids).logits, ids)
+            out[fam] = (root / fam, ref(ids).logits, ids)
     return out
 
 
@@ -110,6 +114,10 @@ MUTATIONS = {
     "gemma2-no-softcap-fields": ("gemma2", lambda t: {"softcapping": False}, 1, "query_pre_attn_scalar"),
     "gemma2-replicated-embedding": ("gemma2", lambda t: {"parallel_embedding": False}, 2, "vocab-split"),
     "llama-no-layer-configs": ("llama", lambda t: {"layer_configs": False}, 1, "Required but not provided"),
+    "qwen3-no-qk-layernorm": ("qwen3", lambda t: {"qk_layernorm": False}, 1, "Required but not provided"),
+    "qwen3-as-qwen2": ("qwen3", lambda t: {"extra_config": {**t.extra_config, "qwen_type": "qwen2"}}, 1, "differs"),
+    "gemma3-no-config-group": ("gemma3", lambda t: {"gemma3_group": False}, 1, "query_pre_attn_scalar"),
+    "gemma3-as-gemma2": ("gemma3", lambda t: {"architecture": "Gemma2ForCausalLM"}, 1, "differs"),
 }
 
 

@@ -42,6 +42,7 @@ from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader, hf_config
 
 from .config import CLI
+from .config_json import trtllm_config
 from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
 __all__ = ["DTYPES", "write_checkpoint", "valid_tp_sizes", "check_layout",
@@ -70,6 +71,12 @@ def _tp_problems(dims: ModelDims, target: TrtllmTarget, tp: int) -> list[str]:
         out.append(f"hidden size {dims.hidden} (linear attention is column-split)")
     if target.parallel_embedding and tp > 1 and dims.vocab % tp:
         out.append(f"vocab size {dims.vocab} (Gemma splits the embedding over tp)")
+    if target.qk_layernorm and dims.heads // tp == -(-dims.kv_heads // tp) > 1:
+        # layers/attention.py Attention.forward: with as many query as KV heads per rank, the QK-norm
+        # branch views qkv as [heads, 3, head_size] (q, k, v interleaved per head), not the [Q | K | V]
+        # rows every converter writes (the same thing for one head); docs/trtllm-contract.md row qk-norm-mha
+        out.append(f"{dims.heads} heads over {dims.kv_heads} KV heads (a QK-norm layer needs more query than "
+                   "KV heads per rank, or one of each)")
     return out
 
 
@@ -132,19 +139,6 @@ def check_pipeline(kinds: "LayerKinds", target: TrtllmTarget, pp_size: int) -> N
                     f"pp_size={pp_size} with per-layer attention windows ({target.route} route): TensorRT-LLM 1.2's KV "
                     f"cache manager would give stage {p}'s layers the windows of the first stage's layers",
                     "build this checkpoint with pp_size=1 (tensor parallelism is unaffected)")
-
-
-# ---- reading the HF checkpoint ------------------------------------------------------------------
-def _rope_fields(config) -> tuple[float, dict | None]:
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    legacy = getattr(config, "rope_scaling", None)
-    if not params and legacy:
-        params = dict(legacy)
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    return theta, {"type": rope_type, **params}
 
 
 def _gain(offset: float, w: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -277,6 +271,11 @@ def _layer_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: Mod
     if target.inter_layernorms:  # Gemma2's pre/post feed-forward norms keep their HF names
         for n in fam.extra_layer_norms:
             W[p + f"{n}.weight"] = _Logical("rep", _gain(off, src.get(n, i)))
+    if target.qk_layernorm and kind in ("attention", "window1"):
+        # Attention(qk_layernorm=True): one [head_size] gain per layer, shared by every head and replicated
+        # over tp (layers/attention.py Attention.__init__, layernorm_share); Gemma's stored as 1 + w
+        for n in ("q", "k"):
+            W[p + f"attention.{n}_layernorm.weight"] = _Logical("rep", _gain(off, src.get(f"{n}_norm", i)))
     W[p + f"{mlp}.fc.weight"] = _Logical("col", src.get("gate", i))
     W[p + f"{mlp}.gate.weight"] = _Logical("col", src.get("up", i))
     W[p + f"{mlp}.proj.weight"] = _Logical("row", src.get("down", i))
@@ -299,49 +298,6 @@ def _rank_tensors(src: _Source, target: TrtllmTarget, lk: LayerKinds, dims: Mode
                 for t in range(tp):
                     yield mapping.rank(t, p), local, _shard(lt, tp, t, dims).to(dtype)
             del tensors
-
-
-# ---- config.json ------------------------------------------------------------------------------
-def _trtllm_config(config, target: TrtllmTarget, lk: LayerKinds, dims: ModelDims, dtype: str, tp: int,
-                   pp: int) -> dict[str, Any]:
-    theta, scaling = _rope_fields(config)
-    act = getattr(config, "hidden_activation", None) or config.hidden_act
-    cfg: dict[str, Any] = {
-        "architecture": target.architecture, "dtype": dtype, "logits_dtype": "float32",
-        "vocab_size": dims.vocab, "hidden_size": dims.hidden, "num_hidden_layers": dims.num_layers,
-        "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
-        "head_size": dims.head_dim, "intermediate_size": dims.intermediate, "hidden_act": act,
-        "norm_epsilon": float(config.rms_norm_eps), "position_embedding_type": "rope_gpt_neox",
-        "max_position_embeddings": int(config.max_position_embeddings),
-        "rotary_base": theta, "rotary_scaling": scaling,
-        "mapping": ParallelMapping(tp, pp).to_config(),
-        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
-        "use_parallel_embedding": bool(target.parallel_embedding and tp > 1),
-        "embedding_sharding_dim": 0,
-        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
-        **target.extra_config,
-    }
-    if target.seq_length_field:
-        # written as TensorRT-LLM's own converter writes it (models/qwen/config.py
-        # QWenConfig.from_hugging_face: getattr(hf_config, "seq_length", 8192)) so that our config.json
-        # equals its; nothing in models/qwen/model.py reads it (the span is max_position_embeddings)
-        cfg["seq_length"] = int(getattr(config, "seq_length", None) or 8192)
-    if target.share_embedding:
-        cfg["share_embedding_table"] = True
-    if target.layer_configs:
-        cfg["layer_configs"] = [
-            {"attention": {"impl": k, "num_key_value_heads": dims.kv_heads if k == "attention" else None},
-             "ffn": {"impl": "mlp", "intermediate_size": dims.intermediate}} for k in lk.kinds]
-    if target.softcapping:  # Gemma2 config group
-        cfg["query_pre_attn_scalar"] = config.query_pre_attn_scalar
-        cfg["attn_logit_softcapping"] = getattr(config, "attn_logit_softcapping", None)
-        cfg["final_logit_softcapping"] = getattr(config, "final_logit_softcapping", None)
-    windows = lk.window_list()
-    if windows is not None:
-        # Engine default for KvCacheConfig.max_attention_window (models/modeling_utils.py
-        # RuntimeDefaults). No sink_token_length: KvCacheConfig::setSinkTokenLength requires > 0.
-        cfg["runtime_defaults"] = {"max_attention_window": windows}
-    return cfg
 
 
 # ---- the writer -------------------------------------------------------------------------------
@@ -378,7 +334,7 @@ def write_checkpoint(model_folder: str | Path, plan: Plan, out_dir: str | Path, 
     check_pipeline(lk, target, pp_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _trtllm_config(config, target, lk, dims, dtype, tp_size, pp_size)
+    cfg = trtllm_config(config, target, lk, dims, dtype, tp_size, pp_size)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
     torch_dtype = DTYPES[dtype]

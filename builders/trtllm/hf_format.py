@@ -29,7 +29,8 @@ from harp_trt.dims import ModelDims
 from harp_trt.families import FAMILIES, family_of
 from harp_trt.plan import Plan
 
-from .checkpoint import DTYPES, _rope_fields, fold_vo
+from .checkpoint import DTYPES, fold_vo
+from .config_json import rope_fields
 from .targets import target_for
 
 __all__ = ["write_hf_decilm", "ffn_mult_for", "intermediate_from_ffn_mult", "HF_CONFIG_MODULE", "decilm_name"]
@@ -174,7 +175,7 @@ def write_hf_decilm(model_folder: str | Path, plan: Plan, out_dir: str | Path, *
                 "DeciLM ffn_mult (needs a multiple of 256)"}
     check_plan_family(plan, family, dims.num_layers)
     amap = plan.alpha_map
-    theta, scaling = _rope_fields(cfg)
+    theta, scaling = rope_fields(cfg)
     reader = WeightReader(model_folder)
     fitted = plan.fitted_tensors()  # calibrate --replacement rrr: the fitted V/O of those layers
     tdt = DTYPES[dtype]

@@ -34,7 +34,7 @@ import torch
 from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
 from harp_trt.mapping import ParallelMapping
 
-from .trtllm_models import (ACTIVATIONS, HF_DECILM_NAMES, MODELS, LayerConfig, ModelConfig,
+from .trtllm_models import (ACTIVATIONS, HF_DECILM_NAMES, MODELS, QK_NORM_EPS, LayerConfig, ModelConfig,
                             ffn_mult_to_intermediate, pad_vocab, resolve)
 
 __all__ = ["TrtllmCheckpoint", "read_checkpoint", "read_hf_decilm", "SUPPORTED_ARCHITECTURES"]
@@ -130,6 +130,11 @@ def _inv_freq(dim: int, base: float, scaling: dict | None) -> torch.Tensor:
                                        "supported: none, linear, llama3")
 
 
+def _rope_tables(T: int, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
+    return torch.cat([ang.cos(), ang.cos()], -1)[None, :, None], torch.cat([ang.sin(), ang.sin()], -1)[None, :, None]
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """GPT-NeoX rotary embedding on (B, T, heads, dim): halves are rotated, not interleaved pairs."""
     d = cos.shape[-1]
@@ -142,6 +147,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class _Layer:
     cfg: LayerConfig
     window: int | None      # attention window (None: full)
+    local_rope: bool = False  # RoPE with rotary_base_local (Gemma3's is_sliding layers)
 
 
 class TrtllmCheckpoint:
@@ -187,7 +193,8 @@ class TrtllmCheckpoint:
     def _layer_specs(self) -> list[_Layer]:
         windows = (self.config.get("runtime_defaults") or {}).get("max_attention_window") or None
         specs, attn_idx = [], 0
-        for lc in self.m.layers:
+        local = self.m.local or (False,) * len(self.m.layers)
+        for lc, is_local in zip(self.m.layers, local):
             w = None
             if lc.attention == "attention":
                 # the runtime indexes the list by attention-layer ordinal, cyclically
@@ -195,7 +202,7 @@ class TrtllmCheckpoint:
                 if windows:
                     w = int(windows[attn_idx % len(windows)])
                 attn_idx += 1
-            specs.append(_Layer(lc, w))
+            specs.append(_Layer(lc, w, is_local))
         return specs
 
     def kv_heads_per_layer(self) -> list[int]:
@@ -212,14 +219,14 @@ class TrtllmCheckpoint:
         m = self.m
         ids = input_ids if input_ids.dim() == 2 else input_ids[None]
         T = ids.shape[1]
-        inv = _inv_freq(m.rotary_dim, m.rotary_base, m.rotary_scaling)
-        ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
-        cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None]
-        sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None]
+        rope = {False: _rope_tables(T, _inv_freq(m.rotary_dim, m.rotary_base, m.rotary_scaling))}
+        if m.rotary_base_local is not None:  # Attention(rotary_embedding_base_local=...), is_local layers
+            rope[True] = _rope_tables(T, _inv_freq(m.rotary_dim, m.rotary_base_local, None))
         h = self._embed(ids) * m.embed_scale  # GemmaModel.forward: embedding * sqrt(hidden)
         for p in range(self.pp):
             for local, g in enumerate(self.mapping.pp_layers(m.num_layers, p)):
-                h = self._layer(h, p, local, self.layers[g], cos, sin)
+                spec = self.layers[g]
+                h = self._layer(h, p, local, spec, *rope[spec.local_rope])
         last = self.pp - 1
         h = _rms(h, self.rank_weights(0, last).weight("transformer.ln_f.weight", (m.hidden,)), m.eps)
         rows = pad_vocab(m.vocab, self.tp) // self.tp  # ColumnLinear(vocab_size_padded, gather_output)
@@ -324,8 +331,11 @@ class TrtllmCheckpoint:
         if m.attn_bias:
             qkv = qkv + w.weight(pre + "attention.qkv.bias", (rows,))
         B, T, _ = x.shape
-        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], -1)
-        q, k, v = q.view(B, T, nq, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+        if m.qk_norm:
+            q, k, v = self._qk_norm(qkv.view(B, T, nq + 2 * nkv, hd), w, pre, nq, nkv)
+        else:
+            q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], -1)
+            q, k, v = q.view(B, T, nq, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         rep = nq // nkv
         k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
@@ -340,6 +350,22 @@ class TrtllmCheckpoint:
         s = s.masked_fill(~allowed, float("-inf"))
         o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, nq * hd)
         return o @ w.weight(pre + "attention.dense.weight", (m.hidden, nq * hd)).T
+
+
+    def _qk_norm(self, qkv, w, pre, nq, nkv):
+        """layers/attention.py ``Attention.forward`` with ``qk_layernorm``: before RoPE, q and k heads are
+        RmsNorm-ed over head_size with one shared gain each (eps ``QK_NORM_EPS``). With more query
+        than KV heads per rank the rows split as [Q | K | V]; with as many, the source views them as
+        [heads, 3, head_size] (q, k, v interleaved per head) and concatenates the parts back as
+        [Q | K | V] for the plugin -- reproduced here, so a [Q | K | V] checkpoint fails the check there."""
+        hd = self.m.head_size
+        if nq != nkv:
+            q, k, v = qkv.split([nq, nkv, nkv], 2)
+        else:
+            q, k, v = qkv.view(*qkv.shape[:2], nq, 3, hd).unbind(3)
+        q = _rms(q, w.weight(pre + "attention.q_layernorm.weight", (hd,)), QK_NORM_EPS)
+        k = _rms(k, w.weight(pre + "attention.k_layernorm.weight", (hd,)), QK_NORM_EPS)
+        return q, k, v
 
 
 def _hf_layer(i: int, block: dict, heads: int, hidden: int, names: dict) -> dict:

@@ -43,7 +43,7 @@ from .config import TRTLLM_VERSION, TrtllmCheckpointConfig
 from .hf_format import write_hf_decilm
 from .launch import TOKENIZER_DIR, write_launch_files
 from .reader import read_checkpoint, read_hf_decilm
-from .targets import target_for
+from .targets import QK_LAYERNORM_EPS, target_for
 
 __all__ = ["TrtllmCheckpointStage", "build_command", "VERIFY_TOLERANCE"]
 
@@ -170,12 +170,16 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
         vocab = ref.model.config.vocab_size
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
         ref.apply_plan(plan.alpha_map, plan.fitted_tensors())  # fitted maps (--replacement rrr) in their layers
+        own_eps = _qk_norm_eps(ref.model, QK_LAYERNORM_EPS) if target_for(plan.family).qk_layernorm else None
         cap = ref.capture(ids)
         want = ref.logits(ref.run(cap.h0, cap)[0]).float()
         del ref, cap
         scale = max(1.0, float(want.abs().max()))
         tol = VERIFY_TOLERANCE[config.dtype] * scale
         result: dict[str, Any] = {"tokens": n, "tolerance": tol, "reference": "layer by layer, fp32"}
+        if own_eps is not None:
+            result["reference"] += (f"; QK-norm eps {QK_LAYERNORM_EPS:g} as TensorRT-LLM computes it "
+                                    f"(the model's own: {own_eps:g})")
         checks = [("checkpoint", read_checkpoint(ckpt))] + ([("hf", read_hf_decilm(hf))] if hf else [])
         for what, ck in checks:
             diff = float((ck.forward(ids) - want).abs().max())
@@ -206,6 +210,18 @@ class TrtllmCheckpointStage(Stage[TrtllmCheckpointConfig]):
         return {"built": True, "dir": "engine"}
 
 
+def _qk_norm_eps(model: torch.nn.Module, eps: float) -> float | None:
+    """Give the reference's per-head Q/K norms TensorRT-LLM's eps (``QK_LAYERNORM_EPS``); returns the
+    model's own (transformers' Qwen3RMSNorm keeps it as ``variance_epsilon``, Gemma3RMSNorm as ``eps``)."""
+    own = None
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm"):
+            attr = "variance_epsilon" if hasattr(mod, "variance_epsilon") else "eps"
+            own = getattr(mod, attr)
+            setattr(mod, attr, eps)
+    return own
+
+
 def deploy_summary(art: Any, config: TrtllmCheckpointConfig) -> dict[str, Any]:
     """``harp-trt deploy trtllm``'s result (``--json``, the summary) from the stage's artifact."""
     m = art.manifest
@@ -219,6 +235,8 @@ def deploy_summary(art: Any, config: TrtllmCheckpointConfig) -> dict[str, Any]:
         "kv_bytes_per_sequence": ck["kv_bytes_per_sequence"],
         "kv_bytes_per_sequence_unpruned": ck["kv_bytes_per_sequence_unpruned"],
         "verify_max_abs_diff": (m.get("verification") or {}).get("max_abs_diff"),
+        "verify_tolerance": (m.get("verification") or {}).get("tolerance"),
+        "verify_reference": (m.get("verification") or {}).get("reference"),
         "hf_checkpoint": m["hf_checkpoint"].get("written"), "engine_built": m["engine"]["built"],
         "build_script": str(art.path / "build_engine.sh"), "_tables": {"layers": rows},
     }

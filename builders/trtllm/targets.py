@@ -33,7 +33,14 @@ from harp_trt.families import FAMILIES, ROUTE_LINEAR, ROUTE_WINDOW1, TrtllmTarge
 
 from .config import TRTLLM_VERSION  # the TensorRT-LLM version every target is written for
 
-__all__ = ["TrtllmTarget", "TARGETS", "target_for", "ROUTE_LINEAR", "ROUTE_WINDOW1", "TRTLLM_VERSION"]
+__all__ = ["TrtllmTarget", "TARGETS", "target_for", "ROUTE_LINEAR", "ROUTE_WINDOW1", "TRTLLM_VERSION",
+           "QK_LAYERNORM_EPS"]
+
+# The eps of TensorRT-LLM's QK-norm RmsNorms: Attention.__init__'s default (layers/attention.py, eps=1e-05),
+# which QWenDecoderLayer and GemmaDecoderLayer do not override, whatever the model's rms_norm_eps
+# (1e-6 for Qwen3 and Gemma3). The stage's check runs its reference with it; docs/trtllm-contract.md
+# row qk-norm-eps (the reader keeps its own copy of the fact, trtllm_models.QK_NORM_EPS).
+QK_LAYERNORM_EPS = 1e-5
 
 
 def _targets() -> dict[str, TrtllmTarget]:

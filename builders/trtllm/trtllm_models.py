@@ -26,7 +26,7 @@ from harp_trt.errors import CorruptWeightsError, UnsupportedArchitectureError
 from harp_trt.mapping import ParallelMapping
 
 __all__ = ["ModelFacts", "MODELS", "ACTIVATIONS", "LayerConfig", "ModelConfig", "resolve", "pad_vocab",
-           "HF_DECILM_NAMES", "ffn_mult_to_intermediate", "QWEN_MLP_DIVISOR"]
+           "HF_DECILM_NAMES", "ffn_mult_to_intermediate", "QWEN_MLP_DIVISOR", "QK_NORM_EPS"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,19 @@ class ModelFacts:
     #   residual_mlp (Granite, defaults 1.0 / False)
     rope_by_default: bool = False    # position_embedding_type default: PretrainedConfig learned_absolute;
     #   DeciConfig and GemmaConfig rope_gpt_neox
+    gemma3: bool = False             # gemma/config.py GemmaConfig.is_gemma_3 (architecture == Gemma3ForCausalLM):
+    #   inter_layernorms forced True and query_pre_attn_scalar required (GemmaConfig.__init__, as Gemma2),
+    #   Gemma3ConfigGroup (_sliding_window_pattern, rope_local_base_freq, sliding_window) read;
+    #   gemma/model.py GemmaDecoderLayer.__init__: qk_layernorm=True, q_scaling = sqrt(qpas) / sqrt(head_size),
+    #   no attention soft-capping, is_sliding = bool((layer_idx + 1) % _sliding_window_pattern) picks
+    #   rotary_embedding_base_local = rope_local_base_freq for that layer
+
+
+# layers/attention.py Attention.__init__: the QK-norm RmsNorms get Attention's own eps (default 1e-05);
+# QWenDecoderLayer and GemmaDecoderLayer pass none, whatever config.norm_epsilon says
+QK_NORM_EPS = 1e-5
+# qwen/model.py QWenDecoderLayer.__init__: qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe')
+QWEN_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 
 
 # LLaMA: defaults from llama/config.py LLaMAConfig; the decoder layer (bias=config.attn_bias, dense bias
@@ -80,8 +93,10 @@ MODELS: dict[str, ModelFacts] = {
     "MistralForCausalLM": _LLAMA,
     "QWenForCausalLM": _QWEN,
     "Qwen2ForCausalLM": _QWEN,
+    "Qwen3ForCausalLM": _QWEN,
     "GemmaForCausalLM": ModelFacts("GemmaForCausalLM", **_GEMMA),
     "Gemma2ForCausalLM": ModelFacts("GemmaForCausalLM", gemma2=True, **_GEMMA),
+    "Gemma3ForCausalLM": ModelFacts("GemmaForCausalLM", gemma3=True, **_GEMMA),
     "DeciLMForCausalLM": ModelFacts(
         "DeciLMForCausalLM", mlp_module="ffn", attn_bias=None, mlp_bias=None, generic_head=False,
         heterogeneous=True, rope_by_default=True,
@@ -167,6 +182,9 @@ class ModelConfig:
     final_softcap: float | None
     logit_scale: float           # output_multiplier_scale / mup_width_multiplier
     layers: tuple[LayerConfig, ...]
+    qk_norm: bool = False        # Attention(qk_layernorm=True): per-head RmsNorm of q and k before RoPE
+    local: tuple[bool, ...] = ()  # per layer: RoPE base rotary_base_local (Gemma3's is_sliding)
+    rotary_base_local: float | None = None
 
 
 def _need(c: dict[str, Any], key: str, where: str) -> Any:
@@ -217,6 +235,16 @@ def resolve(c: dict[str, Any]) -> ModelConfig:
         if c.get("residual_mlp"):
             _refuse("residual_mlp", "llama/model.py")
     q_scaling, attn_cap, final_cap = 1.0, 0.0, None
+    qk_norm, local, base_local = bool(f.qwen and c.get("qwen_type") in QWEN_QK_NORM_TYPES), (), None
+    if f.gemma3:
+        q_scaling = math.sqrt(float(_need(c, "query_pre_attn_scalar", "gemma/config.py GemmaConfig.__init__"))) / math.sqrt(head)
+        pattern = int(_need(c, "_sliding_window_pattern", "gemma/model.py GemmaDecoderLayer.__init__"))
+        base_local = float(_need(c, "rope_local_base_freq", "gemma/model.py GemmaDecoderLayer.__init__"))
+        local, qk_norm = tuple(bool((i + 1) % pattern) for i in range(int(c["num_hidden_layers"]))), True
+        if c.get("rotary_scaling"):
+            _refuse("Gemma3 rotary_scaling", "layers/attention.py rotary_embedding_base_local")
+        if c.get("final_logit_softcapping"):
+            _refuse("Gemma3 final_logit_softcapping", "modeling_utils.py DecoderModelForCausalLM.forward")
     if f.gemma2:
         qpas = c.get("query_pre_attn_scalar")
         if qpas is None:  # GemmaConfig.__init__ asserts it
@@ -235,13 +263,15 @@ def resolve(c: dict[str, Any]) -> ModelConfig:
         heads, kv, head, int(rot), float(c.get("rotary_base", 10000.0)), c.get("rotary_scaling"), act,
         float(c.get("norm_epsilon", 1e-5)), tp, pp, parallel, int(c.get("embedding_sharding_dim", 0)),
         attn_bias, attn_bias and f.dense_bias_follows, mlp_bias, math.sqrt(hidden) if f.embedding_scale else 1.0,
-        f.gemma2, q_scaling, attn_cap, final_cap, scale, _layer_configs(c, f, kv, inter))
+        f.gemma2 or f.gemma3, q_scaling, attn_cap, final_cap, scale, _layer_configs(c, f, kv, inter),
+        qk_norm, local, base_local)
 
 
 # qwen/model.py QWenDecoderLayer.__init__: "Qwen's real inter_size depends on qwen_type" -- the divisor
 # of intermediate_size per qwen_type (qwen/config.py QWenConfig.from_hugging_face's valid types; the MoE
-# types and qwen3, whose attention has q/k norms, are not implemented here)
-QWEN_MLP_DIVISOR: dict[str, int] = {"qwen": 2, "qwen2": 1, "qwen2_vl": 1, "qwen2_audio": 1, "qwen2_llava_onevision": 1}
+# types are not implemented here)
+QWEN_MLP_DIVISOR: dict[str, int] = {"qwen": 2, "qwen2": 1, "qwen2_vl": 1, "qwen2_audio": 1, "qwen2_llava_onevision": 1,
+                                    "qwen3": 1}
 
 
 def _qwen_intermediate(c: dict[str, Any], inter: int) -> int:

@@ -12,8 +12,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-__all__ = ["FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "QK_NORM_WEIGHTS",
-           "qk_norm_trtllm_refusal"]
+__all__ = ["FamilySpec", "TrtllmTarget", "GgufTarget", "ROUTE_LINEAR", "ROUTE_WINDOW1", "QK_NORM_WEIGHTS"]
 
 # How a HARP-pruned layer is written for TensorRT-LLM (builders/trtllm/targets.py explains both).
 ROUTE_LINEAR = "linear"    # DeciLM linear attention: alpha * W_O . repeat_kv(W_V), no KV cache
@@ -36,6 +35,8 @@ class TrtllmTarget:
     share_embedding: bool = False     # Gemma ties lm_head to the embedding table
     hf_heterogeneous: bool = False    # an HF DeciLM (block_configs) checkpoint can be written
     seq_length_field: bool = False    # config.json carries seq_length as QWenConfig.from_hugging_face writes it
+    qk_layernorm: bool = False        # per-head Q/K RMSNorm gains as attention.{q,k}_layernorm (Qwen3, Gemma3)
+    gemma3_group: bool = False        # Gemma3ConfigGroup: _sliding_window_pattern, rope_local_base_freq, sliding_window
     extra_config: Mapping[str, Any] = field(default_factory=dict)  # written into config.json as is
 
 
@@ -51,16 +52,6 @@ class GgufTarget:
 
 
 QK_NORM_WEIGHTS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}  # Qwen3, Gemma3
-
-
-def qk_norm_trtllm_refusal(source: str) -> str:
-    """Why the TensorRT-LLM target refuses a QK-norm family: TensorRT-LLM's TensorRT backend takes the
-    per-head norms (``Attention(qk_layernorm=True)``, weights ``attention.q_layernorm`` /
-    ``k_layernorm``, in ``source``), but our checkpoint writer (builders/trtllm/checkpoint.py) and its
-    read-back oracle (builders/trtllm/reader.py) do not write or check them yet, and an unverified
-    checkpoint is not written. docs/trtllm-contract.md row qk-norm-refused."""
-    return ("harp-trt's TensorRT-LLM writer and its read-back check do not cover QK-norm layers yet "
-            f"(TensorRT-LLM takes them as attention.q_layernorm / k_layernorm, {source})")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import QK_NORM_WEIGHTS, GgufTarget, qk_norm_trtllm_refusal
+from .base import QK_NORM_WEIGHTS, ROUTE_WINDOW1, GgufTarget, TrtllmTarget
 from .gemma2 import Gemma2Family
 
 
@@ -22,8 +22,14 @@ class Gemma3Family(Gemma2Family):
     attn_implementation = "sdpa"
     attn_implementation_required = False
     weight_names = {**Gemma2Family.weight_names, **QK_NORM_WEIGHTS}
-    trtllm = None   # TensorRT-LLM: tensorrt_llm/models/gemma/model.py GemmaDecoderLayer.__init__
-    trtllm_refusal = qk_norm_trtllm_refusal("tensorrt_llm/models/gemma/model.py GemmaDecoderLayer")
+    # TensorRT-LLM's Gemma3ForCausalLM is GemmaForCausalLM (models/gemma/config.py GEMMA3_ARCHITECTURE):
+    # GemmaConfig.__init__ forces inter_layernorms and requires query_pre_attn_scalar as for Gemma2;
+    # GemmaDecoderLayer.__init__ (models/gemma/model.py) adds qk_layernorm and makes layer i local
+    # (RoPE base rope_local_base_freq) when (i + 1) % _sliding_window_pattern; the windows themselves
+    # are runtime max_attention_window entries; docs/trtllm-contract.md rows gemma3-*
+    trtllm = TrtllmTarget("Gemma3ForCausalLM", ROUTE_WINDOW1, inter_layernorms=True, parallel_embedding=True,
+                          share_embedding=True, qk_layernorm=True, gemma3_group=True,
+                          extra_config={"attn_bias": False, "mlp_bias": False, "inter_layernorms": True})
     gguf = GgufTarget("deci", refusal="llama.cpp's deci graph has no per-head Q/K RMSNorm and none of Gemma's "
                       "extra norms, embedding scale, sliding windows or GELU MLP (src/models/deci.cpp)")
 

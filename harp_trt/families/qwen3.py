@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import QK_NORM_WEIGHTS, GgufTarget, qk_norm_trtllm_refusal
+from .base import QK_NORM_WEIGHTS, ROUTE_WINDOW1, GgufTarget, TrtllmTarget
 from .llama import LlamaFamily
 
 
@@ -18,8 +18,14 @@ class Qwen3Family(LlamaFamily):
     hf_config_class = "Qwen3Config"
     qk_norm = True
     weight_names = {**LlamaFamily.weight_names, **QK_NORM_WEIGHTS}
-    trtllm = None   # TensorRT-LLM: tensorrt_llm/models/qwen/model.py QWenDecoderLayer.__init__
-    trtllm_refusal = qk_norm_trtllm_refusal("tensorrt_llm/models/qwen/model.py QWenDecoderLayer")
+    # TensorRT-LLM's Qwen3ForCausalLM is QWenForCausalLM (models/__init__.py MODEL_MAP) with qwen_type
+    # 'qwen3': QWenDecoderLayer.__init__ (models/qwen/model.py) turns on Attention(qk_layernorm=True,
+    # RmsNorm) and reads attn_bias from config.json, whose QWenConfig default is True, so it is written
+    # False as QWenConfig.from_hugging_face writes it for qwen3; docs/trtllm-contract.md rows qwen3-*
+    trtllm = TrtllmTarget("Qwen3ForCausalLM", ROUTE_WINDOW1, seq_length_field=True, qk_layernorm=True,
+                          extra_config={"qwen_type": "qwen3", "attn_bias": False, "mlp_bias": False,
+                                        "use_logn_attn": False, "mlp_only_layers": [],
+                                        "decoder_sparse_step": 1, "disable_weight_only_quant_plugin": False})
     gguf = GgufTarget("deci", refusal="llama.cpp's deci graph has no per-head Q/K RMSNorm (src/models/deci.cpp "
                       "builds Q and K straight from wq/wk), which Qwen3's kept layers need")
 
