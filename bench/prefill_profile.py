@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 import numpy as np  # noqa: E402
 
+from harp_trt.bench._gemm_peak import gemm_peak  # noqa: E402
 from harp_trt.bench._torch_side import TorchSide as _TorchBase  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 
@@ -188,44 +189,6 @@ class GenaiSide:
 
     def prefill(self, ids: np.ndarray) -> None:
         self.engine.prefill_seconds([int(t) for t in ids[0]])
-
-
-# -- GEMM peak --------------------------------------------------------------------------------------
-def gemm_peak(m: int, k: int, n: int, quant: str, threads: int, block: int = 32) -> float:
-    """FLOP/s of the best of 3 ORT calls of one [m, k] x [k, n] GEMM with ``quant``'s weights: fp32
-    MatMul; MatMulNBits at our engines' settings (block 32, symmetric, accuracy level 4); for w8a8 the
-    integer GEMM alone (MatMulIntegerToFloat on uint8 activations, without their quantization)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    a_type, a = TensorProto.FLOAT, rng.standard_normal((m, k)).astype(np.float32)
-    if quant == "none":
-        node = helper.make_node("MatMul", ["A", "W"], ["Y"])
-        inits = [numpy_helper.from_array(rng.standard_normal((k, n)).astype(np.float32), "W")]
-    elif quant == "w8a8":
-        a_type, a = TensorProto.UINT8, rng.integers(0, 255, (m, k), dtype=np.uint8)
-        inits = [numpy_helper.from_array(rng.integers(-127, 127, (k, n), dtype=np.int8), "W"),
-                 numpy_helper.from_array(np.array(0.01, np.float32), "sa"),
-                 numpy_helper.from_array((rng.random(n) * 0.01).astype(np.float32), "sw"),
-                 numpy_helper.from_array(np.array(128, np.uint8), "zp")]
-        node = helper.make_node("MatMulIntegerToFloat", ["A", "W", "sa", "sw", "zp"], ["Y"], domain="com.microsoft")
-    else:
-        bits = 4 if quant == "int4" else 8
-        nb = (k + block - 1) // block
-        inits = [numpy_helper.from_array(rng.integers(0, 255, (n, nb, block * bits // 8), dtype=np.uint8), "W"),
-                 numpy_helper.from_array((rng.random(n * nb) * 0.01).astype(np.float32), "S")]
-        node = helper.make_node("MatMulNBits", ["A", "W", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
-                                block_size=block, accuracy_level=4)
-    g = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("A", a_type, [m, k])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])], inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    sess.run(None, {"A": a})
-    best = min(_timed(lambda: sess.run(None, {"A": a})) for _ in range(3))
-    return 2 * m * k * n / best
 
 
 def _timed(fn: Callable[[], Any]) -> float:
