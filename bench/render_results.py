@@ -266,7 +266,29 @@ def prefill_headline(ds: list[dict[str, Any]]) -> str:
             f"({', '.join(m['cpu_features'])}). {cmds}.\n")
 
 
+def _x(r: dict[str, Any]) -> str:
+    return f"{r['speedup_vs_fp32']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]"
+
+
+def int4_kernels(d: dict[str, Any]) -> str:
+    """bench/int4_kernels.py: per GEMM, fp32's rate, our int4 setting, the best int4 one and w8a8, each
+    as a speed-up over fp32 MatMul with its interval, and the run's ceiling."""
+    rows = ["| GEMM (K x N), M | fp32 MatMul GFLOP/s | our int4 (block 32, acc 4) | best int4 (block, acc) | w8a8 | ceiling |",
+            "|---|---|---|---|---|---|"]
+    for g in d["gemms"]:
+        k, b = g["kernels"], g["best_int4"]
+        best = k[f"int4_b{b['block']}_acc{b['accuracy_level']}"]
+        rows.append(f"| {g['k']} x {g['n']}, {g['m']} | {k['fp32']['gflops']:.0f} | {_x(k['int4_b32_acc4'])} | "
+                    f"{_x(best)} ({b['block']}, {b['accuracy_level']}) | {_x(k['w8a8'])} | {k['fp32']['ceiling']} |")
+    m, pr = d["machine"], d["provenance"]
+    return ("\n".join(rows) + f"\n\nSpeed-up over fp32 MatMul [95 % CI of {d['repeats']} interleaved pairs], each "
+            f"call the best of 3; {d['threads']} threads; {m['cpu']} ({', '.join(m['cpu_features'])}); load average "
+            f"{m['load_avg_start'][0]:.2f} before, {m['load_avg_end'][0]:.2f} after; peak RSS {d['peak_rss_gb']} GB. "
+            f"`{pr['command']}` at {pr['commit']}.\n")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
+                                                         "int4_kernels": int4_kernels,
                                                          "long_context": long_context,
                                                          "long_context_headline": long_context_headline,
                                                          "long_context_dense": long_context_dense,
