@@ -29,6 +29,10 @@ SHAPES: dict[str, dict] = {
     # deci graph has no attention bias, so a Qwen2 plan has no deci GGUF (harp_trt/families/qwen2.py);
     # the long-context bench times llama.cpp at 7B on this one, ORT on both (issue 31)
     "qwen2-7b-llama": dict(model_type="llama", **_QWEN2_7B),
+    # Qwen2-7B with 4 of its 28 layers: every layer, the embedding and the LM head at 7B size, small enough
+    # for an fp32 engine and PyTorch fp32 side by side in 24 GB (bench/prefill_profile.py --shape, issue 36);
+    # a prefill that returns the last position's logits spends its time per layer, so per-layer ratios hold
+    "qwen2-7b-4layers": dict(model_type="qwen2", **{**_QWEN2_7B, "num_hidden_layers": 4}),
     # Qwen/Qwen2-1.5B
     "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,

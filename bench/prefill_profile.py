@@ -2,8 +2,9 @@
 int8, w8a8) before and after the generator's prefill path, PyTorch eager fp32 (sdpa) and onnxruntime-genai's
 int4 model, one process, the same threads, interleaved.
 
-    python bench/prefill_profile.py [--model smollm2-135m] [--lengths 512,2048,8192] [--threads 2]
-        [--repeats 3] [--engines none,int4,int8,w8a8] [--one-call none] [--genai] [--out FILE.json]
+    python bench/prefill_profile.py [--model smollm2-135m | --shape qwen2-7b-4layers] [--lengths 512,2048,8192]
+        [--threads 2] [--repeats 3] [--engines none,int4,int8,w8a8] [--quant-block-size 32] [--one-call none]
+        [--genai] [--out FILE.json]
 
 Sides, each timed as a generator's prefill (the prompt in, the last position's logits out):
 
@@ -44,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 import numpy as np  # noqa: E402
 
 from harp_trt.bench._gemm_peak import gemm_peak  # noqa: E402
+from harp_trt.bench._shapes import SHAPES  # noqa: E402
 from harp_trt.bench._torch_side import TorchSide as _TorchBase  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 
@@ -198,7 +200,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 # -- engines ----------------------------------------------------------------------------------------
-def build_engines(model: str, quants: list[str], store: Any) -> tuple[Any, dict[str, Path]]:
+def build_engines(model: str, quants: list[str], store: Any, block: int = 32) -> tuple[Any, dict[str, Path]]:
     from harp_trt.builders.ort.builder import OrtBuildStage
     from harp_trt.builders.ort.config import OrtBuildConfig
     from harp_trt.export.config import ExportConfig
@@ -207,7 +209,8 @@ def build_engines(model: str, quants: list[str], store: Any) -> tuple[Any, dict[
 
     resolved = resolve_model(model, store.root)
     export = ExportStage().execute(store, ExportConfig(), {"model": resolved})
-    return resolved, {q: OrtBuildStage().execute(store, OrtBuildConfig(quant=q), {"onnx": export}).path for q in quants}
+    return resolved, {q: OrtBuildStage().execute(store, OrtBuildConfig(quant=q, quant_block_size=block),
+                                                 {"onnx": export}).path for q in quants}
 
 
 def heldout_perplexity(sides: dict[str, Any], quants: list[str], resolved: Any, store: Any, tokens: int) -> dict:
@@ -234,7 +237,7 @@ def heldout_perplexity(sides: dict[str, Any], quants: list[str], resolved: Any, 
 
 
 def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], quants: list[str], threads: int,
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int, block: int = 32) -> dict[str, Any]:
     """One prompt length: a warm-up each, ``repeats`` interleaved timed prefills (order rotating), the
     GEMM peaks, then one profiled call per side; every side's figures and speed-up over PyTorch."""
     from harp_trt.bench.stage.latency import paired_speedup
@@ -247,7 +250,7 @@ def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], 
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(_timed(lambda: sides[name].prefill(ids)))
-    peaks = {q: gemm_peak(n, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), q, threads)
+    peaks = {q: gemm_peak(n, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), q, threads, block)
              for q in dict.fromkeys(("none", *quants))}
     row: dict[str, Any] = {"flops": flops, "flops_one_call": flops_all,
                            "gemm_peak_flops": {q: round(v) for q, v in peaks.items()}, "sides": {}}
@@ -273,7 +276,13 @@ def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="smollm2-135m")
+    src.add_argument("--shape", choices=sorted(SHAPES), help="a random-weight model of these real shapes "
+                     "(bench/_shapes.py, SmolLM2's tokenizer) instead of --model; speed only (give --ppl-tokens 0)")
+    p.add_argument("--tokenizer", default="smollm2-135m", help="model whose tokenizer --shape borrows")
+    p.add_argument("--quant-block-size", type=int, default=32, help="int4/int8 engines' weights per scale "
+                   "(build --quant-block-size; the GEMM peaks use it too)")
     p.add_argument("--workdir", default=None, help="artifact cache (default ~/.cache/harp-trt)")
     p.add_argument("--lengths", default="512,2048,8192")
     p.add_argument("--threads", type=int, default=2)
@@ -289,6 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.shape and args.ppl_tokens:
+        p.error("--shape is a random-weight model: its perplexity means nothing; give --ppl-tokens 0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     from harp_trt.memory import peak_rss_bytes
@@ -299,7 +310,12 @@ def main(argv: list[str] | None = None) -> dict:
     chunk = args.chunk or PREFILL_CHUNK
     store = ArtifactStore(args.workdir)
     quants = [q for q in args.engines.split(",") if q]
-    resolved, engines = build_engines(args.model, quants, store)
+    model = args.model
+    if args.shape:
+        from harp_trt.bench._pipeline_engines import shape_model
+
+        model = str(shape_model(args.shape, args.tokenizer, 0, store.root))
+    resolved, engines = build_engines(model, quants, store, args.quant_block_size)
     cfg = json.loads((resolved.folder / "config.json").read_text())
     profile_dir = Path(tempfile.mkdtemp(prefix="prefill_profile_"))
     sides: dict[str, Any] = {}
@@ -321,13 +337,15 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = int(cfg["vocab_size"])
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {
-        "issue": 36, "provenance": provenance(sys.argv[1:] if argv is None else argv, PACKAGES), "model": args.model,
+        "issue": 36, "provenance": provenance(sys.argv[1:] if argv is None else argv, PACKAGES),
+        "model": args.shape or args.model, "random_weights": bool(args.shape), "quant_block_size": args.quant_block_size,
         "machine": {**describe(args.threads), "load_avg_start": list(os.getloadavg())},
         "threads": args.threads, "repeats": args.repeats, "chunk": chunk, "engines": {q: str(e) for q, e in engines.items()},
         "genai": genai_facts, "lengths": {}}
     for n in [int(x) for x in args.lengths.split(",") if x]:
         ids = rng.integers(3, min(vocab, 20000), (1, n))
-        out["lengths"][str(n)] = measure_length(sides, ids, cfg, quants, args.threads, args.repeats)
+        out["lengths"][str(n)] = measure_length(sides, ids, cfg, quants, args.threads, args.repeats,
+                                                args.quant_block_size)
     prompt = rng.integers(3, min(vocab, 20000), (1, 512))
     decode = {}
     for name in [f"ort_{q}" for q in quants] + [REFERENCE]:

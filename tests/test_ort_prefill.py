@@ -6,6 +6,7 @@ engine. fp32 tolerance as tests/test_ort_engine.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -137,3 +138,22 @@ def test_prefill_profile_bench_on_a_tiny_model(tmp_path):
     assert out["machine"]["cpu_features"] is not None and out["decode_ms_per_token_at_512"]["ort_none"] > 0
     table = render.prefill_profile(out)
     assert table.count("\n| 40 |") == 6 and "chunked, last logits" in table
+
+
+def test_prefill_profile_on_a_random_shape_with_another_block_size(tmp_path):
+    """``--shape``: a random-weight model of a real shape (bench/_shapes.py) stands in for ``--model``,
+    its engines built with ``--quant-block-size``, which the GEMM peaks use too; its perplexity is
+    refused (random weights)."""
+    from conftest import save_tiny
+    from harp_trt.bench import prefill_profile as bench
+
+    tok = save_tiny("llama", tmp_path / "tok")   # only its tokenizer files are borrowed
+    common = ["--shape", "tiny-llama", "--tokenizer", str(tok), "--workdir", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit):
+        bench.main(common)                         # --ppl-tokens defaults to 16384
+    out = bench.main([*common, "--lengths", "24", "--repeats", "1", "--engines", "none,int4", "--one-call", "none",
+                      "--quant-block-size", "64", "--decode-steps", "1", "--ppl-tokens", "0"])
+    assert (out["model"], out["random_weights"], out["quant_block_size"]) == ("tiny-llama", True, 64)
+    spec = json.loads((Path(out["engines"]["int4"]) / "engine.json").read_text())
+    assert spec["quant"]["block_size"] == 64
+    assert set(out["lengths"]["24"]["sides"]) == {"ort_none_one_call", "ort_none", "ort_int4", "torch"}
