@@ -239,6 +239,36 @@ def prefill_profile(d: dict[str, Any]) -> str:
             f"`{d['provenance']['command']}` at {d['provenance']['commit']}.\n")
 
 
+def prefill_blocks(ds: list[dict[str, Any]]) -> str:
+    """Several ``bench/prefill_profile.py`` runs of one model with different engines and
+    ``--quant-block-size``: per run and side, the seconds and speed-up over that run's PyTorch [95 % CI]
+    (ceiling) at every prompt length, and decode ms/token."""
+    lengths = list(ds[0]["lengths"])
+    rows = ["| run: engines (block) | side | " + " | ".join(f"prefill {n}: s, vs PyTorch [95 % CI] (ceiling)"
+                                                       for n in lengths) + " | decode ms/token |",
+            "|---|---|" + "---|" * len(lengths) + "---|"]
+    for d in ds:
+        run = f"{', '.join(d['engines'])} ({d['quant_block_size']})"
+        for side in d["lengths"][lengths[0]]["sides"]:
+            cells = []
+            for n in lengths:
+                f = d["lengths"][n]["sides"][side]
+                sp = f.get("speedup_vs_torch")
+                cells.append(f"{f['seconds']:.2f}" + (f" ({sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, "
+                                                      f"{sp['speedup_ci95_high']:.2f}] ({sp['ceiling']:.2f}))" if sp else ""))
+            dec = d["decode_ms_per_token_at_512"].get(side)
+            rows.append(f"| {run} | {_side_name(side).split(',')[0]} | " + " | ".join(cells) +
+                        (f" | {dec:.1f} |" if dec is not None else " | - |"))
+    m = ds[0]["machine"]
+    cmds = "; ".join(f"`{d['provenance']['command']}` at {d['provenance']['commit']}" for d in ds)
+    rss = ", ".join(f"{d['peak_rss_gb']}" for d in ds)
+    return ("\n".join(rows) + f"\n\n{ds[0]['model']} ({'random weights' if ds[0].get('random_weights') else 'real weights'}"
+            f"); our engines through `OrtCausalLM.prefill` (generate's path, chunk {ds[0]['chunk']}); medians of "
+            f"{ds[0]['repeats']} interleaved repeats, {ds[0]['threads']} threads each, every speed-up paired "
+            f"with PyTorch in its own run; decode after a 512-token prompt. {m['cpu']} ({', '.join(m['cpu_features'])}); "
+            f"peak RSS per run {rss} GB (mapped weights included). {cmds}.\n")
+
+
 def prefill_headline(ds: list[dict[str, Any]]) -> str:
     """Several ``bench/prefill_profile.py`` JSONs side by side: per side, at every prompt length, the
     seconds and the speed-up over PyTorch [95 % CI] with its ceiling, and the held-out perplexity."""
@@ -294,6 +324,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check,
                                                          "long_context_dense": long_context_dense,
                                                          "prefill_profile": prefill_profile,
                                                          "prefill_headline": prefill_headline,
+                                                         "prefill_blocks": prefill_blocks,
                                                          "serve_load": serve_load, "serve_load_headline": serve_load_headline,
                                                          "replacement": replacement, "replacement_headline": replacement_headline,
                                                          "replacement_speed": replacement_speed}
