@@ -274,7 +274,7 @@ def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], 
     return row
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="smollm2-135m")
@@ -297,6 +297,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="held-out Wikipedia tokens for each side's perplexity, windows of 512 (0: none)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = _parser()
     args = p.parse_args(argv)
     if args.shape and args.ppl_tokens:
         p.error("--shape is a random-weight model: its perplexity means nothing; give --ppl-tokens 0")

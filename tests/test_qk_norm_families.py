@@ -116,15 +116,21 @@ def test_genai_folder_greedy_equals_ours(family, request, capsys):
     assert meta["pruned_layers"] == res["layers"]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_refused_where_the_format_cannot_express_it(family, request, capsys):
-    """llama.cpp's deci graph has no per-head Q/K norm: exit 2, one line naming the targets that take it."""
+def _deploy(family: str, target: str, request, capsys):
+    """``deploy TARGET`` on the family fixture's calibrated plan: (exit code, JSON, stderr, cache)."""
     folder, cache, corpus = request.getfixturevalue(family)
     _build(capsys, folder, cache, corpus)
     plan = next(cache.glob("calibrate-*"))
     capsys.readouterr()
-    code, _, err = run_json(capsys, "deploy", "gguf", "--plan", str(plan), "--model", str(folder),
-                            "--workdir", str(cache), "--json")
+    code, res, err = run_json(capsys, "deploy", target, "--plan", str(plan), "--model", str(folder),
+                              "--workdir", str(cache), "--json")
+    return code, res, err, cache
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_refused_where_the_format_cannot_express_it(family, request, capsys):
+    """llama.cpp's deci graph has no per-head Q/K norm: exit 2, one line naming the targets that take it."""
+    code, _, err, cache = _deploy(family, "gguf", request, capsys)
     assert code == 2 and "no per-head Q/K RMSNorm" in err and family in err
     assert not list(cache.glob("gguf-*"))
     assert "ort" in err.split("hint:")[-1] or "ORT" in err   # the line says which target takes it
@@ -135,12 +141,7 @@ def test_deploy_trtllm_writes_a_verified_qk_norm_checkpoint(family, arch, reques
     """``deploy trtllm`` on the calibrated plan: the family's own TensorRT-LLM architecture, window-1
     pruned layers, read back equal to the PyTorch HARP model with TensorRT-LLM's QK-norm eps
     (tests/test_trtllm_qk_norm.py has the layer-level checks)."""
-    folder, cache, corpus = request.getfixturevalue(family)
-    _build(capsys, folder, cache, corpus)
-    plan = next(cache.glob("calibrate-*"))
-    capsys.readouterr()
-    code, trt, err = run_json(capsys, "deploy", "trtllm", "--plan", str(plan), "--model", str(folder),
-                              "--workdir", str(cache), "--json")
+    code, trt, err, _ = _deploy(family, "trtllm", request, capsys)
     assert code == 0, err
     assert trt["architecture"] == arch and trt["verify_max_abs_diff"] <= trt["verify_tolerance"]
     assert "QK-norm eps 1e-05 as TensorRT-LLM computes it (the model's own: 1e-06)" in trt["verify_reference"]

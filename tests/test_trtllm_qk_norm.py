@@ -26,15 +26,10 @@ from harp_trt.harp import apply_harp
 from harp_trt.plan import Plan
 
 from conftest import QK_NORM_FAMILIES, make_tiny
-from test_trtllm_checkpoint import SEQ, TOL, _save
+from test_trtllm_checkpoint import ALPHAS, SEQ, TOL, _plan, _save
 
-ALPHAS = {2: 0.7, 3: 0.0}   # Gemma3's tiny layers: 0, 1, 3 local (window 8), 2 global; both kinds pruned
+# ALPHAS prune layers 2 and 3: Gemma3's tiny layers are 0, 1, 3 local (window 8) and 2 global, so both kinds
 ARCH = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-
-
-def _plan(family: str, alphas=ALPHAS) -> Plan:
-    layers = tuple(sorted(alphas))
-    return Plan("tiny", "0" * 64, family, 4, "test", layers, tuple(alphas[i] for i in layers))
 
 
 @pytest.fixture(scope="module")
