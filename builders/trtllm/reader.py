@@ -20,7 +20,8 @@ which shard and stage is the layout convention ``harp_trt.mapping`` (shared with
 model fact; its split is pinned to TensorRT-LLM's by a test). Full-sequence causal prefill
 only (no KV cache), fp32 throughout. Per-layer attention windows come from
 ``runtime_defaults.max_attention_window`` (cyclic, like the runtime); a window of w lets token i see
-tokens i-w+1 .. i."""
+tokens i-w+1 .. i. QK-norm layers (Qwen3, Gemma3) normalise q and k per head before RoPE with
+TensorRT-LLM's eps, and Gemma3's local layers take their own RoPE base (``trtllm_models``)."""
 from __future__ import annotations
 
 import json
@@ -350,7 +351,6 @@ class TrtllmCheckpoint:
         s = s.masked_fill(~allowed, float("-inf"))
         o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).reshape(B, T, nq * hd)
         return o @ w.weight(pre + "attention.dense.weight", (m.hidden, nq * hd)).T
-
 
     def _qk_norm(self, qkv, w, pre, nq, nkv):
         """layers/attention.py ``Attention.forward`` with ``qk_layernorm``: before RoPE, q and k heads are
