@@ -245,8 +245,8 @@ def prefill_blocks(ds: list[dict[str, Any]]) -> str:
     (ceiling) at every prompt length, and decode ms/token."""
     lengths = list(ds[0]["lengths"])
     rows = ["| run: engines (block) | side | " + " | ".join(f"prefill {n}: s, vs PyTorch [95 % CI] (ceiling)"
-                                                       for n in lengths) + " | decode ms/token |",
-            "|---|---|" + "---|" * len(lengths) + "---|"]
+                                                       for n in lengths) + " | decode ms/token | held-out perplexity |",
+            "|---|---|" + "---|" * len(lengths) + "---|---|"]
     for d in ds:
         run = f"{', '.join(d['engines'])} ({d['quant_block_size']})"
         for side in d["lengths"][lengths[0]]["sides"]:
@@ -257,16 +257,19 @@ def prefill_blocks(ds: list[dict[str, Any]]) -> str:
                 cells.append(f"{f['seconds']:.2f}" + (f" ({sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, "
                                                       f"{sp['speedup_ci95_high']:.2f}] ({sp['ceiling']:.2f}))" if sp else ""))
             dec = d["decode_ms_per_token_at_512"].get(side)
+            ppl = (d.get("heldout_perplexity") or {}).get(side)
             rows.append(f"| {run} | {_side_name(side).split(',')[0]} | " + " | ".join(cells) +
-                        (f" | {dec:.1f} |" if dec is not None else " | - |"))
+                        (f" | {dec:.1f}" if dec is not None else " | -") + (f" | {ppl:.3f} |" if ppl else " | - |"))
     m = ds[0]["machine"]
     cmds = "; ".join(f"`{d['provenance']['command']}` at {d['provenance']['commit']}" for d in ds)
     rss = ", ".join(f"{d['peak_rss_gb']}" for d in ds)
+    ppl = next((d["heldout_perplexity"] for d in ds if d.get("heldout_perplexity")), None)
+    ppl_text = (f" Perplexity: held-out Wikipedia, {ppl['tokens']} tokens in windows of {ppl['seq_len']}." if ppl else "")
     return ("\n".join(rows) + f"\n\n{ds[0]['model']} ({'random weights' if ds[0].get('random_weights') else 'real weights'}"
             f"); our engines through `OrtCausalLM.prefill` (generate's path, chunk {ds[0]['chunk']}); medians of "
             f"{ds[0]['repeats']} interleaved repeats, {ds[0]['threads']} threads each, every speed-up paired "
             f"with PyTorch in its own run; decode after a 512-token prompt. {m['cpu']} ({', '.join(m['cpu_features'])}); "
-            f"peak RSS per run {rss} GB (mapped weights included). {cmds}.\n")
+            f"peak RSS per run {rss} GB (mapped weights included).{ppl_text} {cmds}.\n")
 
 
 def prefill_headline(ds: list[dict[str, Any]]) -> str:
