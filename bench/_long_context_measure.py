@@ -21,15 +21,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from harp_trt.bench.stage.latency import latency_stats, paired_speedup, random_ids
+from harp_trt.bench.stage.latency import latency_stats, paired_speedup, random_ids, rotation
 
-__all__ = ["rotation", "prompt_length", "measure_decode", "measure_prefill", "largest_fit", "KV_FILLS"]
-
-
-def rotation(names: list[str], r: int) -> list[str]:
-    """``names`` rotated by ``r``: each engine goes first in turn."""
-    k = r % len(names)
-    return names[k:] + names[:k]
+__all__ = ["prompt_length", "measure_decode", "measure_prefill", "largest_fit", "KV_FILLS"]
 
 
 def _step(engine, tok: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any, float]:

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harp_trt.bench._gemm_peak import best_seconds, gemm_session  # noqa: E402
-from harp_trt.bench.stage.latency import paired_speedup  # noqa: E402
+from harp_trt.bench.stage.latency import paired_speedup, rotation  # noqa: E402
 from harp_trt.config import parse_ints  # noqa: E402
 from harp_trt.machine import describe  # noqa: E402
 
@@ -54,7 +54,7 @@ def measure(k: int, n: int, m: int, table: dict[str, dict[str, Any]], threads: i
     names = list(sessions)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotation(names, r):
             times[name].append(best_seconds(*sessions[name]))
     flops = 2 * m * k * n
     fastest = min(min(t) for t in times.values())

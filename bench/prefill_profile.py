@@ -240,7 +240,7 @@ def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], 
                    repeats: int, block: int = 32) -> dict[str, Any]:
     """One prompt length: a warm-up each, ``repeats`` interleaved timed prefills (order rotating), the
     GEMM peaks, then one profiled call per side; every side's figures and speed-up over PyTorch."""
-    from harp_trt.bench.stage.latency import paired_speedup
+    from harp_trt.bench.stage.latency import paired_speedup, rotation
 
     n, names = ids.shape[1], list(sides)
     flops, flops_all = flop_parts(cfg, n, 1), flop_parts(cfg, n, n)
@@ -248,7 +248,7 @@ def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], 
         sides[name].prefill(ids)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotation(names, r):
             times[name].append(_timed(lambda: sides[name].prefill(ids)))
     peaks = {q: gemm_peak(n, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), q, threads, block)
              for q in dict.fromkeys(("none", *quants))}

@@ -208,6 +208,12 @@ def _side_name(name: str) -> str:
                                    else "chunked, last logits (generate)")
 
 
+def _vs_torch(sp: dict[str, Any], ceiling_digits: int = 1) -> str:
+    """A prefill side's paired speed-up over PyTorch: ``point [95 % CI] (ceiling)``."""
+    return (f"{sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, {sp['speedup_ci95_high']:.2f}] "
+            f"({sp['ceiling']:.{ceiling_digits}f})")
+
+
 def prefill_profile(d: dict[str, Any]) -> str:
     """``bench/prefill_profile.py``'s JSON: per prompt length, every side's seconds, its speed-up over
     PyTorch with the 95 % interval and the ceiling, and the profile's seconds (GFLOP/s) per part."""
@@ -216,8 +222,7 @@ def prefill_profile(d: dict[str, Any]) -> str:
     for n, row in d["lengths"].items():
         for name, f in row["sides"].items():
             sp = f.get("speedup_vs_torch")
-            speed = (f"{sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, {sp['speedup_ci95_high']:.2f}] "
-                     f"({sp['ceiling']:.1f})" if sp else "1")
+            speed = _vs_torch(sp) if sp else "1"
             prof = f.get("profile_s") or {}
             rate = f.get("gflops_per_s") or {}
             parts = [(f"{prof[c]:.2f} s" + (f" ({rate[c]:.0f})" if c in rate else "")) if c in prof else "-"
@@ -254,8 +259,7 @@ def prefill_blocks(ds: list[dict[str, Any]]) -> str:
             for n in lengths:
                 f = d["lengths"][n]["sides"][side]
                 sp = f.get("speedup_vs_torch")
-                cells.append(f"{f['seconds']:.2f}" + (f" ({sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, "
-                                                      f"{sp['speedup_ci95_high']:.2f}] ({sp['ceiling']:.2f}))" if sp else ""))
+                cells.append(f"{f['seconds']:.2f}" + (f" ({_vs_torch(sp, 2)})" if sp else ""))
             dec = d["decode_ms_per_token_at_512"].get(side)
             ppl = (d.get("heldout_perplexity") or {}).get(side)
             rows.append(f"| {run} | {_side_name(side).split(',')[0]} | " + " | ".join(cells) +
@@ -286,9 +290,7 @@ def prefill_headline(ds: list[dict[str, Any]]) -> str:
         for _, row in lengths:
             f = row["sides"].get(side)
             sp = (f or {}).get("speedup_vs_torch")
-            cells.append("-" if f is None else f"{f['seconds']:.2f}" + (
-                f" ({sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, {sp['speedup_ci95_high']:.2f}] "
-                f"({sp['ceiling']:.1f}))" if sp else ""))
+            cells.append("-" if f is None else f"{f['seconds']:.2f}" + (f" ({_vs_torch(sp)})" if sp else ""))
         p = ppl.get(side)
         rows.append(f"| {_side_name(side).split(',')[0]} | " + " | ".join(cells) + f" | {p:.3f} |" if p
                     else f"| {_side_name(side).split(',')[0]} | " + " | ".join(cells) + " | - |")

@@ -33,7 +33,7 @@ from harp_trt.stats import t_quantile
 
 from .engines import EnginePair
 
-__all__ = ["LatencySettings", "random_ids", "measure_prefill", "measure_generation", "quantiles", "summarise",
+__all__ = ["LatencySettings", "random_ids", "rotation", "measure_prefill", "measure_generation", "quantiles", "summarise",
            "latency_stats", "paired_speedup", "paired_speedups", "serving_figures", "CI_METHOD"]
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ class LatencySettings:
 
 def _order(r: int) -> tuple[str, str]:
     return ("dense", "harp") if r % 2 == 0 else ("harp", "dense")
+
+
+def rotation(names: list[str], r: int) -> list[str]:
+    """``names`` rotated by ``r``: in interleaved repeats each engine goes first in turn."""
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 def random_ids(vocab: int, n: int, seed: int, batch: int = 1) -> torch.Tensor:

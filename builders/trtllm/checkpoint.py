@@ -41,7 +41,7 @@ from harp_trt.fold import fold_vo
 from harp_trt.plan import Plan
 from harp_trt.weights import SafetensorsWriter, TensorSpec, WeightReader, hf_config
 
-from .config import CLI
+from .config import CLI, STAGE
 from .config_json import trtllm_config
 from .targets import ROUTE_LINEAR, TrtllmTarget, target_for
 
@@ -49,7 +49,7 @@ __all__ = ["DTYPES", "write_checkpoint", "valid_tp_sizes", "check_layout",
            "STAGE_NAME", "fold_vo", "LayerKinds", "layer_kinds", "hf_config"]
 
 log = logging.getLogger(__name__)
-STAGE_NAME = "trtllm"
+STAGE_NAME = STAGE.name
 DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16,
                                   "float32": torch.float32}
 

@@ -9,6 +9,7 @@ from harp_trt.dims import ModelDims
 from harp_trt.errors import PreconditionError
 from harp_trt.mapping import ParallelMapping
 
+from .config import STAGE
 from .targets import TrtllmTarget
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["rope_fields", "trtllm_config", "sliding_window_pattern"]
 
-STAGE_NAME = "trtllm"
+STAGE_NAME = STAGE.name
 
 
 def rope_fields(config, layer_type: str = "full_attention") -> tuple[float, dict | None]:
@@ -51,10 +52,10 @@ def sliding_window_pattern(layer_types: list[str]) -> int:
     return p
 
 
-def _gemma3_group(config) -> dict[str, Any]:
-    """Gemma3ConfigGroup (models/modeling_utils.py; set in models/gemma/config.py GemmaConfig.__init__)."""
+def _gemma3_group(config, scaling: dict | None) -> dict[str, Any]:
+    """Gemma3ConfigGroup (models/modeling_utils.py; set in models/gemma/config.py GemmaConfig.__init__);
+    ``scaling``: the global layers' RoPE scaling (``rope_fields``)."""
     theta_local, scaling_local = rope_fields(config, "sliding_attention")
-    _, scaling = rope_fields(config)
     if scaling or scaling_local:
         # GemmaConfig.from_hugging_face reads getattr(hf_config, "rotary_scaling", None), a field Hugging Face
         # configs do not have, so TensorRT-LLM's own converter drops it; the reader has no local-layer scaling
@@ -103,7 +104,7 @@ def trtllm_config(config, target: TrtllmTarget, lk: "LayerKinds", dims: ModelDim
     if target.gemma3_group:
         cfg["query_pre_attn_scalar"] = config.query_pre_attn_scalar
         cfg["final_logit_softcapping"] = getattr(config, "final_logit_softcapping", None)
-        cfg.update(_gemma3_group(config))
+        cfg.update(_gemma3_group(config, scaling))
     windows = lk.window_list()
     if windows is not None:
         # Engine default for KvCacheConfig.max_attention_window (models/modeling_utils.py
