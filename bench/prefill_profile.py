@@ -4,7 +4,7 @@ int4 model, one process, the same threads, interleaved.
 
     python bench/prefill_profile.py [--model smollm2-135m | --shape qwen2-7b-4layers] [--lengths 512,2048,8192]
         [--threads 2] [--repeats 3] [--engines none,int4,int8,w8a8] [--quant-block-size 32] [--one-call none]
-        [--genai] [--out FILE.json]
+        [--genai [--genai-block-size 32]] [--out FILE.json]
 
 Sides, each timed as a generator's prefill (the prompt in, the last position's logits out):
 
@@ -13,8 +13,8 @@ Sides, each timed as a generator's prefill (the prompt in, the last position's l
 * ``ort_<quant>``: ``OrtCausalLM.prefill`` as ``generate`` runs it: chunks of ``--chunk`` tokens into
   the static KV cache, the LM head over the last position only (``logits_to_keep`` 1);
 * ``torch``: the Hugging Face model, fp32, sdpa, ``logits_to_keep=1`` (what its ``generate`` passes);
-* ``genai_int4`` (``--genai``): onnxruntime-genai's model builder int4 (block 32, accuracy level 4),
-  its generator's prefill (``bench/_genai_baseline.py``).
+* ``genai_int4`` (``--genai``): onnxruntime-genai's model builder int4 (block ``--genai-block-size``,
+  its default 32; accuracy level 4), its generator's prefill (``bench/_genai_baseline.py``).
 
 Every repeat runs each side once, the order rotating; each figure is the median, and our sides'
 speed-ups over PyTorch carry 95 % intervals from the paired repeats (``paired_speedup``), each next to
@@ -292,6 +292,8 @@ def _parser() -> argparse.ArgumentParser:
                                                     "36, one call with every position's logits (default: --engines)")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default OrtCausalLM's)")
     p.add_argument("--genai", action="store_true", help="onnxruntime-genai's int4 model too")
+    p.add_argument("--genai-block-size", type=int, default=32,
+                   help="weights per scale of genai's int4 model (its builder's default 32)")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--ppl-tokens", type=int, default=16384,
                    help="held-out Wikipedia tokens for each side's perplexity, windows of 512 (0: none)")
@@ -334,11 +336,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.genai:
         from harp_trt.bench._genai_baseline import build_genai_int4, genai_version
 
-        gdir = store.root / f"genai-int4-{resolved.digest[:16]}"
+        block = args.genai_block_size
+        gdir = store.root / (f"genai-int4-{resolved.digest[:16]}" + ("" if block == 32 else f"-b{block}"))
         if not (gdir / "genai_config.json").is_file():
-            build_genai_int4(resolved.folder, gdir, block_size=32, accuracy_level=4)
+            build_genai_int4(resolved.folder, gdir, block_size=block, accuracy_level=4)
         sides["genai_int4"] = GenaiSide(gdir, args.threads)
-        genai_facts = {"folder": str(gdir), "version": genai_version()}
+        genai_facts = {"folder": str(gdir), "version": genai_version(), "block_size": block}
     vocab = int(cfg["vocab_size"])
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {

@@ -248,18 +248,20 @@ def prefill_blocks(ds: list[dict[str, Any]]) -> str:
     """Several ``bench/prefill_profile.py`` runs of one model with different engines and
     ``--quant-block-size``: per run and side, the seconds and speed-up over that run's PyTorch [95 % CI]
     (ceiling) at every prompt length, and decode ms/token."""
-    lengths = list(ds[0]["lengths"])
+    lengths = list(dict.fromkeys(n for d in ds for n in d["lengths"]))
     rows = ["| run: engines (block) | side | " + " | ".join(f"prefill {n}: s, vs PyTorch [95 % CI] (ceiling)"
                                                        for n in lengths) + " | decode ms/token | held-out perplexity |",
             "|---|---|" + "---|" * len(lengths) + "---|---|"]
     for d in ds:
         run = f"{', '.join(d['engines'])} ({d['quant_block_size']})"
-        for side in d["lengths"][lengths[0]]["sides"]:
+        if d.get("genai"):
+            run += f", genai int4 ({d['genai'].get('block_size', 32)})"
+        for side in dict.fromkeys(s for row in d["lengths"].values() for s in row["sides"]):
             cells = []
             for n in lengths:
-                f = d["lengths"][n]["sides"][side]
-                sp = f.get("speedup_vs_torch")
-                cells.append(f"{f['seconds']:.2f}" + (f" ({_vs_torch(sp, 2)})" if sp else ""))
+                f = d["lengths"].get(n, {}).get("sides", {}).get(side)
+                sp = (f or {}).get("speedup_vs_torch")
+                cells.append("-" if f is None else f"{f['seconds']:.2f}" + (f" ({_vs_torch(sp, 2)})" if sp else ""))
             dec = d["decode_ms_per_token_at_512"].get(side)
             ppl = (d.get("heldout_perplexity") or {}).get(side)
             rows.append(f"| {run} | {_side_name(side).split(',')[0]} | " + " | ".join(cells) +
