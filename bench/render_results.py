@@ -248,7 +248,7 @@ def prefill_blocks(ds: list[dict[str, Any]]) -> str:
     """Several ``bench/prefill_profile.py`` runs of one model with different engines and
     ``--quant-block-size``: per run and side, the seconds and speed-up over that run's PyTorch [95 % CI]
     (ceiling) at every prompt length, and decode ms/token."""
-    lengths = list(dict.fromkeys(n for d in ds for n in d["lengths"]))
+    lengths = sorted({n for d in ds for n in d["lengths"]}, key=int)
     rows = ["| run: engines (block) | side | " + " | ".join(f"prefill {n}: s, vs PyTorch [95 % CI] (ceiling)"
                                                        for n in lengths) + " | decode ms/token | held-out perplexity |",
             "|---|---|" + "---|" * len(lengths) + "---|---|"]
