@@ -209,7 +209,10 @@ def _side_name(name: str) -> str:
 
 
 def _vs_torch(sp: dict[str, Any], ceiling_digits: int = 1) -> str:
-    """A prefill side's paired speed-up over PyTorch: ``point [95 % CI] (ceiling)``."""
+    """A prefill side's paired speed-up over PyTorch: ``point [95 % CI] (ceiling)``. A point above its
+    ceiling is refused: the bound or the timing is wrong, and the table must not show it."""
+    if sp["speedup"] > sp["ceiling"]:
+        raise ValueError(f"speed-up {sp['speedup']} above its ceiling {sp['ceiling']}: find the bug, do not render it")
     return (f"{sp['speedup']:.2f} [{sp['speedup_ci95_low']:.2f}, {sp['speedup_ci95_high']:.2f}] "
             f"({sp['ceiling']:.{ceiling_digits}f})")
 
