@@ -138,6 +138,12 @@ def test_prefill_profile_bench_on_a_tiny_model(tmp_path):
     assert out["machine"]["cpu_features"] is not None and out["decode_ms_per_token_at_512"]["ort_none"] > 0
     table = render.prefill_profile(out)
     assert table.count("\n| 40 |") == 6 and "chunked, last logits" in table
+    # the ceiling's rates: the one-GEMM probe, or a side's own profiled GEMMs where they ran faster
+    assert all(row["ceiling_gemm_flops"][q] >= v for q, v in row["gemm_peak_flops"].items())
+    sp = row["sides"]["ort_none"]["speedup_vs_torch"]
+    sp["speedup"] = sp["ceiling"] * 1.01        # a point above its bound is a bug, never a table row
+    with pytest.raises(ValueError, match="above its ceiling"):
+        render.prefill_profile(out)
 
 
 def test_prefill_profile_on_a_random_shape_with_another_block_size(tmp_path):
