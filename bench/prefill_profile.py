@@ -258,19 +258,19 @@ def measure_length(sides: dict[str, Any], ids: np.ndarray, cfg: dict[str, Any], 
     figs: dict[str, dict[str, Any]] = {}
     peaks = dict(probe)
     for name in names:
-        side = figs[name] = {"seconds": round(statistics.median(times[name]), 4),
-                             "samples": [round(t, 4) for t in times[name]]}
+        fig = figs[name] = {"seconds": round(statistics.median(times[name]), 4),
+                            "samples": [round(t, 4) for t in times[name]]}
         if hasattr(sides[name], "profile"):
-            side["profile_s"] = sides[name].profile(ids)
+            fig["profile_s"] = sides[name].profile(ids)
             f = flops_all if name.endswith("_one_call") else flops
-            side["gflops_per_s"] = {c: round(f[c] / 1e9 / s, 1) for c, s in side["profile_s"].items()
-                                    if f.get(c) and s > 0}
+            fig["gflops_per_s"] = {c: round(f[c] / 1e9 / s, 1) for c, s in fig["profile_s"].items()
+                                   if f.get(c) and s > 0}
             # a rate a side's own GEMMs reached in this run is one the CPU reached: the one-GEMM probe can
             # draw low on a shared machine (at 8192 tokens it once gave fp32 234 GFLOP/s where both
             # profiled fp32 sides' GEMMs ran at 246-252), and a ceiling below a measured time is no ceiling
             q = getattr(sides[name], "quant", "none")
-            if side["profile_s"].get("gemm"):
-                peaks[q] = max(peaks.get(q, 0.0), f["gemm"] / side["profile_s"]["gemm"])
+            if fig["profile_s"].get("gemm"):
+                peaks[q] = max(peaks.get(q, 0.0), f["gemm"] / fig["profile_s"]["gemm"])
     row["ceiling_gemm_flops"] = {q: round(v) for q, v in peaks.items()}
     # no engine's weight GEMMs beat its kernel's peak, and attention runs in fp32 in every engine
     ideal_s = {q: (flops["lm_head"] + flops["gemm"]) / v + flops["attention"] / peaks["none"] for q, v in peaks.items()}
