@@ -25,7 +25,7 @@ from typing import Any, Iterable, NamedTuple
 
 from .errors import GraphError, PreconditionError
 
-__all__ = ["LOGITS_TO_KEEP", "tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
+__all__ = ["LOGITS_TO_KEEP", "LOGITS_KEEP_NONE", "LOGITS_TO_KEEP_META_KEY", "tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
            "copy_tokenizer", "tokenizer_files", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS",
@@ -37,6 +37,11 @@ PLAN_META_KEY = "harp_trt.plan"
 # the ORT engine's input that keeps the last k positions' logits (0 = all):
 # builders/ort/logits_to_keep.py writes it, harp_trt/ort_session.py feeds it, a genai folder pins it
 LOGITS_TO_KEEP = "logits_to_keep"
+# a logits_to_keep value that keeps no position (the Slice starts past any axis): a chunked prefill
+# feeds it to every chunk but the last, whose logits nobody reads. Engines that take it say so in
+# this model metadata key (built before it, a w8a8 head's Reshape read an empty axis as "copy")
+LOGITS_KEEP_NONE = -(2 ** 62)
+LOGITS_TO_KEEP_META_KEY = "harp_trt.logits_to_keep"
 MODEL_FILE = "model.onnx"
 EXTERNAL_DATA_SUFFIX = ".data"  # model.onnx -> model.onnx.data
 PROTOBUF_LIMIT = 2 ** 31        # bytes: the largest protobuf message

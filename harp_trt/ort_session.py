@@ -28,7 +28,8 @@ from .extras import require
 from .kvcache import kv_cache_bytes
 from .decoding import Past, StaticCache, sample_next
 from .engine_spec import engine_threads
-from .onnx_io import EXPORT_META_KEY, LOGITS_TO_KEEP, kv_layers_of_names, past_name, present_name
+from .onnx_io import (EXPORT_META_KEY, LOGITS_KEEP_NONE, LOGITS_TO_KEEP, LOGITS_TO_KEEP_META_KEY,
+                      kv_layers_of_names, past_name, present_name)
 
 __all__ = ["OrtCausalLM", "StaticCache", "default_providers", "sample_next"]
 
@@ -38,7 +39,7 @@ STAGE = "ort"
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}
 
 
-_KEEP_ALL, _KEEP_LAST = np.array([0], np.int64), np.array([1], np.int64)
+_KEEP_ALL, _KEEP_LAST, _KEEP_NONE = (np.array([k], np.int64) for k in (0, 1, LOGITS_KEEP_NONE))
 # prompt tokens per call of a chunked prefill (``OrtCausalLM.prefill``): SmolLM2-135M, 2048 tokens,
 # 2 threads: 256 beat 64, 128, 512, 1024 and the whole prompt (bench/prefill_profile.py)
 PREFILL_CHUNK = 256
@@ -105,7 +106,10 @@ class OrtCausalLM:
         # the ORT build's logits_to_keep input (builders/ort/logits_to_keep.py): graphs without it
         # (exports, rewrites, engines built before it) compute every position's logits, sliced here
         self.takes_logits_to_keep = LOGITS_TO_KEEP in ins
-        meta = _export_meta(self.session)
+        custom = dict(self.session.get_modelmeta().custom_metadata_map)
+        # and those built since it keep no row at LOGITS_KEEP_NONE: a chunked prefill's non-final chunks
+        self.keeps_none = self.takes_logits_to_keep and LOGITS_TO_KEEP_META_KEY in custom
+        meta = _export_meta(custom)
         hint = kv_hint or (None, None, None)  # (kv_heads, head_dim, vocab) for symbolic dims
         if not meta and hint[0]:
             meta = {"kv_heads": hint[0], "head_dim": hint[1], "vocab_size": hint[2]}
@@ -302,10 +306,10 @@ class OrtCausalLM:
             return
         cache = StaticCache(self, self.empty_past(1), max(capacity, s))
         bind = cache.binding
-        if self.takes_logits_to_keep:
-            bind.bind_cpu_input(LOGITS_TO_KEEP, _KEEP_LAST)
         for start in range(0, s, chunk):
             end = min(s, start + chunk)
+            if self.takes_logits_to_keep:   # the LM head for the last chunk's last row only
+                bind.bind_cpu_input(LOGITS_TO_KEEP, _KEEP_LAST if end == s or not self.keeps_none else _KEEP_NONE)
             bind.bind_cpu_input("input_ids", ids[:, start:end].copy())
             bind.bind_cpu_input("attention_mask", mask[:, :end].copy())
             if self.takes_positions:
@@ -420,11 +424,10 @@ def _static(shape, dim: int) -> int | None:
     return int(v) if isinstance(v, int) else None
 
 
-def _export_meta(session) -> dict:
+def _export_meta(custom: dict[str, str]) -> dict:
     try:
-        raw = session.get_modelmeta().custom_metadata_map.get(EXPORT_META_KEY)
-        return json.loads(raw) if raw else {}
-    except (ValueError, AttributeError):
+        return json.loads(custom.get(EXPORT_META_KEY) or "{}")
+    except ValueError:
         return {}
 
 
@@ -442,6 +445,4 @@ def _read_engine_json(folder: Path) -> dict:
 def _model_file_of(folder: Path) -> str:
     from .engine_spec import is_engine
 
-    if is_engine(folder):
-        return _read_engine_json(folder).get("model", "model.onnx")
-    return "model.onnx"
+    return _read_engine_json(folder).get("model", "model.onnx") if is_engine(folder) else "model.onnx"

@@ -107,6 +107,51 @@ def test_prefill_batch_goes_in_one_call():
         lm.prefill(ids, mask[:, 1:], pos, 12)
 
 
+@pytest.mark.parametrize("quant", ["none", "int4", "int8", "w8a8"])
+def test_chunks_before_the_last_skip_the_lm_head(tmp_path, quant):
+    """Every engine declares the keep-none value in its metadata and computes no row at it (w8a8's
+    output Reshape once read the empty axis as "copy"); a chunked prefill feeding it to every chunk
+    but the last gives the one-call logits. Same engine both ways, so the fp32 tolerance."""
+    from harp_trt.builders.ort.builder import OrtBuilder
+    from harp_trt.builders.ort.config import OrtBuildConfig
+    from harp_trt.onnx_io import LOGITS_KEEP_NONE
+
+    OrtBuilder().build(exported("llama"), tmp_path / quant, OrtBuildConfig(quant=quant, intra_op_threads=2))
+    lm = OrtCausalLM(tmp_path / quant, intra_op_threads=2)
+    assert lm.keeps_none and lm.shares_kv_buffer
+    ids, mask, pos = _prompt(lm)
+    feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+            LOGITS_TO_KEEP: np.array([LOGITS_KEEP_NONE], np.int64), **{
+                i.name: np.zeros((1, lm.kv_heads, 0, lm.head_dim), np.float32)
+                for i in lm.session.get_inputs() if i.name.startswith("past_key_values")}}
+    assert lm.session.run(["logits"], feed)[0].shape == (1, 0, lm.vocab_size)
+    ref, _ = lm.forward(ids, mask, pos)
+    lm.prefill_chunk = 7
+    last, cache = lm.prefill(ids, mask, pos, S)
+    np.testing.assert_allclose(last, ref[:, -1:], atol=ATOL, rtol=0)
+
+
+def test_an_engine_without_the_keep_none_metadata_keeps_the_last_row(tmp_path):
+    """An engine built before the keep-none value (no metadata key) is fed 1 for every chunk, as then."""
+    import shutil
+
+    from harp_trt.onnx_io import LOGITS_TO_KEEP_META_KEY
+
+    folder = shutil.copytree(engine("llama"), tmp_path / "old")
+    m = onnx.load(str(folder / "model.onnx"))
+    kept = [p for p in m.metadata_props if p.key != LOGITS_TO_KEEP_META_KEY]
+    assert len(kept) == len(m.metadata_props) - 1
+    del m.metadata_props[:]
+    m.metadata_props.extend(kept)
+    onnx.save(m, str(folder / "model.onnx"))
+    lm = OrtCausalLM(folder, intra_op_threads=2)
+    assert lm.takes_logits_to_keep and not lm.keeps_none
+    ids, mask, pos = _prompt(lm)
+    ref, _ = lm.forward(ids, mask, pos)
+    lm.prefill_chunk = 7
+    np.testing.assert_allclose(lm.prefill(ids, mask, pos, S)[0], ref[:, -1:], atol=ATOL, rtol=0)
+
+
 def test_prefill_profile_bench_on_a_tiny_model(tmp_path):
     """bench/prefill_profile.py end to end on a tiny llama (fp32 and int4 engines, PyTorch): its last
     stdout line is the JSON; every side is timed, our sides profiled into the four parts (their sum

@@ -12,10 +12,12 @@ onnxruntime-genai's model builder bakes it into the graph (``prune_lm_head``; ou
         ->  logits = LMHead(Slice(hidden, starts=-logits_to_keep, ends=INT64_MAX, axes=[1]))
 
 ``logits_to_keep`` is a required int64 ``[1]`` input (0 keeps every position, as ``Slice`` from -0
-is the whole axis). Required, not an initializer-backed default: ONNX Runtime's IO binding, through
+is the whole axis; ``LOGITS_KEEP_NONE``, -2^62, keeps none: the Slice starts past the end, so a
+chunked prefill's chunks before the last skip the head, which at Qwen2-7B's width re-reads 2.2 GB of
+fp32 weights per chunk. Engines declare that value in their ``harp_trt.logits_to_keep`` metadata). Required, not an initializer-backed default: ONNX Runtime's IO binding, through
 which a chunked prefill writes the KV cache in place, binds graph inputs only (an overridable
 initializer is "not in the def list"). So every consumer of an ORT engine feeds it: ``OrtCausalLM``
-(0 in ``forward`` unless asked, 1 in ``prefill``), the Triton ORT client (``ort_client.py``), and a
+(0 in ``forward`` unless asked; in ``prefill``, 1 for the last chunk and the keep-none value before it), the Triton ORT client (``ort_client.py``), and a
 genai folder pins it to a constant (``builders/genai/stage.py``: 1 with ``--last-logits``, else 0).
 Each position's logits depend on its own hidden state only, so the kept rows are the same numbers
 (tests/test_ort_prefill.py).
@@ -24,6 +26,7 @@ One rule of the house protocol (``harp_trt/graph_rules.py``), run by ``LogitsToK
 before quantization, so the LM head it finds is still a plain ``MatMul``/``Gemm``."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +34,9 @@ import numpy as np
 import onnx_ir as ir
 
 from harp_trt.graph_rules import GraphRule, MatchResult, RuleReport
-from harp_trt.onnx_io import LOGITS_TO_KEEP
+from harp_trt.onnx_io import LOGITS_KEEP_NONE, LOGITS_TO_KEEP, LOGITS_TO_KEEP_META_KEY
 
-__all__ = ["LOGITS_TO_KEEP", "LogitsToKeep", "LmHead"]
+__all__ = ["LOGITS_TO_KEEP", "LOGITS_KEEP_NONE", "LogitsToKeep", "LmHead"]
 
 LOGITS = "logits"
 _HEAD_OPS = frozenset({"MatMul", "Gemm"})
@@ -66,6 +69,11 @@ class LogitsToKeep(GraphRule[LmHead]):
 
     def describe(self, m: LmHead, added: Any) -> str:
         return m.head.name
+
+    def finish(self, model: ir.Model, report: RuleReport) -> None:
+        """Declare the keep-none value in the model's metadata (``OrtCausalLM.keeps_none`` reads it)."""
+        if report.matched:
+            model.metadata_props[LOGITS_TO_KEEP_META_KEY] = json.dumps({"keep_none": LOGITS_KEEP_NONE})
 
     def summary(self, report: RuleReport) -> dict[str, Any]:
         """Which head it cut, or why it left the graph alone."""

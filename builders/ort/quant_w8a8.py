@@ -99,7 +99,8 @@ def quantize_node_w8a8(graph: ir.Graph, node: ir.Node, k: int, n: int) -> int:
     acc = add("MatMulIntegerToFloat", [xq, parts[0], c["one"], parts[1], c["zp"]], domain="com.microsoft")
     y2 = add("Mul", [acc, s])                                                 # [M, N]
     lead = add("Slice", [add("Shape", [x]), c["zero"], c["last"]])            # X's leading dims
-    y = add("Reshape", [y2, add("Concat", [lead, cols], axis=0)])
+    # allowzero: an empty leading dim (logits_to_keep keeping no row) is 0, not "copy the input's"
+    y = add("Reshape", [y2, add("Concat", [lead, cols], axis=0)], allowzero=1)
     y.shape, y.type = out.shape, out.type
     graph.insert_before(node, nodes)
     out.replace_all_uses_with(y, replace_graph_outputs=True)
