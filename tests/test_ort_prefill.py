@@ -116,8 +116,10 @@ def test_chunks_before_the_last_skip_the_lm_head(tmp_path, quant):
     from harp_trt.builders.ort.config import OrtBuildConfig
     from harp_trt.onnx_io import LOGITS_KEEP_NONE
 
-    OrtBuilder().build(exported("llama"), tmp_path / quant, OrtBuildConfig(quant=quant, intra_op_threads=2))
-    lm = OrtCausalLM(tmp_path / quant, intra_op_threads=2)
+    folder = engine("llama") if quant == "none" else tmp_path / quant
+    if quant != "none":
+        OrtBuilder().build(exported("llama"), folder, OrtBuildConfig(quant=quant, intra_op_threads=2))
+    lm = OrtCausalLM(folder, intra_op_threads=2)
     assert lm.keeps_none and lm.shares_kv_buffer
     ids, mask, pos = _prompt(lm)
     feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
