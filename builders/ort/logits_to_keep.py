@@ -6,19 +6,21 @@ waste: SmolLM2-135M's LM head is 28 M of its 135 M GEMM weights (a fifth of a pr
 8192 positions of a 49152-word vocabulary are 1.6 GB of fp32 logits. Transformers' models take the
 same cut as a forward argument (``logits_to_keep``: 0 = every position, k = the last k);
 onnxruntime-genai's model builder bakes it into the graph (``prune_lm_head``; our genai folders'
-``--last-logits``, ``builders/genai/last_logits.py``). Here it is an input with a default::
+``--last-logits``, ``builders/genai/last_logits.py``). Here it is an input::
 
     logits = LMHead(hidden)
         ->  logits = LMHead(Slice(hidden, starts=-logits_to_keep, ends=INT64_MAX, axes=[1]))
 
-``logits_to_keep`` is a required int64 ``[1]`` input (0 keeps every position, as ``Slice`` from -0
-is the whole axis; ``LOGITS_KEEP_NONE``, -2^62, keeps none: the Slice starts past the end, so a
-chunked prefill's chunks before the last skip the head, which at Qwen2-7B's width re-reads 2.2 GB of
-fp32 weights per chunk. Engines declare that value in their ``harp_trt.logits_to_keep`` metadata). Required, not an initializer-backed default: ONNX Runtime's IO binding, through
-which a chunked prefill writes the KV cache in place, binds graph inputs only (an overridable
-initializer is "not in the def list"). So every consumer of an ORT engine feeds it: ``OrtCausalLM``
-(0 in ``forward`` unless asked; in ``prefill``, 1 for the last chunk and the keep-none value before it), the Triton ORT client (``ort_client.py``), and a
-genai folder pins it to a constant (``builders/genai/stage.py``: 1 with ``--last-logits``, else 0).
+``logits_to_keep`` is a required int64 ``[1]`` input. 0 keeps every position (``Slice`` from -0 is
+the whole axis). ``LOGITS_KEEP_NONE`` (-2^62) keeps none: the Slice starts past the end, so a chunked
+prefill's chunks before the last skip the head, which at Qwen2-7B's width re-read 2.2 GB of fp32
+weights per chunk; engines declare that value in their ``harp_trt.logits_to_keep`` metadata.
+Required, not an initializer-backed default: ONNX Runtime's IO binding, through which a chunked
+prefill writes the KV cache in place, binds graph inputs only (an overridable initializer is "not
+in the def list"). So every consumer of an ORT engine feeds it: ``OrtCausalLM`` (0 in ``forward``
+unless asked; in ``prefill``, 1 for the last chunk and the keep-none value before it), the Triton
+ORT client (``ort_client.py``), and a genai folder pins it to a constant
+(``builders/genai/stage.py``: 1 with ``--last-logits``, else 0).
 Each position's logits depend on its own hidden state only, so the kept rows are the same numbers
 (tests/test_ort_prefill.py).
 
