@@ -13,11 +13,12 @@ from harp_trt.errors import ConfigError
 
 from .strategies import STRATEGIES
 
-__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "REPLACEMENTS", "SEARCH_SPLITS", "PAPER_BOS"]
+__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "REPLACEMENTS", "FIT_INPUTS", "SEARCH_SPLITS", "PAPER_BOS"]
 
 DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
 METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (harp_trt.calib.search)
 REPLACEMENTS = ("harp", "rrr", "lmmse")  # what a pruned block becomes (calib.fit): HARP's alpha, or a fitted map
+FIT_INPUTS = ("sequential", "dense")     # which activations a map is fitted on (calib.fit)
 SEARCH_SPLITS = ("halves", "all")  # which documents the search reads (see CalibrateConfig)
 GIVEN = "given layers and alphas (no search)"  # help section of the flags that skip scoring or search
 
@@ -43,7 +44,7 @@ class CalibrateConfig(StageConfig):
     layers: int = option(2, short="-P", cli_default=None, help="number of layers to prune (default: the "
                          "preset's value, else %(field_default)s)")
     strategy: str = option("top", help="layer scoring: top, bottom, gate-norm, gate-norm-folded, sink, bi, "
-                           "attn-sim, cca (default %(default)s)")
+                           "attn-sim, cca, cca-attn (default %(default)s)")
     alpha_grid: tuple[float, ...] = option(DEFAULT_GRID, parse=parse_grid,
                                            help="candidate alphas (default %(default)s)")
     search: str = option("exhaustive", choices=METHODS, help=(
@@ -70,18 +71,26 @@ class CalibrateConfig(StageConfig):
         "version scores Gemma: its tokenizer's BOS after the prefix BOS, the second one scored"))
     replacement: str = option("harp", choices=REPLACEMENTS, help=(
         "harp: alpha * V.O, the paper (default); rrr: a fitted rank-kv_dim map B.A at HARP's cost (reduced-rank "
-        "regression on the calibration text); lmmse: a fitted full-rank hidden x hidden map with bias (Neural "
-        "Block Linearization), PyTorch only. A fitted map is kept in a layer only where it beats the searched alpha"))
+        "regression); lmmse: a fitted full-rank hidden x hidden map with bias (Neural Block Linearization; ONNX "
+        "engines only). Maps and alphas are fitted on half of the calibration text; a layer keeps its map only "
+        "where it beats the searched alpha on the other half"))
+    fit_inputs: str = option("sequential", choices=FIT_INPUTS, help=(
+        "with a fitted --replacement: sequential = fit the layers bottom-up, each on the inputs of the model "
+        "whose lower layers already carry their maps (default); dense = every layer from one dense pass"))
     prune_layers: tuple[int, ...] = option((), parse=parse_ints, cli_default=None, group=GIVEN, help=(
         "prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)"))
     alphas: tuple[float, ...] = option((), parse=parse_grid, cli_default=None, group=GIVEN, help=(
         "use these alphas instead of searching, one per pruned layer, e.g. 0.8,0.2"))
-    score_windows: int = 8   # windows used by data-driven strategies (sink, bi, attn-sim)
+    score_tokens: int = option(0, help=("tokens the data-driven strategies score on (default 0: the first "
+                                        "8 search windows; cca and cca-attn need >= 10 x the hidden size)"))
+    score_windows: int = 8   # windows used by data-driven strategies when score_tokens is 0
     dtype: str = "float32"   # the CLI's default: bfloat16 on CUDA, float32 on the CPU
     device: str = "cpu"      # device kind (cpu | cuda): results differ between kinds
 
     def validate(self) -> None:
         STRATEGIES.check(self.strategy)  # "did you mean", without importing the strategy
+        if self.score_tokens < 0:
+            raise ConfigError(f"--score-tokens must be >= 0, got {self.score_tokens}")
         if self.layers <= 0:
             raise ConfigError(f"--layers must be a positive number of layers to prune, got {self.layers}")
         if not self.alpha_grid:
@@ -114,6 +123,8 @@ class CalibrateConfig(StageConfig):
                 raise ConfigError(f"--alphas values must lie in [0, 1]; got {bad}")
         if self.replacement not in REPLACEMENTS:
             raise ConfigError(f"--replacement must be one of {', '.join(REPLACEMENTS)}, got {self.replacement!r}")
+        if self.fit_inputs not in FIT_INPUTS:
+            raise ConfigError(f"--fit-inputs must be one of {', '.join(FIT_INPUTS)}, got {self.fit_inputs!r}")
         if self.replacement != "harp" and self.alphas:
             raise ConfigError(f"--replacement {self.replacement} is chosen by the alpha search, which --alphas skips",
                               "drop --alphas, or use --replacement harp")
@@ -145,6 +156,7 @@ class CalibrateConfig(StageConfig):
         d["alphas"] = [round(float(a), 6) for a in self.alphas]
         if d.get("replacement") == "harp":  # the paper's plans keep the keys they had before fitted maps
             d.pop("replacement")
+            d.pop("fit_inputs", None)
         return d
 
 

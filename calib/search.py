@@ -22,7 +22,13 @@ The cached evaluation gives the naive answer faster:
 ``naive=True`` recomputes the full model per candidate (the reference for tests and the benchmark).
 
 Both paths work on a ``LayerStack``, so they run unchanged on a model that is resident, spread
-over devices, or read one layer at a time from disk."""
+over devices, or read one layer at a time from disk.
+
+With fitted maps (``calib.fit``) the search starts from the state the maps were fitted under (every
+selected layer carrying its map) instead of alpha = 1 everywhere, a state no final plan has. Each
+layer, top-down, gets its grid searched on the fit text with HARP's V.O back in place; then its best
+alpha and its map are compared on the select text, which neither was fitted on, and the lower of
+the two is installed. The held-out text is evaluated beside (reported, never read by a decision)."""
 from __future__ import annotations
 
 import logging
@@ -74,6 +80,8 @@ class SearchResult:
     evaluations: dict[int, int] = field(default_factory=dict)   # layer -> candidates evaluated
     fallbacks: list[int] = field(default_factory=list)          # layers where golden fell back to the grid
     fitted: list[int] = field(default_factory=list)             # layers where the fitted map beat the grid
+    decisions: dict[int, dict] = field(default_factory=dict)    # layer -> map-or-alpha figures per text
+    ppl_select: float = math.nan                                # the final state on the select text
 
 
 def _budget_bytes(stack: LayerStack) -> int:
@@ -143,7 +151,8 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
                   layers_to_prune: Sequence[int], grid: Sequence[float] = DEFAULT_GRID,
                   naive: bool = False, progress: Progress | None = None,
                   state_budget_bytes: int | None = None, method: str = "exhaustive",
-                  fitted: Mapping[int, Fitted] | None = None) -> SearchResult:
+                  fitted: Mapping[int, Fitted] | None = None, select: torch.Tensor | None = None,
+                  report: torch.Tensor | None = None) -> SearchResult:
     """Run Algorithm 1 on ``model`` (a loaded HF model or a ``LayerStack``; patched in place: on
     return it is the searched HARP model).
 
@@ -153,15 +162,18 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
     may round differently; tests hold them to 1e-5 relative). Candidates are split into groups
     when their states would exceed ``state_budget_bytes``.
 
-    ``fitted`` (layer -> ``Fitted``: a map and the checkpoint tensors that carry it, ``calib.fit``)
-    adds one candidate to those layers: the fitted map, unscaled. It is kept only where its
-    perplexity is strictly lower than the best grid value's, so the search text never reads worse
-    than Algorithm 1's answer."""
+    ``fitted`` (layer -> ``Fitted``: a map and the checkpoint tensors that carry it, ``calib.fit``,
+    installed in the model by ``fit_candidates``) adds one candidate to those layers: the fitted
+    map, unscaled. It is kept only where its perplexity on ``select`` (windows of a text neither
+    the map nor the alphas were fitted on) is strictly lower than the best grid value's there;
+    ``report`` (held-out windows) is evaluated beside, for the record only."""
     if method not in METHODS:
         raise ConfigError(f"search method must be one of {', '.join(METHODS)}, got {method!r}")
     fitted = dict(fitted or {})
     if fitted and naive:
         raise ConfigError("the naive search has no fitted candidate; drop --replacement or the naive reference")
+    if fitted and select is None:
+        raise ConfigError("a fitted candidate is chosen on the select text; pass its windows (select=)")
     t0 = time.perf_counter()
     stack = model if isinstance(model, LayerStack) else LayerStack.wrap(model, family)
     selected = sorted(set(int(l) for l in layers_to_prune))
@@ -177,6 +189,11 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         cap = stack.capture(windows)
         h_lo = stack.run(cap.h0, cap, 0, lo)
         res.ppl_alpha1 = math.exp(_div(*stack.nll(stack.run(h_lo, cap, lo), windows)))
+        texts = {}
+        for name, w in (("select", select), ("heldout", report)):
+            if fitted and w is not None:
+                c = stack.capture(w)
+                texts[name] = (c, stack.run(c.h0, c, 0, lo), w)
 
     for step, l in enumerate(reversed(selected)):
         tl = time.perf_counter()
@@ -188,7 +205,9 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
                     out.append(stack.perplexity(windows))
                 return out
         else:
-            h_l = stack.run(h_lo, cap, lo, l)  # layers below l: alpha = 1 where selected
+            if l in fitted:
+                stack.remove_fitted(l)  # the grid scales HARP's own V.O
+            h_l = stack.run(h_lo, cap, lo, l)  # layers below l: alpha = 1, or their maps, where selected
             evaluate = _cached_evaluator(stack, family, cap, windows, l, h_l, budget, fitted.get(l))
         if method == "golden":
             best_a, seen, fell_back = golden_search(grid, evaluate)
@@ -211,7 +230,7 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         res.evaluations[l] = len(tried)
         set_alpha(stack.model, l, best_a, family)
         if l in fitted:
-            best = _offer_fitted(stack, res, l, step, fitted[l], evaluate, best, seconds)
+            best = _choose_fitted(stack, res, l, step, fitted[l], evaluate, best, seconds, texts, lo, budget)
         res.ppl_searched = best
         log.info("layer %d: alpha=%.2f ppl=%.4f (%d evaluations)", l, best_a, best, len(tried))
     if not selected:
@@ -220,15 +239,26 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
     return res
 
 
-def _offer_fitted(stack: LayerStack, res: SearchResult, l: int, step: int, fitted: Fitted, evaluate: Evaluate,
-                  best: float, seconds: float) -> float:
-    """Evaluate layer ``l``'s fitted map after its grid; keep it (alpha 1, the map installed) only
-    where its perplexity is strictly lower than ``best``, the grid's. Returns the layer's best."""
-    p_fit = evaluate([FIT])[0]
-    won = p_fit < best
+def _choose_fitted(stack: LayerStack, res: SearchResult, l: int, step: int, fitted: Fitted, evaluate: Evaluate,
+                   best: float, seconds: float, texts: dict, lo: int, budget: int) -> float:
+    """Layer ``l``'s map or its best alpha: both evaluated on the fit text (in-sample, recorded),
+    on the select text (the decision: the map only where strictly lower) and on the held-out text
+    (recorded, never read here). Installs the winner; returns the layer's fit-text perplexity."""
+    a = res.alphas[l]
+    figures = {"fit": {"alpha": best, "map": evaluate([FIT])[0]}}
+    for name, (cap, h_lo, windows) in texts.items():
+        h_l = stack.run(h_lo, cap, lo, l)
+        ev = _cached_evaluator(stack, stack.family, cap, windows, l, h_l, budget, fitted)
+        p_alpha, p_map = ev([a, FIT])
+        figures[name] = {"alpha": p_alpha, "map": p_map}
+    won = figures["select"]["map"] < figures["select"]["alpha"]
+    res.decisions[l] = {"alpha": a, "kept": "map" if won else "alpha", **figures}
+    res.ppl_select = figures["select"]["map" if won else "alpha"]
+    p_fit = figures["fit"]["map"]
     res.trace.append({"step": step, "layer": l, "candidate": fitted.map.method, "alpha": 1.0, "ppl": p_fit,
-                      "best_alpha": 1.0 if won else res.alphas[l], "best_ppl": min(best, p_fit), "seconds": seconds})
-    log.info("layer %d: fitted %s ppl=%.4f (%s)", l, fitted.map.method, p_fit, "kept" if won else "not kept")
+                      "best_alpha": 1.0 if won else a, "best_ppl": p_fit if won else best, "seconds": seconds})
+    log.info("layer %d: fitted %s select ppl %.4f vs alpha %.2f %.4f (%s)", l, fitted.map.method,
+             figures["select"]["map"], a, figures["select"]["alpha"], "kept" if won else "not kept")
     if not won:
         return best
     res.alphas[l] = 1.0

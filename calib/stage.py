@@ -108,26 +108,29 @@ class CalibrateStage(Stage[CalibrateConfig]):
         phase(f"model on {placement.describe(stack.sequential)}")
         tok = load_tokenizer(inp.resolved.folder)
         sources = split_sources(config, inp)
-        calib, held = _windows(config, tok, model.config, sources)
+        texts = _windows(config, tok, model.config, sources)
+        calib, held, select = texts["search"], texts["heldout"], texts.get("select")
         timings["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        strategy_name, scores, selected = _select_layers(config, inp, stack, calib, prefix_token_id(tok), phase)
+        strategy_name, scores, selected = _select_layers(config, inp, stack, _score_windows(config, tok, sources, calib),
+                                                         prefix_token_id(tok), phase)
         timings["score"] = time.perf_counter() - t
 
         phase("dense perplexity")
         t = time.perf_counter()
-        ppl_dense, ppl_held_dense = stack.perplexity(calib), stack.perplexity(held)
+        dense = {name: stack.perplexity(w) for name, w in texts.items()}
         timings["dense_ppl"] = time.perf_counter() - t
 
-        fitted, held_at = _fit_and_fixed(config, stack, calib, held, selected, phase, timings)
+        fitted, fixed = _fit_and_fixed(config, stack, texts, selected, phase, timings)
         if config.alphas:
             phase(f"given alphas on layers {selected}")
             res = given_alphas(stack, family, calib, selected, config.alphas)
         else:
             phase(f"alpha search over layers {selected}")
             res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
-                                progress=inp.progress, method=config.search, fitted=fitted)
+                                progress=inp.progress, method=config.search, fitted=fitted, select=select,
+                                report=held)
         timings["search"] = res.seconds
 
         phase("held-out perplexity")
@@ -135,9 +138,11 @@ class CalibrateStage(Stage[CalibrateConfig]):
         ppl_held_searched = stack.perplexity(held)
         timings["heldout_ppl"] += time.perf_counter() - t
 
-        ppl = {"dense": ppl_dense, "alpha1": res.ppl_alpha1, "searched": res.ppl_searched,
-               "heldout_dense": ppl_held_dense, "heldout_alpha1": held_at[1.0], "heldout_alpha0": held_at[0.0],
-               "heldout_searched": ppl_held_searched}
+        ppl = {"dense": dense["search"], "alpha1": fixed["search"][1.0] if fitted else res.ppl_alpha1,
+               "searched": res.ppl_searched, "heldout_dense": dense["heldout"], "heldout_alpha1": fixed["heldout"][1.0],
+               "heldout_alpha0": fixed["heldout"][0.0], "heldout_searched": ppl_held_searched}
+        if fitted:
+            ppl.update(select_dense=dense["select"], select_searched=res.ppl_select)
         real = lambda w: int((w != PAD).sum())  # noqa: E731  tokens, right padding excluded
         scored = lambda w: int((w[:, 1:] >= 0).sum())  # noqa: E731  tokens predicted (ppl.window_nll)
         plan = Plan(model_ref=inp.resolved.ref, model_digest=inp.resolved.digest, family=family.name,
@@ -146,6 +151,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
                     scores=tuple(scores), grid=() if config.alphas else tuple(float(a) for a in config.alpha_grid),
                     ppl=ppl,
                     extra={"tokens": real(calib), "heldout_tokens": real(held), "windows": int(calib.shape[0]),
+                           **({"select_tokens": real(select)} if select is not None else {}),
                            "scored_tokens": scored(calib), "heldout_scored_tokens": scored(held),
                            "objective": config.objective, "alphas_given": bool(config.alphas),
                            "search_split": split_record(config, sources),
@@ -157,7 +163,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
                            "timings": {k: round(v, 3) for k, v in timings.items()},
                            "versions": library_versions()})
         if fitted:
-            plan.extra["replacement"] = _save_fitted(out_dir, config.replacement, fitted, res, stack)
+            plan.extra["replacement"] = _save_fitted(out_dir, config, fitted, res, stack)
         plan.save(out_dir / "plan.json")
         pl.DataFrame(res.trace).write_parquet(out_dir / "search_trace.parquet")
         pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
@@ -172,52 +178,70 @@ class CalibrateStage(Stage[CalibrateConfig]):
                 "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
 
 
-def _windows(config: CalibrateConfig, tok, model_config, sources):
-    """(calibration, held-out) token windows: lm-eval-style rolling windows over whole documents for
-    ``--objective paper``, else fixed windows of ``seq_len``."""
+def _windows(config: CalibrateConfig, tok, model_config, sources: dict) -> dict:
+    """Token windows of each text (``split_sources``'s roles): lm-eval-style rolling windows over
+    whole documents for ``--objective paper``, else fixed windows of ``seq_len``."""
     from harp_trt.data import model_max_length, paper_add_special_tokens, rolling_windows, token_windows
 
     if config.objective == "paper":
         max_len = config.seq_len or model_max_length(model_config)
         special = paper_add_special_tokens(config.paper_bos, getattr(model_config, "model_type", ""))
-        return tuple(rolling_windows(tok, c, s, max_len, config.tokens, special) for c, s in sources)
-    return tuple(token_windows(tok, c, s, config.seq_len, config.tokens) for c, s in sources)
+        return {r: rolling_windows(tok, c, s, max_len, config.tokens, special) for r, (c, s) in sources.items()}
+    return {r: token_windows(tok, c, s, config.seq_len, config.tokens) for r, (c, s) in sources.items()}
 
 
-def _select_layers(config: CalibrateConfig, inp: CalibrateInputs, stack, calib, prefix_id,
+def _score_windows(config: CalibrateConfig, tok, sources: dict, calib):
+    """The windows a data-driven strategy scores: the first ``score_windows`` search windows, or
+    ``--score-tokens`` tokens of the search text in windows of ``--seq-len`` (512 for the paper
+    objective's maximum length)."""
+    if not config.score_tokens:
+        return calib[: config.score_windows]
+    from harp_trt.data import token_windows
+
+    corpus, split = sources["search"]
+    return token_windows(tok, corpus, split, config.seq_len or 512, config.score_tokens)
+
+
+def _select_layers(config: CalibrateConfig, inp: CalibrateInputs, stack, windows, prefix_id,
                    phase) -> tuple[str, list[float], list[int]]:
     """(strategy name, per-layer scores, the layers to prune): ``--prune-layers`` as given, else the
-    strategy's scores on the first ``score_windows`` calibration windows and its selection."""
+    strategy's scores on ``windows`` and its selection."""
     if config.prune_layers:
         return "explicit", [], sorted(config.prune_layers)
     phase(f"scoring layers ({config.strategy})")
     strategy = get_strategy(config.strategy)
     ctx = ScoreContext(family=stack.family, config=stack.model.config, folder=inp.resolved.folder, stack=stack,
-                       windows=calib[: config.score_windows], prefix_id=prefix_id)
+                       windows=windows, prefix_id=prefix_id)
     scores = strategy.score(ctx)
     return config.strategy, scores, strategy.select(scores, config.layers)
 
 
-def _fit_and_fixed(config: CalibrateConfig, stack, calib, held, selected: list[int], phase, timings) -> tuple[dict, dict]:
-    """(the fitted candidates of ``--replacement``, from the dense model; held-out perplexity at
-    HARP's alpha = 1 and 0, measured before any fitted map is installed)."""
+def _fit_and_fixed(config: CalibrateConfig, stack, texts: dict, selected: list[int], phase,
+                   timings) -> tuple[dict, dict]:
+    """(the fitted candidates of ``--replacement``, each installed in its layer as the search
+    starts; perplexity with every selected layer at HARP's alpha = 1 and 0, by text: the held-out
+    text, and the search text too where maps are fitted)."""
     fitted = {}
     if config.replacement != "harp":
         from .fit import fit_candidates
 
-        phase(f"fitting {config.replacement} maps of layers {selected}")
+        phase(f"fitting {config.replacement} maps of layers {selected} ({config.fit_inputs} inputs)")
         t = time.perf_counter()
-        fitted = fit_candidates(stack, calib, selected, config.replacement)
+        fitted = fit_candidates(stack, texts["search"], texts["select"], selected, config.replacement,
+                                config.fit_inputs)
         timings["fit"] = time.perf_counter() - t
     t = time.perf_counter()
-    held_at = _heldout_at_fixed_alphas(stack, held, selected)
+    wanted = {k: texts[k] for k in (("search", "heldout") if fitted else ("heldout",))}
+    fixed = _at_fixed_alphas(stack, wanted, selected, fitted)
     timings["heldout_ppl"] = time.perf_counter() - t
-    return fitted, held_at
+    return fitted, fixed
 
 
-def _save_fitted(out_dir: Path, method: str, fitted: dict, res, stack) -> dict[str, Any]:
+def _save_fitted(out_dir: Path, config: CalibrateConfig, fitted: dict, res, stack) -> dict[str, Any]:
     """``replacement.safetensors`` (the checkpoint tensors of the layers where the fitted map won,
-    ``harp_trt.plan.Plan.fitted_tensors``) and the plan's record of every fitted candidate."""
+    ``harp_trt.plan.Plan.fitted_tensors``) and the plan's record of every fitted candidate: its fit
+    statistics and, by text (fit: in-sample; select: the decision; heldout: report only), the
+    perplexity of the map and of the layer's best alpha when the layer was decided."""
     from safetensors.torch import save_file
 
     from harp_trt.dims import ModelDims
@@ -229,49 +253,68 @@ def _save_fitted(out_dir: Path, method: str, fitted: dict, res, stack) -> dict[s
     tensors = {k: v for l in kept for k, v in fitted[l].tensors.items()}
     digest = None
     if tensors:
-        save_file(tensors, str(out_dir / FITTED_FILE), metadata={"format": "harp-fitted/1", "method": method})
+        save_file(tensors, str(out_dir / FITTED_FILE),
+                  metadata={"format": "harp-fitted/1", "method": config.replacement})
         digest = file_digest(out_dir / FITTED_FILE)  # in plan.json, so later stages' keys cover the maps
-    fit_ppl = {int(r["layer"]): r["ppl"] for r in res.trace if r.get("candidate", "harp") != "harp"}
-    return {"method": method, "layers": kept, "file": FITTED_FILE if tensors else None, "sha256": digest,
-            "cost": cost_record(method, ModelDims.from_config(stack.model.config)),
-            "candidates": {str(l): {**f.map.record(), "ppl": fit_ppl.get(l)} for l, f in sorted(fitted.items())}}
+    return {"method": config.replacement, "fit_inputs": config.fit_inputs, "layers": kept,
+            "file": FITTED_FILE if tensors else None, "sha256": digest,
+            "cost": cost_record(config.replacement, ModelDims.from_config(stack.model.config)),
+            "start_ppl": res.ppl_alpha1,
+            "candidates": {str(l): {**f.map.record(), **res.decisions.get(l, {})} for l, f in sorted(fitted.items())}}
 
 
-def _heldout_at_fixed_alphas(stack, held, selected: list[int]) -> dict[float, float]:
-    """Held-out perplexity with every selected layer pruned at alpha = 1 (HARP unscaled) and at
-    alpha = 0 (the sublayer removed, as Gate-Norm does); leaves the model at alpha = 0."""
+def _at_fixed_alphas(stack, texts: dict, selected: list[int], fitted: dict) -> dict[str, dict[float, float]]:
+    """Perplexity of each text with every selected layer pruned at alpha = 1 (HARP unscaled) and
+    at alpha = 0 (the sublayer removed, as Gate-Norm does). Fitted maps are taken out for the
+    measurement and put back at alpha 1; without maps the model is left at alpha = 0."""
     from harp_trt.harp import apply_harp, set_alpha
 
+    for layer in fitted:
+        stack.remove_fitted(layer)
     apply_harp(stack.model, {l: 1.0 for l in selected}, stack.family)
-    out = {}
+    out: dict[str, dict[float, float]] = {name: {} for name in texts}
     for a in (1.0, 0.0):
         for layer in selected:
             set_alpha(stack.model, layer, a, stack.family)
-        out[a] = stack.perplexity(held)
+        for name, w in texts.items():
+            out[name][a] = stack.perplexity(w)
+    for layer, f in fitted.items():
+        set_alpha(stack.model, layer, 1.0, stack.family)
+        stack.install_fitted(layer, f.tensors)
     return out
 
 
-def split_sources(config: CalibrateConfig, inp: CalibrateInputs) -> tuple[tuple[Any, str], tuple[Any, str]]:
-    """((corpus, split) searched, (corpus, split) held out). ``halves``: even / odd documents of
-    one corpus; ``all``: every document of the corpus / every document of the other, named text."""
-    if config.search_split == "all":
-        return (inp.corpus, "all"), (inp.heldout_corpus, "all")
-    return (inp.corpus, "calib"), (inp.corpus, "heldout")
+def split_sources(config: CalibrateConfig, inp: CalibrateInputs) -> dict[str, tuple[Any, str]]:
+    """Role -> (corpus, split). ``search``: the text the alphas are searched on; ``heldout``: the
+    report's text; ``select`` (fitted replacements only): the text the map-or-alpha choice and
+    ridge lambda are read on. ``halves``: even / odd documents of one corpus, and with a fitted
+    replacement the even half's even documents (fit, searched) and odd ones (select); ``all``:
+    every document of the corpus (its even / odd ones as fit / select) and the other, named text."""
+    base = "all" if config.search_split == "all" else "calib"
+    held = (inp.heldout_corpus, "all") if config.search_split == "all" else (inp.corpus, "heldout")
+    if config.replacement == "harp":
+        return {"search": (inp.corpus, base), "heldout": held}
+    prefix = "all/" if base == "all" else ""
+    return {"search": (inp.corpus, prefix + "fit"), "select": (inp.corpus, prefix + "select"), "heldout": held}
 
 
-def split_record(config: CalibrateConfig, sources) -> dict[str, Any]:
+def split_record(config: CalibrateConfig, sources: dict) -> dict[str, Any]:
     """The plan's record of which text chose the alphas and which text the held-out figures
     come from (``Plan.search_split``). ``ppl_on_search_text`` names the ``ppl`` entries measured
-    on the search text: the search's own objective, never a held-out figure."""
-    names = {"calib": "even", "heldout": "odd", "all": "all"}
-    (sc, ss), (hc, hs) = sources
-    return {"name": config.search_split,
-            "search": {"corpus": sc.name, "corpus_digest": sc.digest, "documents": names[ss],
-                       "count": len(sc.documents(ss))},
-            "heldout": {"corpus": hc.name, "corpus_digest": hc.digest, "documents": names[hs],
-                        "count": len(hc.documents(hs))},
-            "ppl_on_search_text": ["dense", "alpha1", "searched"],
-            "paper_bos": config.paper_bos}
+    on the search text: the search's own objective, never a held-out figure; ``select_*`` entries
+    are on the select text, which chose between a fitted map and an alpha."""
+    names = {"calib": "even", "heldout": "odd", "all": "all", "fit": "even of even", "select": "odd of even",
+             "all/fit": "even", "all/select": "odd"}
+
+    def text(corpus, split):
+        return {"corpus": corpus.name, "corpus_digest": corpus.digest, "documents": names[split],
+                "count": len(corpus.documents(split))}
+
+    out = {"name": config.search_split, **{role: text(*src) for role, src in sources.items()},
+           "ppl_on_search_text": ["dense", "alpha1", "searched"], "paper_bos": config.paper_bos}
+    if "select" in sources:
+        out["ppl_on_select_text"] = ["select_dense", "select_searched"]
+    return out
 
 
 def _placement_record(placement, stack) -> dict[str, Any]:

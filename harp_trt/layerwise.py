@@ -98,6 +98,7 @@ class LayerStack:
     round_to: torch.dtype | None = None
     loads: int = field(default=0, init=False)  # layers read from disk (sequential mode)
     overlay: dict = field(default_factory=dict, init=False)  # checkpoint name -> tensor read instead (fitted maps)
+    _replaced: dict = field(default_factory=dict, init=False)  # resident: checkpoint name -> the tensor a map overwrote
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -180,11 +181,33 @@ class LayerStack:
 
     def install_fitted(self, layer: int, tensors: dict) -> None:
         """Use a fitted map in pruned layer ``layer`` (``harp_trt.harp.install_fitted``); a
-        sequential stack reads its tensors from ``overlay`` whenever the layer is loaded."""
+        sequential stack reads its tensors from ``overlay`` whenever the layer is loaded. The
+        weights a map overwrites are kept, so :meth:`remove_fitted` gives HARP's V.O back."""
         from .harp import install_fitted
 
+        if not self.sequential:
+            params = dict(self.family.layers(self.model)[layer].named_parameters())
+            local = self.family.layer_prefix.format(i=layer)
+            for name in tensors:
+                p = params.get(name[len(local):]) if name.startswith(local) else None
+                if p is not None and name not in self._replaced:
+                    self._replaced[name] = p.detach().clone()
         self.overlay.update(tensors)
         install_fitted(self.model, layer, tensors, self.family)
+
+    def remove_fitted(self, layer: int) -> None:
+        """Undo :meth:`install_fitted` in ``layer``: its own V/O weights back, no fitted Linear."""
+        from .harp import install_fitted
+
+        local = self.family.layer_prefix.format(i=layer)
+        for name in [k for k in self.overlay if k.startswith(local)]:
+            del self.overlay[name]
+        attn = self.family.layers(self.model)[layer].self_attn
+        if getattr(attn, "harp_linear", None) is not None:
+            attn.harp_linear = None
+        saved = {k: self._replaced.pop(k) for k in [k for k in self._replaced if k.startswith(local)]}
+        if saved:
+            install_fitted(self.model, layer, saved, self.family)
 
     def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         if name in self.overlay:

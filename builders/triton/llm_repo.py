@@ -106,8 +106,9 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
               "max_input_len": str(min(config.max_input_len or max_seq, max_seq)),
               "intra_op_threads": str(engine_threads(engine, config.threads) or 0),
               "providers": "CUDAExecutionProvider,CPUExecutionProvider" if config.device == "gpu" else "CPUExecutionProvider",
-              # as `harp-trt generate` tokenizes: no BOS/special tokens added to the prompt
-              "add_special_tokens": "false", "eos_token_ids": ",".join(map(str, _eos_ids(source)))}
+              # as `harp-trt generate` tokenizes: BOS first where the model's tokenizer adds one, nothing else
+              "add_special_tokens": "true" if _adds_bos(source) else "false",
+              "eos_token_ids": ",".join(map(str, _eos_ids(source)))}
     cfg = {
         "name": name, "backend": "python", "max_batch_size": 0,
         "model_transaction_policy": {"decoupled": True},
@@ -122,6 +123,15 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
     return {"model": name, "serving": "python", "files": files, "placed_by": how, "tokenizer_files": tok,
             "parameters": params, "admission": admission(config, (engine or {}).get("kv") or {}, max_seq, max_active),
             "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
+
+
+def _adds_bos(source: Path) -> bool:
+    """Whether the model's tokenizer starts a prompt with BOS (``harp_trt.data.adds_bos``)."""
+    from transformers import AutoTokenizer
+
+    from harp_trt.data import adds_bos
+
+    return adds_bos(AutoTokenizer.from_pretrained(str(source), trust_remote_code=False))
 
 
 def admission(config, kv: dict, max_seq: int, max_active: int) -> list[dict]:

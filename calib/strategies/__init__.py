@@ -15,6 +15,7 @@ STRATEGIES.register("sink", "harp_trt.calib.strategies.sink:SinkStrategy")
 STRATEGIES.register("bi", "harp_trt.calib.strategies.similarity:BlockInfluenceStrategy")
 STRATEGIES.register("attn-sim", "harp_trt.calib.strategies.similarity:AttnSimStrategy")
 STRATEGIES.register("cca", "harp_trt.calib.strategies.cca:CcaStrategy")
+STRATEGIES.register("cca-attn", "harp_trt.calib.strategies.cca:CcaAttnStrategy")
 
 
 def get_strategy(name: str):

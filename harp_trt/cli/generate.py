@@ -91,6 +91,7 @@ def sampling_from_args(args) -> SamplingParams:
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
+    from ..data import encode_prompt
     from ..errors import ConfigError, ModelError
     from ..ort_session import OrtCausalLM
 
@@ -107,7 +108,7 @@ def run(args) -> dict:
                                       tokenize=True, return_dict=False)
         ids = list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
     else:
-        ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
+        ids = encode_prompt(tok, args.prompt)  # BOS first where the model's tokenizer adds one
     if not ids:
         raise ConfigError("the prompt tokenizes to nothing", "pass a non-empty --prompt")
     stops = {t for t in _as_list(tok.eos_token_id)}

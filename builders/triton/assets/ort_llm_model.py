@@ -75,6 +75,8 @@ class TritonPythonModel:
         self.lm = OrtCausalLM(engine / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine), trust_remote_code=False)
         self.max_input_len = int(params.get("max_input_len") or 4096)
+        # "true": BOS first, as the model's tokenizer encodes a prompt (the repository writes the model's
+        # own convention, harp_trt.data.adds_bos); "false": the text's tokens alone
         self.add_special_tokens = params.get("add_special_tokens", "false").lower() == "true"
         eos = [int(t) for t in params.get("eos_token_ids", "").split(",") if t.strip()]
         if not eos and self.tokenizer.eos_token_id is not None:
@@ -134,7 +136,9 @@ class TritonPythonModel:
                 if stream and not exclude:
                     exclude = True  # streamed responses carry new text only (vLLM backend convention)
                 params = SamplingParams.from_json(_scalar(request, "sampling_parameters"))
-                ids = self.tokenizer(prompt, add_special_tokens=self.add_special_tokens)["input_ids"]
+                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                if self.add_special_tokens and self.tokenizer.bos_token_id is not None:
+                    ids = [self.tokenizer.bos_token_id] + list(ids)
                 if len(ids) > self.max_input_len:
                     raise ValueError(f"prompt has {len(ids)} tokens, over the limit of {self.max_input_len}")
                 self.gen.submit(GenerationRequest(np.asarray(ids, dtype=np.int64), params,
