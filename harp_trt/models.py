@@ -155,12 +155,39 @@ def _gguf_to_folder(gguf_path: Path, out: Path) -> None:
         except (ValueError, OSError, KeyError, EOFError) as e:
             raise CorruptWeightsError(f"cannot read GGUF file {gguf_path}: {e}",
                                       "check the file is complete (re-download it)") from None
+        match_gguf_bos(tok, gguf_add_bos(gguf_path))
         _save_plain(model, tmp)
         tok.save_pretrained(tmp)
         make_tokenizer_portable(tmp)  # transformers 5 writes a tokenizer_class 4.x consumers cannot load
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gguf_add_bos(gguf_path: Path) -> bool | None:
+    """The file's ``tokenizer.ggml.add_bos_token`` (whether llama.cpp starts a prompt with BOS), or
+    None where the file does not say."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.add_bos_token")
+    return None if field is None or not field.data else bool(field.parts[field.data[0]][0])
+
+
+def match_gguf_bos(tok, add_bos: bool | None) -> bool:
+    """Make ``tok`` start a prompt with BOS exactly when the GGUF says so (``add_bos``; None leaves
+    the tokenizer as transformers converted it), so every path that encodes with the converted
+    folder (``harp_trt.data.adds_bos``) feeds what llama.cpp feeds. Returns whether it changed."""
+    from .data import adds_bos
+
+    if add_bos is None or tok.bos_token_id is None or adds_bos(tok) == add_bos:
+        return False
+    tok.add_bos_token = add_bos  # transformers 5 rewrites the post-processor from the flag
+    tok._harp_adds_bos = None
+    if adds_bos(tok) != add_bos:
+        raise CorruptWeightsError(f"the GGUF's tokenizer.ggml.add_bos_token is {add_bos}, but its converted "
+                                  f"{type(tok).__name__} cannot be made to follow it",
+                                  "convert the model with llama.cpp's convert_hf_to_gguf.py and pass the HF folder")
+    return True
 
 
 def _save_plain(model, out: Path) -> None:

@@ -119,11 +119,12 @@ def forbid_model_loads(monkeypatch) -> None:
                 monkeypatch.setattr(mod, name, boom(originals[id(getattr(mod, name))]))
 
 
-def save_tiny(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
-    """Save a tiny model (safetensors) plus a byte-level tokenizer, as a local HF folder."""
+def save_tiny(family: str, folder: Path, seed: int = 0, add_bos: bool = False, **overrides) -> Path:
+    """Save a tiny model (safetensors) plus a byte-level tokenizer, as a local HF folder; with
+    ``add_bos`` the tokenizer starts every encoding with its BOS, as Gemma's and Llama 3's do."""
     model = make_tiny(family, seed=seed, **overrides)
     model.save_pretrained(folder, safe_serialization=True)
-    _tiny_tokenizer().save_pretrained(folder)
+    _tiny_tokenizer(add_bos).save_pretrained(folder)
     return folder
 
 
@@ -152,14 +153,18 @@ def train_tiny(model, token_ids: list[int], steps: int = 60, seq_len: int = 256,
     return model.eval()
 
 
-def _tiny_tokenizer():
-    """A real (fast) tokenizer over 128 symbols: characters map to ids by their byte value % 128."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _tiny_tokenizer(add_bos: bool = False):
+    """A real (fast) tokenizer over 128 symbols: characters map to ids by their byte value % 128;
+    ``add_bos``: a post-processor puts BOS (id 2) first, as Gemma's tokenizer does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {chr(i) if 32 <= i < 127 else f"<0x{i:02X}>": i for i in range(128)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<0x00>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<0x02> $A", pair="<0x02> $A <0x02> $B",
+                                                           special_tokens=[("<0x02>", 2)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0x00>", pad_token="<0x01>",
                                    bos_token="<0x02>", eos_token="<0x03>")
 

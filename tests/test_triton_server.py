@@ -79,7 +79,9 @@ def server(tmp_path_factory, test_cache):
     qk_engines = {}
     for fam in ("qwen3", "gemma3"):
         fam_cache = root / f"{fam}-cache"
-        assert main(["build", "--model", str(save_tiny(fam, root / f"tiny_{fam}", seed=4)), "--layers", "2",
+        # Gemma3's tokenizer starts a prompt with BOS, as Gemma's does: the served model must feed it too
+        tiny = save_tiny(fam, root / f"tiny_{fam}", seed=4, add_bos=fam == "gemma3")
+        assert main(["build", "--model", str(tiny), "--layers", "2",
                      "--tokens", "256", "--seq-len", "64", "--alpha-grid", "0.5,1", "--corpus", str(corpus),
                      "--workdir", str(fam_cache), "--json"]) == 0
         fam_engine = next(p for p in fam_cache.glob("build-ort-*") if (p / "engine.json").is_file())
@@ -140,15 +142,29 @@ def test_http_and_grpc_match_harp_trt_generate(server, capsys):
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_qk_norm_engines_serve_harp_trt_generates_text(server, family, capsys):
-    """Issue 35: a QK-norm family's HARP engine (Qwen3; Gemma3 with local and global layers), served by
-    the same Python-backend model, gives exactly ``harp-trt generate``'s greedy text."""
+    """A QK-norm family's HARP engine (Qwen3; Gemma3 with local and global layers), served by the same
+    Python-backend model, gives exactly ``harp-trt generate``'s greedy text. Gemma3's tokenizer adds
+    BOS: its repository says so (``add_special_tokens``) and the served prompt starts with it, as
+    `harp-trt generate`'s does (tests/test_bos.py holds that to transformers' own encoding): a prompt
+    of 40 characters, the repository's prompt limit in tokens, is 41 tokens there and 40 for Qwen3."""
     srv = server["server"]
+    cfg = (server["repo"] / f"harp_{family}" / "config.pbtxt").read_text()
+    import re
+
+    flag = re.search(r'key: "add_special_tokens"\s*value\s*\{\s*string_value: "(\w+)"', cfg)
+    assert flag and flag.group(1) == ("true" if family == "gemma3" else "false"), cfg
     want = _generate_cli(capsys, *server["qk_norm"][family])
     params = json.dumps({"max_tokens": MAX_TOKENS, "temperature": 0})
     code, body = _http_json(f"{srv.http}/v2/models/harp_{family}/generate",
                             {"text_input": PROMPT, "stream": False, "sampling_parameters": params,
                              "exclude_input_in_output": True})
     assert code == 200 and body["text_output"] == want and want
+    code, body = _http_json(f"{srv.http}/v2/models/harp_{family}/generate",
+                            {"text_input": "a" * 40, "stream": False, "sampling_parameters": params})
+    if family == "gemma3":
+        assert code != 200 and "prompt has 41 tokens, over the limit of 40" in json.dumps(body), body
+    else:
+        assert code == 200, body
 
 
 def _largest_batches_logged(srv, since: int, timeout: float = 10.0) -> list[int]:

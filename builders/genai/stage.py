@@ -252,6 +252,9 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
             "num_layers": int(meta["num_layers"]), "kv_layers": info.kv_layers,
             "pruned_layers": [i for i in range(int(meta["num_layers"])) if i not in info.kv_layers],
             "past_present_share_buffer": info.gqa_kv, "context_length": cfg["model"]["context_length"],
+            # og.Tokenizer.encode adds no special token unless told: a client of a model whose tokenizer
+            # starts a prompt with BOS calls tokenizer.update_options(add_special_tokens="true")
+            "add_special_tokens": _adds_bos(out) if tokenizer else None,
             "quant": (info.spec.get("quant") or {}).get("mode", "none"),
             "logits": "last" if config.last_logits else "all",
             "kv_bytes_per_token": kv.get("bytes_per_token"),
@@ -260,6 +263,15 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
         body["verify"] = verify_folder(out, config.verify_tokens, graph)
     (out / REPORT).write_text(json.dumps({"format": "harp-genai/1", **body}, indent=2))
     return body
+
+
+def _adds_bos(folder: Path) -> bool:
+    """Whether the folder's tokenizer starts a prompt with BOS (``harp_trt.data.adds_bos``)."""
+    from transformers import AutoTokenizer
+
+    from harp_trt.data import adds_bos
+
+    return adds_bos(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
 
 
 def verify_folder(folder: Path, n_tokens: int, reference: Path) -> dict[str, Any]:
