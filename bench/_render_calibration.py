@@ -1,11 +1,14 @@
 """The rendered text of a ``bench/calibration_table.py`` JSON run with ``--replacements``
-(``bench/render_results.py``'s ``replacement``): held-out perplexity of HARP's searched alpha beside
-the fitted maps of issue 34, on the searched corpus's held-out half and on a second text."""
+(``bench/render_results.py``'s ``replacement``, ``replacement_texts``, ``fit_inputs``): held-out
+perplexity of HARP's searched alpha beside the fitted maps, on the searched corpus's held-out half
+and on a second text; each plan on the text that chose it beside the texts that did not; the
+sequential fit beside the one-pass dense fit."""
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["replacement", "replacement_headline", "replacement_speed"]
+__all__ = ["replacement", "replacement_headline", "replacement_speed", "replacement_texts", "fit_inputs",
+           "plan_accuracy"]
 
 
 def _cut(dense: float, harp: float, fitted: float) -> str:
@@ -19,6 +22,57 @@ def _by_p(d: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
     for r in d["rows"]:
         by.setdefault(r["P"], {})[r["replacement"]] = r
     return by
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def replacement_texts(d: dict[str, Any]) -> str:
+    """Each plan's perplexity on the text that chose it (the search's: the fit text for a fitted plan,
+    the calibration half for HARP's), on the select text (which chose map or alpha per layer), on the
+    held-out half and on the other text, beside the dense model's; and whether the fitted plan reads
+    worse than HARP's searched alphas on either unseen text."""
+    by = _by_p(d)
+    rows = ["| P | plan | search text: plan (dense) | select text: plan (dense) | held-out half | "
+            f"{d.get('other_corpus') or 'other text'} | layers with a map | worse than HARP searched on an unseen text |",
+            "|---|---|---|---|---|---|---|---|"]
+    for p in sorted(by):
+        harp = by[p]["harp"]
+        for name in ("harp", "rrr", "lmmse"):
+            r = by[p].get(name)
+            if r is None:
+                continue
+            other = (r.get("other") or {}).get("searched")
+            worse = "-"
+            if name != "harp":
+                bad = [t for t, mine, base in (("held-out", r["heldout_searched"], harp["heldout_searched"]),
+                                               ("other", other, (harp.get("other") or {}).get("searched")))
+                       if mine is not None and base is not None and mine > base]
+                worse = ", ".join(bad) or "no"
+            sel = "-" if r.get("select_searched") is None else f"{r['select_searched']:.2f} ({r['select_dense']:.2f})"
+            rows.append(f"| {p} | {'HARP searched' if name == 'harp' else name} | {r['calib_searched']:.2f} "
+                        f"({r['calib_dense']:.2f}) | {sel} | {r['heldout_searched']:.2f} | {_f(other)} | "
+                        f"{', '.join(map(str, r['fitted_layers'])) or ('-' if name == 'harp' else 'none')} | {worse} |")
+    prov = d["provenance"]
+    return ("\n".join(rows) + f"\n\n{d['tokens']} tokens per text, windows of {d['seq_len']}; dense held-out "
+            f"{by[min(by)]['harp']['heldout_dense']:.2f}, dense {d.get('other_corpus') or 'other'} "
+            f"{_f((by[min(by)]['harp'].get('other') or {}).get('dense'))}; `{prov['command']}` at {prov['commit']}.\n")
+
+
+def fit_inputs(files: list[dict[str, Any]] | dict[str, Any]) -> str:
+    """The same fitted replacement with maps fitted on sequential inputs (each layer on the model whose
+    lower layers carry their maps) and on one dense pass, side by side per P."""
+    files = files if isinstance(files, list) else [files]
+    rows = ["| P | replacement | fit inputs | held-out half | other text | select text | layers with a map |",
+            "|---|---|---|---|---|---|---|"]
+    found = sorted(((r["P"], r["replacement"], r["fit_inputs"]), r) for d in files for r in d["rows"]
+                   if r["replacement"] != "harp")
+    for (p, rep, fi), r in found:
+        rows.append(f"| {p} | {rep} | {fi} | {r['heldout_searched']:.2f} | {_f((r.get('other') or {}).get('searched'))} | "
+                    f"{_f(r.get('select_searched'))} | {', '.join(map(str, r['fitted_layers'])) or 'none'} |")
+    cmds = "; ".join(f"`{d['provenance']['command']}` at {d['provenance']['commit']}" for d in files)
+    return "\n".join(rows) + f"\n\n{cmds}.\n"
 
 
 def replacement(d: dict[str, Any]) -> str:
@@ -108,3 +162,36 @@ def replacement_speed(files: list[dict[str, Any]] | dict[str, Any]) -> str:
             f"outright (alpha 0): HARP {', '.join(map(str, removed(harp))) or 'none'}, {name} "
             f"{', '.join(map(str, removed(fitted))) or 'none'}; every other pruned layer is {blocks}. "
             + "; ".join(cmds) + ".\n")
+
+
+def plan_accuracy(d: dict[str, Any]) -> str:
+    """lm-eval accuracy per task (``acc``; LAMBADA's too) of the dense model and each plan, value
+    +- lm-eval's standard error, and the plan's difference from dense with whether it exceeds twice
+    the standard error of the difference (the two runs share their documents, so this is conservative)."""
+    import math
+
+    rows = [r for r in d.get("lm_eval", []) if r.get("metric") == "acc" and r.get("stderr") is not None]
+    tasks = sorted({r["task"] for r in rows})
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["variant"], r["task"]): r for r in rows}
+    out = ["| plan | " + " | ".join(tasks) + " | mean |", "|---" * (len(tasks) + 2) + "|"]
+    for v in variants:
+        cells, vals = [], []
+        for t in tasks:
+            r, base = by.get((v, t)), by.get(("dense", t))
+            if r is None:
+                cells.append("-")
+                continue
+            vals.append(r["value"])
+            cell = f"{r['value'] * 100:.1f} ± {r['stderr'] * 100:.1f}"
+            if v != "dense" and base is not None:
+                diff = r["value"] - base["value"]
+                se = math.hypot(r["stderr"], base["stderr"])
+                cell += f" ({diff * 100:+.1f}{'*' if abs(diff) > 2 * se else ''})"
+            cells.append(cell)
+        out.append(f"| {v} | " + " | ".join(cells) + f" | {sum(vals) / len(vals) * 100:.1f} |")
+    n = sorted({r["n"] for r in rows})
+    prov = d.get("lm_eval_provenance") or d["provenance"]
+    return ("\n".join(out) + f"\n\nAccuracy in % ± lm-eval's standard error; (difference from dense, * where it exceeds "
+            f"2 standard errors of the difference); {', '.join(map(str, n))} documents per task "
+            f"(`--limit {d.get('lm_eval_limit')}`, the first documents of each set); `{prov['command']}` at {prov['commit']}.\n")

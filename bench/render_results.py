@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harp_trt.bench._render_calibration import replacement, replacement_headline, replacement_speed
+from harp_trt.bench._render_calibration import (fit_inputs, plan_accuracy, replacement, replacement_headline,
+                                                replacement_speed, replacement_texts)
 from harp_trt.bench._render_serve import serve_load, serve_load_headline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,7 +338,9 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check,
                                                          "prefill_blocks": prefill_blocks,
                                                          "serve_load": serve_load, "serve_load_headline": serve_load_headline,
                                                          "replacement": replacement, "replacement_headline": replacement_headline,
-                                                         "replacement_speed": replacement_speed}
+                                                         "replacement_speed": replacement_speed,
+                                                         "replacement_texts": replacement_texts, "fit_inputs": fit_inputs,
+                                                         "plan_accuracy": plan_accuracy}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

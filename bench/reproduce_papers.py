@@ -49,29 +49,9 @@ def _calibrate_rows(args, store, resolved) -> list[dict]:
 
 def _eval_rows(args, resolved, plans: dict[str, str]) -> list[dict]:
     """lm-eval on the dense model and on each plan's HARP model (PyTorch, fp32, CPU)."""
-    from harp_trt.bench.stage.engine_torch import TorchEngine
-    from harp_trt.bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
-    from harp_trt.bench.stage.tasks import eval_data_root, write_task_yamls
-    from harp_trt.harp import apply_harp
-    from harp_trt.models import load_model, load_tokenizer
-    from harp_trt.plan import Plan
+    from harp_trt.bench._plan_accuracy import plan_accuracy
 
-    tok = load_tokenizer(resolved.folder)
-    tasks = [t for t in args.tasks.split(",") if t]
-    yaml_dir = args.workdir_root / "tmp-reproduce-tasks"
-    write_task_yamls(tasks, eval_data_root(args.workdir_root), yaml_dir)
-    include = [str(yaml_dir)]
-    rows = []
-    for variant, plan_path in [("dense", None), *plans.items()]:
-        t = time.perf_counter()
-        model, family = load_model(resolved, dtype="float32")
-        if plan_path:
-            apply_harp(model, Plan.load(plan_path).alpha_map, family)
-        lm = EngineLM(TorchEngine(model, variant), tok, batch_size=8)
-        got = evaluate_tasks({variant: lm}, tasks, include, args.limit)
-        rows += got
-        print(f"lm-eval {variant}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    return rows
+    return plan_accuracy(resolved, plans, [t for t in args.tasks.split(",") if t], args.limit, args.workdir_root)
 
 
 def _markdown(calib: list[dict], evals: list[dict]) -> None:

@@ -156,7 +156,6 @@ class CalibrateConfig(StageConfig):
         d["alphas"] = [round(float(a), 6) for a in self.alphas]
         if d.get("replacement") == "harp":  # the paper's plans keep the keys they had before fitted maps
             d.pop("replacement")
-            d.pop("fit_inputs", None)
         return d
 
 

@@ -167,13 +167,7 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
     map, unscaled. It is kept only where its perplexity on ``select`` (windows of a text neither
     the map nor the alphas were fitted on) is strictly lower than the best grid value's there;
     ``report`` (held-out windows) is evaluated beside, for the record only."""
-    if method not in METHODS:
-        raise ConfigError(f"search method must be one of {', '.join(METHODS)}, got {method!r}")
-    fitted = dict(fitted or {})
-    if fitted and naive:
-        raise ConfigError("the naive search has no fitted candidate; drop --replacement or the naive reference")
-    if fitted and select is None:
-        raise ConfigError("a fitted candidate is chosen on the select text; pass its windows (select=)")
+    fitted = _checked(method, naive, dict(fitted or {}), select)
     t0 = time.perf_counter()
     stack = model if isinstance(model, LayerStack) else LayerStack.wrap(model, family)
     selected = sorted(set(int(l) for l in layers_to_prune))
@@ -189,11 +183,8 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         cap = stack.capture(windows)
         h_lo = stack.run(cap.h0, cap, 0, lo)
         res.ppl_alpha1 = math.exp(_div(*stack.nll(stack.run(h_lo, cap, lo), windows)))
-        texts = {}
-        for name, w in (("select", select), ("heldout", report)):
-            if fitted and w is not None:
-                c = stack.capture(w)
-                texts[name] = (c, stack.run(c.h0, c, 0, lo), w)
+        texts = {name: _entering(stack, w, lo) for name, w in (("select", select), ("heldout", report))
+                 if fitted and w is not None}
 
     for step, l in enumerate(reversed(selected)):
         tl = time.perf_counter()
@@ -218,14 +209,7 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         else:
             tried, ppls = grid, evaluate(grid)
         seconds = (time.perf_counter() - tl) / len(tried)
-        best_a, best = None, math.inf
-        for ci, (a, p) in enumerate(zip(tried, ppls)):
-            if p < best:  # strictly lower: ties keep the earlier grid value
-                best_a, best = a, p
-            res.trace.append({"step": step, "layer": l, "candidate": "harp", "alpha": a, "ppl": p,
-                              "best_alpha": best_a, "best_ppl": best, "seconds": seconds})
-            if progress:
-                progress(l, ci, len(tried), a, p)
+        best_a, best = _record_grid(res, step, l, tried, ppls, seconds, progress)
         res.alphas[l] = best_a
         res.evaluations[l] = len(tried)
         set_alpha(stack.model, l, best_a, family)
@@ -237,6 +221,37 @@ def search_alphas(model: torch.nn.Module | LayerStack, family: FamilySpec, windo
         res.ppl_searched = res.ppl_alpha1
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _checked(method: str, naive: bool, fitted: dict, select) -> dict:
+    if method not in METHODS:
+        raise ConfigError(f"search method must be one of {', '.join(METHODS)}, got {method!r}")
+    if fitted and naive:
+        raise ConfigError("the naive search has no fitted candidate; drop --replacement or the naive reference")
+    if fitted and select is None:
+        raise ConfigError("a fitted candidate is chosen on the select text; pass its windows (select=)")
+    return fitted
+
+
+def _entering(stack: LayerStack, windows: torch.Tensor, lo: int) -> tuple:
+    """(captured prelude, states entering layer ``lo``, windows) of one more text."""
+    cap = stack.capture(windows)
+    return cap, stack.run(cap.h0, cap, 0, lo), windows
+
+
+def _record_grid(res: SearchResult, step: int, l: int, tried, ppls, seconds: float,
+                 progress: Progress | None) -> tuple[float, float]:
+    """The trace rows of layer ``l``'s grid and its best (alpha, perplexity): strictly lower wins,
+    so ties keep the earlier grid value."""
+    best_a, best = None, math.inf
+    for ci, (a, p) in enumerate(zip(tried, ppls)):
+        if p < best:
+            best_a, best = a, p
+        res.trace.append({"step": step, "layer": l, "candidate": "harp", "alpha": a, "ppl": p,
+                          "best_alpha": best_a, "best_ppl": best, "seconds": seconds})
+        if progress:
+            progress(l, ci, len(tried), a, p)
+    return best_a, best
 
 
 def _choose_fitted(stack: LayerStack, res: SearchResult, l: int, step: int, fitted: Fitted, evaluate: Evaluate,

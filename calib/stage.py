@@ -138,22 +138,13 @@ class CalibrateStage(Stage[CalibrateConfig]):
         ppl_held_searched = stack.perplexity(held)
         timings["heldout_ppl"] += time.perf_counter() - t
 
-        ppl = {"dense": dense["search"], "alpha1": fixed["search"][1.0] if fitted else res.ppl_alpha1,
-               "searched": res.ppl_searched, "heldout_dense": dense["heldout"], "heldout_alpha1": fixed["heldout"][1.0],
-               "heldout_alpha0": fixed["heldout"][0.0], "heldout_searched": ppl_held_searched}
-        if fitted:
-            ppl.update(select_dense=dense["select"], select_searched=res.ppl_select)
-        real = lambda w: int((w != PAD).sum())  # noqa: E731  tokens, right padding excluded
-        scored = lambda w: int((w[:, 1:] >= 0).sum())  # noqa: E731  tokens predicted (ppl.window_nll)
+        ppl = _ppl_record(dense, fixed, res, ppl_held_searched, bool(fitted))
         plan = Plan(model_ref=inp.resolved.ref, model_digest=inp.resolved.digest, family=family.name,
                     num_layers=model.config.num_hidden_layers, strategy=strategy_name,
                     layers=tuple(selected), alphas=tuple(res.alphas[l] for l in selected),
                     scores=tuple(scores), grid=() if config.alphas else tuple(float(a) for a in config.alpha_grid),
                     ppl=ppl,
-                    extra={"tokens": real(calib), "heldout_tokens": real(held), "windows": int(calib.shape[0]),
-                           **({"select_tokens": real(select)} if select is not None else {}),
-                           "scored_tokens": scored(calib), "heldout_scored_tokens": scored(held),
-                           "objective": config.objective, "alphas_given": bool(config.alphas),
+                    extra={**_token_counts(texts), "objective": config.objective, "alphas_given": bool(config.alphas),
                            "search_split": split_record(config, sources),
                            "search": {"method": res.method, "evaluations": {str(l): n for l, n in res.evaluations.items()},
                                       "grid_size": len(config.alpha_grid), "fallback_layers": res.fallbacks},
@@ -176,6 +167,29 @@ class CalibrateStage(Stage[CalibrateConfig]):
             log.warning(figures_skipped(self.figures))
         return {"model": inp.resolved.to_dict(), "plan": "plan.json", "layers": selected,
                 "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
+
+
+def _ppl_record(dense: dict, fixed: dict, res, heldout_searched: float, fitted: bool) -> dict[str, float]:
+    """The plan's perplexities: on the search text (the fit text for a fitted plan), the held-out
+    text and (fitted) the select text; alpha1 at HARP's alpha = 1 on every selected layer."""
+    ppl = {"dense": dense["search"], "alpha1": fixed["search"][1.0] if fitted else res.ppl_alpha1,
+           "searched": res.ppl_searched, "heldout_dense": dense["heldout"], "heldout_alpha1": fixed["heldout"][1.0],
+           "heldout_alpha0": fixed["heldout"][0.0], "heldout_searched": heldout_searched}
+    if fitted:
+        ppl.update(select_dense=dense["select"], select_searched=res.ppl_select)
+    return ppl
+
+
+def _token_counts(texts: dict) -> dict[str, int]:
+    """Tokens of each text (right padding excluded) and tokens predicted (``ppl.window_nll``)."""
+    real = lambda w: int((w != PAD).sum())  # noqa: E731
+    scored = lambda w: int((w[:, 1:] >= 0).sum())  # noqa: E731
+    calib, held = texts["search"], texts["heldout"]
+    out = {"tokens": real(calib), "heldout_tokens": real(held), "windows": int(calib.shape[0]),
+           "scored_tokens": scored(calib), "heldout_scored_tokens": scored(held)}
+    if "select" in texts:
+        out["select_tokens"] = real(texts["select"])
+    return out
 
 
 def _windows(config: CalibrateConfig, tok, model_config, sources: dict) -> dict:

@@ -57,7 +57,13 @@ class EngineLM(TemplateLM):
         return getattr(self.tokenizer, "name_or_path", "tokenizer").replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # calibration text is tokenized without special tokens too (SmolLM2 would prepend <|im_start|>)
+        """None (lm-eval's default): as the model starts a prompt, BOS first where its tokenizer adds
+        one (``harp_trt.data.encode_prompt``; SmolLM2's adds none, so its special ``<|im_start|>`` is not
+        put in); True / False: the tokenizer's own special tokens, or none."""
+        from harp_trt.data import encode_prompt
+
+        if add_special_tokens is None:
+            return encode_prompt(self.tokenizer, string)
         return self.tokenizer(string, add_special_tokens=bool(add_special_tokens))["input_ids"]
 
     def tok_decode(self, ids: list[int]) -> str:
@@ -100,8 +106,9 @@ class EngineLM(TemplateLM):
         out = []
         for req in requests:
             (text,) = req.args
+            # the prefix token (BOS) starts the document: the text itself gets no second one
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                self.tok_encode(text), self.prefix_token_id, self.max_length, 1)]
+                self.tok_encode(text, add_special_tokens=False), self.prefix_token_id, self.max_length, 1)]
             total = sum(s for s, _ in self._score(windows))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             out.append(total)
