@@ -270,8 +270,13 @@ def _adds_bos(folder: Path) -> bool:
     from transformers import AutoTokenizer
 
     from harp_trt.data import adds_bos
+    from harp_trt.errors import ModelError
 
-    return adds_bos(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
+    try:
+        return adds_bos(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"the engine's tokenizer files do not load: {str(e).splitlines()[0][:200]}",
+                         "rebuild the engine from an artifact that holds the tokenizer files") from None
 
 
 def verify_folder(folder: Path, n_tokens: int, reference: Path) -> dict[str, Any]:

@@ -50,4 +50,5 @@ def _replacement(plan) -> dict:
     rec = plan.extra.get("replacement")
     if not rec:
         return {}
-    return {"replacement": rec["method"], "fitted_layers": list(plan.fitted_layers), "replacement_cost": rec["cost"]}
+    return {"replacement": rec["method"], "fit_inputs": rec.get("fit_inputs"), "fitted_layers": list(plan.fitted_layers),
+            "replacement_cost": rec["cost"]}
