@@ -47,7 +47,8 @@ def replacement_texts(d: dict[str, Any]) -> str:
             worse = "-"
             if name != "harp":
                 bad = [t for t, mine, base in (("held-out", r["heldout_searched"], harp["heldout_searched"]),
-                                               ("other", other, (harp.get("other") or {}).get("searched")))
+                                               (d.get("other_corpus") or "other", other,
+                                                (harp.get("other") or {}).get("searched")))
                        if mine is not None and base is not None and mine > base]
                 worse = ", ".join(bad) or "no"
             sel = "-" if r.get("select_searched") is None else f"{r['select_searched']:.2f} ({r['select_dense']:.2f})"
@@ -109,7 +110,7 @@ def replacement(d: dict[str, Any]) -> str:
             f"V.O; lmmse {cost['macs_per_token']:,} ({cost['ratio_to_harp']:.2f}x). " if cost else "\n\n")
     prov = d["provenance"]
     return ("\n".join(rows) + "\n" + "\n".join(lines) + tail +
-            f"{d['tokens']} tokens per half, windows of {d['seq_len']}; `{prov['command']}` at {prov['commit']}.\n")
+            f"{d['tokens']} tokens per text, windows of {d['seq_len']}; `{prov['command']}` at {prov['commit']}.\n")
 
 
 def replacement_headline(d: dict[str, Any]) -> str:

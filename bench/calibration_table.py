@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-ps", default="", help="P values whose plans get lm-eval accuracy (default none)")
     ap.add_argument("--tasks", default="lambada_openai,hellaswag,piqa,winogrande,arc_easy")
     ap.add_argument("--limit", type=int, default=500, help="documents per lm-eval task; 0 = all (default %(default)s)")
+    ap.add_argument("--eval-replacements", default="harp,rrr,lmmse",
+                    help="which plans at --eval-ps get lm-eval accuracy (default %(default)s)")
     ap.add_argument("--eval-from", default="", help="an earlier run's JSON: only add lm-eval accuracy of its plans")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -123,7 +125,7 @@ def _accuracy(args, store, rows: list[dict]) -> list[dict]:
     eval_ps = {int(x) for x in args.eval_ps.split(",")}
     plans = {}
     for r in rows:
-        if r["P"] in eval_ps and r["strategy"] == "top":
+        if r["P"] in eval_ps and r["strategy"] == "top" and r["replacement"] in args.eval_replacements.split(","):
             extra = f" {r['fit_inputs']}" if r.get("fit_inputs") not in (None, "sequential") else ""
             plans[f"{r['replacement']} P={r['P']}{extra}"] = r.get("plan") or str(store.root / r["artifact"] / "plan.json")
     return plan_accuracy(resolve_model(args.model, store.root), plans, [t for t in args.tasks.split(",") if t],

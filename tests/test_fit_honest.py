@@ -192,7 +192,7 @@ def test_cca_refuses_too_few_tokens_for_the_width(tmp_path, capsys):
 
     corpus = write_corpus(tmp_path / "c.txt", docs=24, words=120)
     code, res, err = run_json(capsys, *calib_args(folder, corpus, tmp_path / "cache", "--strategy", "cca"))
-    assert code == 2 and "needs >= 640 tokens at hidden size 64" in err and "--score-tokens 640" in err, err
+    assert code == 2 and "needs >= 640 tokens at hidden size 64" in err and "--score-tokens 640 or more" in err, err
     code, res, err = run_json(capsys, *calib_args(folder, corpus, tmp_path / "cache", "--strategy", "cca",
                                                    "--score-tokens", "640"))
     assert code == 0, err

@@ -52,7 +52,7 @@ def check_tokens(n: int, hidden: int, name: str) -> None:
         raise ConfigError(f"--strategy {name} needs >= {need} tokens at hidden size {hidden} "
                           f"({MIN_TOKENS_PER_DIM} per dimension), got {n}: with fewer its canonical correlations "
                           f"rank noise (pure noise reads ~{max(0.0, 1 - hidden / max(n, 1)):.2f} instead of 1)",
-                          f"pass --score-tokens {need} (or more)")
+                          f"pass --score-tokens {need} or more to calibrate and build (--tokens {need} to score)")
 
 
 def _scores(ctx: ScoreContext, pairs: str, name: str) -> list[float]:
