@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
-from .errors import GraphError, PreconditionError
+from .errors import GraphError, ModelError, PreconditionError
 
 __all__ = ["LOGITS_TO_KEEP", "LOGITS_KEEP_NONE", "LOGITS_TO_KEEP_META_KEY", "tokenizer_digest", "EXPORT_META_KEY", "PLAN_META_KEY", "MODEL_FILE", "EXTERNAL_DATA_SUFFIX", "PROTOBUF_LIMIT",
            "EXTERNAL_DATA_THRESHOLD", "TOKENIZER_FILES", "VOCAB_FILES", "KvName", "past_name",
@@ -167,6 +167,23 @@ def tokenizer_files(folder: Path) -> list[str]:
     tokenizer can be built from the rest)."""
     files = [f for f in TOKENIZER_FILES if (Path(folder) / f).is_file()]
     return files if set(VOCAB_FILES) & set(files) else []
+
+
+def folder_adds_bos(folder: Path) -> bool | None:
+    """Whether the tokenizer in ``folder`` starts a prompt with BOS (``harp_trt.data.adds_bos``);
+    None when the folder holds no tokenizer (no ``VOCAB_FILES``), ``ModelError`` when its files
+    do not load."""
+    if not tokenizer_files(folder):
+        return None
+    from transformers import AutoTokenizer
+
+    from .data import adds_bos
+
+    try:
+        return adds_bos(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"the tokenizer files in {folder} do not load: {str(e).splitlines()[0][:200]}",
+                         "rebuild from an artifact that holds the model's tokenizer files") from None
 
 
 def copy_tokenizer(sources: Path | Iterable[Path], dst: Path, skip: Iterable[str] = ()) -> list[str]:

@@ -121,13 +121,23 @@ def test_generate_and_genai_feed_what_transformers_feeds(smollm2_tokenizers, tmp
 
 
 def test_triton_repository_says_how_the_model_starts_a_prompt(tmp_path):
-    """The Triton text model's ``add_special_tokens`` is the model's convention (``adds_bos``) for
-    both tokenizers; the served model puts BOS first when it is true (tests/test_triton_server.py
-    serves a Gemma-style engine and checks its text against `harp-trt generate`)."""
-    from harp_trt.builders.triton.llm_repo import _adds_bos
+    """The Triton text model's and the genai report's ``add_special_tokens`` is the model's
+    convention (``adds_bos``) for both tokenizers; a folder without a vocabulary says None (a
+    random-weight engine's config.json is no tokenizer) and one whose files do not load is a
+    ``ModelError``. tests/test_triton_server.py serves a Gemma-style engine and checks its text."""
+    from harp_trt.errors import ModelError
+    from harp_trt.onnx_io import folder_adds_bos
 
     for add_bos in (False, True):
         folder = tmp_path / str(add_bos)
         _tiny_tokenizer(add_bos).save_pretrained(folder)
         (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-        assert _adds_bos(folder) is add_bos
+        assert folder_adds_bos(folder) is add_bos
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (bare / "generation_config.json").write_text("{}")
+    assert folder_adds_bos(bare) is None
+    (bare / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelError, match="do not load"):
+        folder_adds_bos(bare)

@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Mapping
 
 from harp_trt.engine_spec import ENGINE_JSON, engine_json, engine_threads, is_engine, read_engine_spec
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError, VerificationError
-from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, MODEL_FILE, TOKENIZER_FILES, kv_layers_of_names,
-                              present_name, read_export_meta)
+from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, MODEL_FILE, TOKENIZER_FILES, folder_adds_bos,
+                              kv_layers_of_names, present_name, read_export_meta)
 from harp_trt.stage import Stage
 from harp_trt.store import MANIFEST, Artifact
 
@@ -254,7 +254,7 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
             "past_present_share_buffer": info.gqa_kv, "context_length": cfg["model"]["context_length"],
             # og.Tokenizer.encode adds no special token unless told: a client of a model whose tokenizer
             # starts a prompt with BOS calls tokenizer.update_options(add_special_tokens="true")
-            "add_special_tokens": _adds_bos(out) if tokenizer else None,
+            "add_special_tokens": folder_adds_bos(out),
             "quant": (info.spec.get("quant") or {}).get("mode", "none"),
             "logits": "last" if config.last_logits else "all",
             "kv_bytes_per_token": kv.get("bytes_per_token"),
@@ -263,20 +263,6 @@ def write_genai_folder(info: EngineInfo, out: Path, config: GenaiConfig) -> dict
         body["verify"] = verify_folder(out, config.verify_tokens, graph)
     (out / REPORT).write_text(json.dumps({"format": "harp-genai/1", **body}, indent=2))
     return body
-
-
-def _adds_bos(folder: Path) -> bool:
-    """Whether the folder's tokenizer starts a prompt with BOS (``harp_trt.data.adds_bos``)."""
-    from transformers import AutoTokenizer
-
-    from harp_trt.data import adds_bos
-    from harp_trt.errors import ModelError
-
-    try:
-        return adds_bos(AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"the engine's tokenizer files do not load: {str(e).splitlines()[0][:200]}",
-                         "rebuild the engine from an artifact that holds the tokenizer files") from None
 
 
 def verify_folder(folder: Path, n_tokens: int, reference: Path) -> dict[str, Any]:

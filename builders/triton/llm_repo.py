@@ -14,7 +14,7 @@ from typing import Any
 
 from harp_trt.engine_spec import engine_threads, write_engine_spec
 from harp_trt.errors import ConfigError
-from harp_trt.onnx_io import parse_kv_name, tokenizer_files
+from harp_trt.onnx_io import folder_adds_bos, parse_kv_name, tokenizer_files
 
 from .onnx_repo import external_data_files, place_file
 from .pbtxt import Enum, render_pbtxt
@@ -107,7 +107,7 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
               "intra_op_threads": str(engine_threads(engine, config.threads) or 0),
               "providers": "CUDAExecutionProvider,CPUExecutionProvider" if config.device == "gpu" else "CPUExecutionProvider",
               # as `harp-trt generate` tokenizes: BOS first where the model's tokenizer adds one, nothing else
-              "add_special_tokens": "true" if _adds_bos(source) else "false",
+              "add_special_tokens": "true" if folder_adds_bos(source) else "false",
               "eos_token_ids": ",".join(map(str, _eos_ids(source)))}
     cfg = {
         "name": name, "backend": "python", "max_batch_size": 0,
@@ -123,15 +123,6 @@ def write_llm_model(onnx_path: Path, engine: dict[str, Any] | None, source: Path
     return {"model": name, "serving": "python", "files": files, "placed_by": how, "tokenizer_files": tok,
             "parameters": params, "admission": admission(config, (engine or {}).get("kv") or {}, max_seq, max_active),
             "inputs": [t["name"] for t in LLM_INPUTS], "outputs": ["text_output"]}
-
-
-def _adds_bos(source: Path) -> bool:
-    """Whether the model's tokenizer starts a prompt with BOS (``harp_trt.data.adds_bos``)."""
-    from transformers import AutoTokenizer
-
-    from harp_trt.data import adds_bos
-
-    return adds_bos(AutoTokenizer.from_pretrained(str(source), trust_remote_code=False))
 
 
 def admission(config, kv: dict, max_seq: int, max_active: int) -> list[dict]:
