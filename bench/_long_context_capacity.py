@@ -1,4 +1,4 @@
-"""KV capacity measured inside a memory cap (issue 31): how many sequences at context C a runtime
+"""KV capacity measured inside a memory cap: how many sequences at context C a runtime
 really decodes when its address space is capped, for a dense and a HARP engine under the same cap.
 
 **How.** Each try is a child process (``probe``: ``python -m harp_trt.bench._long_context_capacity

@@ -1,7 +1,7 @@
 """``bench/long_context.py``'s peers: an engine timed beside the dense and HARP pair in the same rounds.
 ``--peer``: another tool's model of the same dense weights (onnxruntime-genai's own int4 builder,
 llama.cpp's own converter); ``--peer-plan``: the HARP engine of a second plan of the same model
-(issue 34: a fitted ``rrr`` plan beside HARP's alphas)."""
+(a fitted ``rrr`` plan beside HARP's alphas)."""
 from __future__ import annotations
 
 import os

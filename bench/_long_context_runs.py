@@ -1,4 +1,4 @@
-"""Run-to-run statistics of ``bench/long_context.py`` (issue 31): ``--runs N`` starts N independent
+"""Run-to-run statistics of ``bench/long_context.py``: ``--runs N`` starts N independent
 processes of the same measurement, each writing its own JSON, and ``summarize`` reduces them.
 
 One run's interval covers that run's repeat-to-repeat noise only; two runs of the same point once

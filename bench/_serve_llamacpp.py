@@ -1,4 +1,4 @@
-"""llama.cpp's own OpenAI-compatible server beside Triton (issue 32): ``python -m llama_cpp.server``
+"""llama.cpp's own OpenAI-compatible server beside Triton: ``python -m llama_cpp.server``
 (llama-cpp-python's ``[server]`` extra, our ``serve-llamacpp`` extra) serving the plan's dense and HARP
 deci GGUFs, one server process each, driven by the same AIPerf through its standard ``completions``
 endpoint.

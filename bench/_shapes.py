@@ -27,17 +27,17 @@ SHAPES: dict[str, dict] = {
     "qwen2-7b": dict(model_type="qwen2", **_QWEN2_7B),
     # Qwen2-7B's dimensions in the llama family (no q/k/v bias: 0.01 % of the weights): llama.cpp's
     # deci graph has no attention bias, so a Qwen2 plan has no deci GGUF (harp_trt/families/qwen2.py);
-    # the long-context bench times llama.cpp at 7B on this one, ORT on both (issue 31)
+    # the long-context bench times llama.cpp at 7B on this one, ORT on both
     "qwen2-7b-llama": dict(model_type="llama", **_QWEN2_7B),
     # Qwen2-7B with 4 of its 28 layers: every layer, the embedding and the LM head at 7B size, small enough
-    # for an fp32 engine and PyTorch fp32 side by side in 24 GB (bench/prefill_profile.py --shape, issue 36);
+    # for an fp32 engine and PyTorch fp32 side by side in 24 GB (bench/prefill_profile.py --shape);
     # a prefill that returns the last position's logits spends its time per layer, so per-layer ratios hold
     "qwen2-7b-4layers": dict(model_type="qwen2", **{**_QWEN2_7B, "num_hidden_layers": 4}),
     # Qwen/Qwen2-1.5B
     "qwen2-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    # the long-context shapes of bench/long_context.py --shape (issue 21): small enough for a 24 GB
+    # the long-context shapes of bench/long_context.py --shape: small enough for a 24 GB
     # CPU machine, positions past 8192. Qwen/Qwen2.5-0.5B and meta-llama/Llama-3.2-1B
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,

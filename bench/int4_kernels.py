@@ -1,4 +1,4 @@
-"""Which int4 weight kernel runs a prompt's GEMMs fastest on this CPU (issue 36's int4 item): ONNX
+"""Which int4 weight kernel runs a prompt's GEMMs fastest on this CPU: ONNX
 Runtime's MatMulNBits at each block size and accuracy level, against fp32 MatMul and the w8a8 integer
 GEMM, at a prefill's M and at decode's M = 1, one process, interleaved.
 

@@ -1,5 +1,5 @@
 """Long-context decode, prefill and KV capacity of a dense and a HARP engine on the runtimes users run
-(issue 21): our ONNX Runtime engine (``--quant``), onnxruntime-genai, llama.cpp (flash attention on,
+: our ONNX Runtime engine (``--quant``), onnxruntime-genai, llama.cpp (flash attention on,
 ``--kv-type``).
 
     python bench/long_context.py --model smollm2-135m --prune-layers 22,23,24,25,26,27,28,29 \\

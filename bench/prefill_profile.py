@@ -1,4 +1,4 @@
-"""Prefill on the CPU, where the time goes and against whom (issue 36): our ORT engines (fp32, int4,
+"""Prefill on the CPU, where the time goes and against whom: our ORT engines (fp32, int4,
 int8, w8a8) before and after the generator's prefill path, PyTorch eager fp32 (sdpa) and onnxruntime-genai's
 int4 model, one process, the same threads, interleaved.
 
@@ -8,7 +8,7 @@ int4 model, one process, the same threads, interleaved.
 
 Sides, each timed as a generator's prefill (the prompt in, the last position's logits out):
 
-* ``ort_<quant>_one_call``: the path before issue 36: one graph call over the whole prompt, every
+* ``ort_<quant>_one_call``: the path before chunked prefill: one graph call over the whole prompt, every
   position's logits (``OrtCausalLM.forward``, ``logits_to_keep`` 0), then the last row;
 * ``ort_<quant>``: ``OrtCausalLM.prefill`` as ``generate`` runs it: chunks of ``--chunk`` tokens into
   the static KV cache, the LM head over the last position only (``logits_to_keep`` 1);

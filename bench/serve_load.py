@@ -1,4 +1,4 @@
-"""Serving under load (issue 32): the dense and the HARP engine of one plan behind one real
+"""Serving under load: the dense and the HARP engine of one plan behind one real
 tritonserver, each driven by AIPerf at rising concurrency, with admission from one KV budget.
 
     python bench/serve_load.py --model smollm2-135m --prune-layers 22,23,24,25,26,27,28,29 --quant int4 \\

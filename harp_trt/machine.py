@@ -1,5 +1,5 @@
 """What machine a figure was measured on: the CPU's model and the instruction sets that decide how
-fast its kernels can run (issue 36: the same engine prefilled 2048 tokens at 0.55x PyTorch's time on
+fast its kernels can run (the same engine prefilled 2048 tokens at 0.55x PyTorch's time on
 one CPU and 1.46x on another with AMX). Every benchmark records ``describe()`` beside its figures."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ model's shapes (the safetensors headers, nothing loaded), checked against what t
 ``estimate_onnx_build`` models the ORT path (``harp-trt build --backend ort``): export and rewrite
 (fp32 weights, or the checkpoint's width for a compact run: ``harp_trt.compact``), the staged graph
 and the engine, with intermediates a later stage consumed dropped unless they are kept. Its
-factors were fitted on the runs in docs/results.md ("Large models"): the estimate is meant to be
+factors were fitted on the runs in docs/results-scale.md ("Large models"): the estimate is meant to be
 a little above what was measured, not exact (Qwen2-1.5B int4: 4.0 GB RSS and 8.2 GB disk estimated,
 3.6 and 7.6 measured; Qwen2-7B: 13.9 GB and 40.5 GB estimated, 12.2 and 37.3 measured)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 33's measure of the house: a new runtime is its folder (and its tests and extra). A toy one,
+"""The house's measure: a new runtime is its folder (and its tests and extra). A toy one,
 planted in a temporary package, is found by the registry and offered by ``harp-trt deploy`` with its
 config's flags, its inputs and its summary, with no line added to the core or the CLI."""
 from __future__ import annotations

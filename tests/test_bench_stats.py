@@ -194,7 +194,7 @@ def test_paired_speedup_ci_contains_the_true_ratio_and_scales_with_noise():
 
 
 def _percentile_bootstrap(d, h, rng, resamples=2000):
-    """The interval the bench used before issue 31: 2.5/97.5 percentiles of resampled mean log ratios."""
+    """The interval the bench used before the across-runs statistics: 2.5/97.5 percentiles of resampled mean log ratios."""
     logs = np.log(np.asarray(d) / np.asarray(h))
     means = logs[rng.integers(0, logs.size, size=(resamples, logs.size))].mean(axis=1)
     return np.exp(np.percentile(means, [2.5, 97.5]))

@@ -130,7 +130,7 @@ def test_function_level_imports_are_in_the_key(stage):
 
 
 def test_the_named_gaps_are_closed_and_the_rules_stay_out_of_the_export():
-    """The modules issue 19 found missing are in; the export's key still leaves out the rewrite
+    """The modules once missing from the key are in; the export's key still leaves out the rewrite
     rules (a rule change must not re-export), which the rewrite's key holds."""
     keys = {s: set(code_key((m,)).modules) for s, m in STAGE_MODULES.items()}
     assert {"harp_trt.dims", "harp_trt.models", "harp_trt.device"} <= keys["calibrate"]

@@ -1,7 +1,7 @@
 """The tested set of dependencies (``constraints.txt``) and the commands that install it.
 
 A fresh clone's suite once failed because pip resolved a new transformers release inside the declared
-range (issue 37): the README's two commands and ``.ci/run`` now install with ``-c constraints.txt``,
+range: the README's two commands and ``.ci/run`` now install with ``-c constraints.txt``,
 and these tests keep that true. ``.ci/newest`` runs the same suite on the newest releases inside the
 ranges and sets ``HARP_TRT_UNPINNED=1``: there the versions may differ, the names may not."""
 from __future__ import annotations

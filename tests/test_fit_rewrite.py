@@ -1,4 +1,4 @@
-"""Fitted maps through the ONNX rewrite (issue 34): rrr's two GEMMs and lmmse's one GEMM and bias,
+"""Fitted maps through the ONNX rewrite: rrr's two GEMMs and lmmse's one GEMM and bias,
 the rewritten graph against the PyTorch HARP model with the same map (the rewrite's own
 verification: fp32 logits within 1e-4 of the logit scale, 32 equal greedy tokens)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A fitted rrr map (calibrate --replacement rrr, issue 34) in the formats that fold a pruned layer
+"""A fitted rrr map (calibrate --replacement rrr) in the formats that fold a pruned layer
 into one hidden x hidden matrix: llama.cpp's deci GGUF (run by llama.cpp itself) and the
 TensorRT-LLM checkpoint / HF DeciLM folder (read back by the DeciLM forward of
 ``builders/trtllm/reader.py``), each against the PyTorch HARP model with the same map, and each

@@ -1,4 +1,4 @@
-"""The house rule "one owner for each fact" (ARCHITECTURE.md, "The house"; issue 33): each fact below
+"""The house rule "one owner for each fact" (ARCHITECTURE.md, "The house"): each fact below
 is defined in one module and every other module goes through it, and a stage is declared by the
 stage alone (the core names none). Each rule scans the source and shows on a planted file that it
 sees a use."""

@@ -1,4 +1,4 @@
-"""``bench/long_context.py`` (issue 21) on a tiny llama, one run over the three runtimes (our ORT
+"""``bench/long_context.py`` on a tiny llama, one run over the three runtimes (our ORT
 engine, onnxruntime-genai, llama.cpp) at tiny contexts: every field of its JSON, KV bytes per token
 as each runtime allocates them ((L-P)/L of dense), the KV capacity of a fixed budget measured by
 allocating it (>= L/(L-P) x dense), and ideals equal to bench/stage/flops.py's."""

@@ -1,4 +1,4 @@
-"""``bench/_long_context_capacity.py`` (issue 31): KV capacity measured in child processes under a real
+"""``bench/_long_context_capacity.py``: KV capacity measured in child processes under a real
 ``RLIMIT_AS`` cap, on a tiny llama (head_dim 64 so one sequence's KV is 8 MiB at the contexts used:
 fp32 4096 B/token x 2048 on ONNX Runtime, f16 2048 B/token x 4096 on llama.cpp). A try without a cap
 fits and its KV is resident; a cap below the base fails; ``largest_batch``'s B fits and B + 1 does

@@ -1,4 +1,4 @@
-"""``bench/long_context.py``'s options beyond the three-runtime run of test_long_context.py (issue 21):
+"""``bench/long_context.py``'s options beyond the three-runtime run of test_long_context.py:
 llama.cpp's q8_0 KV cache (a tiny config whose head_dim 32 is one q8_0 block), our ORT engine with
 int4 and int8 weights, and ``--shape`` (a random-weight model of bench/scale_probe.py's shapes; the
 smallest, ``tiny``, here)."""
@@ -125,7 +125,7 @@ def test_capacity_under_a_memory_cap_wired(tmp_path):
 
 
 def test_written_kv_decodes_at_the_same_positions(tmp_path):
-    """``--kv-fill written`` (issue 31's 7B decode): our ORT engine's cache written directly, no
+    """``--kv-fill written`` (the 7B decode): our ORT engine's cache written directly, no
     prefill; the timed steps cover the same positions as a prefilled run's and the engines' caches
     hold batch x context tokens at the end (llama.cpp's written cache: the converter-peer test). An
     engine that cannot write its cache (genai's) is a typed error before any step."""
@@ -199,7 +199,7 @@ def test_shape_needs_prune_layers(capsys):
 
 
 def test_peer_plan_times_a_second_plans_engine_beside(tmp_path, capsys):
-    """``--peer-plan``: the HARP engine of a second plan of the same model (issue 34: an ``rrr`` plan beside
+    """``--peer-plan``: the HARP engine of a second plan of the same model (an ``rrr`` plan beside
     HARP's alphas) timed in the same rounds, ``vs_harp`` its speed against the first plan's HARP engine
     with a paired interval; a plan of another model exits 2 before any work."""
     from harp_trt.bench.long_context import main

@@ -1,4 +1,4 @@
-"""A generator's prefill on an ORT engine (issue 36): the ``logits_to_keep`` input
+"""A generator's prefill on an ORT engine: the ``logits_to_keep`` input
 (builders/ort/logits_to_keep.py) returns the same last rows as the all-position graph, and the
 chunked prefill through a StaticCache (``OrtCausalLM.prefill``) gives the logits and KV cache of the
 one-call prefill, for every family (gemma2 keeps eager attention: no GQA, so one call) and a HARP

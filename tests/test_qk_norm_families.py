@@ -1,4 +1,4 @@
-"""Issue 35, the families people run now, end to end through the CLI on tiny random models built from
+"""The families people run now, end to end through the CLI on tiny random models built from
 transformers' own config classes:
 
 * Qwen3 (``harp_trt/families/qwen3.py``: per-head Q/K RMSNorm, ``head_dim`` of its own): ``build``

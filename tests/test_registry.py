@@ -179,7 +179,7 @@ def test_backend_steps_are_wired():
 
 
 def test_core_names_no_backend_option():
-    """The pipeline knows no backend and no option of one (issue 22, item 2): no backend name, no
+    """The pipeline knows no backend and no option of one: no backend name, no
     ``quant``/``fp32`` in its code (names, attributes, strings outside docstrings)."""
     import ast
     from pathlib import Path

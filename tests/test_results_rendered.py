@@ -19,23 +19,25 @@ def _run(*args: str) -> tuple[int, dict, str]:
 def test_every_rendered_block_equals_its_json():
     rc, out, err = _run("--check")
     assert rc == 0 and out["differ"] == [], err
-    # the blocks the docs hold today: the GPU check twice, the newest-releases check once, the
-    # long-context runs per runtime in results.md and their headline in the README
+    # the blocks the docs hold today: the README's headline (accuracy and speed), the GPU check, the
+    # newest-releases check, the long-context runs per runtime and their headline
     lc = [f"long_context_smollm2_{rt}.json" for rt in ("ort", "llamacpp", "genai")]
-    assert {"README.md: gpu_check gpu_check_h200.json", "results.md: gpu_check gpu_check_h200.json",
-            "results.md: deps_newest deps-newest.json", *(f"results.md: long_context {f}" for f in [*lc, "long_context_smollm2_ort_written.json"]),
-            f"README.md: long_context_headline {','.join(lc)}"} <= set(out["blocks"])
+    assert {"README.md: headline replacement_smollm2_acc.json,long_context_smollm2_ort.json,"
+            "long_context_smollm2_llamacpp.json", "results-scale.md: gpu_check gpu_check_h200.json",
+            "results.md: deps_newest deps-newest.json",
+            *(f"results-speed.md: long_context {f}" for f in [*lc, "long_context_smollm2_ort_written.json"]),
+            f"results-speed.md: long_context_headline {','.join(lc)}"} <= set(out["blocks"])
 
 
 def test_a_hand_edited_figure_is_caught(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    assert "| 17.7 s (target <= 120 s) |" in readme  # the alpha search's seconds, rendered
-    edited = tmp_path / "README.md"
-    edited.write_text(readme.replace("| 17.7 s (target <= 120 s) |", "| 7.7 s (target <= 120 s) |"))
+    page = (ROOT / "docs" / "results-scale.md").read_text()
+    assert "| 17.7 s (target <= 120 s) |" in page  # the alpha search's seconds, rendered
+    edited = tmp_path / "results-scale.md"
+    edited.write_text(page.replace("| 17.7 s (target <= 120 s) |", "| 7.7 s (target <= 120 s) |"))
     rc, out, err = _run("--check", str(edited))
-    assert rc == 1 and out["differ"] == ["README.md"] and "README.md: differs from its JSON" in err
+    assert rc == 1 and out["differ"] == ["results-scale.md"] and "results-scale.md: differs from its JSON" in err
     rc, out, _ = _run(str(edited))  # rendering restores it
-    assert rc == 0 and edited.read_text() == readme
+    assert rc == 0 and edited.read_text() == page
 
 
 def _long_context_json(speedups: list[tuple[float, float, float]]) -> dict:
@@ -83,3 +85,25 @@ def test_long_context_headline_is_the_largest_point_of_each_json():
     rows = [line for line in text.splitlines() if line.startswith("| ort, 8192 x 4 |")]
     assert len(rows) == 2 and "**ABOVE CEILING (run 2)**" in rows[0]
     assert rows[0].endswith("| **no**, **no** | not measured (no capped probe) |")
+
+
+def test_headline_puts_one_plans_speed_and_accuracy_side_by_side():
+    """The README's table: per P the searched plan's decode speed-up (median with the range of the runs,
+    named as such) beside its ceiling, held-out perplexity and lm-eval mean from the same committed JSON;
+    a P no speed run measured says so, and a run above its ceiling is flagged in the row."""
+    from harp_trt.bench._render_headline import headline
+
+    acc = json.loads((ROOT / "docs" / "results" / "replacement_smollm2_acc.json").read_text())
+    fast = _long_context_json([(1.30, 1.27, 1.33), (1.29, 1.25, 1.32), (1.31, 1.28, 1.34)])
+    text = headline([acc, fast])
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    p8 = rows["| P = 8: HARP, searched alphas"]
+    assert "ort (int4) 1.30x (range of 3 runs 1.29-1.31), 8192 x 4" in p8 and "| 1.364 |" in p8
+    harp8 = next(r for r in acc["rows"] if r["P"] == 8 and r["replacement"] == "harp")
+    assert f"| {harp8['heldout_searched']:.2f} / {harp8['other']['searched']:.2f} |" in p8
+    accs = [r["value"] for r in acc["lm_eval"] if r["variant"] == "harp P=8" and r["metric"] == "acc"]
+    assert p8.endswith(f"| {sum(accs) / len(accs) * 100:.1f} % |") and len(accs) == 5
+    assert rows["| P = 4: HARP, searched alphas"].split(" | ")[1] == "not measured"
+    assert "ABOVE" not in text
+    high = headline([acc, _long_context_json([(1.30, 1.27, 1.33), (1.45, 1.40, 1.50), (1.10, 0.95, 1.2)])])
+    assert "**ABOVE CEILING**" in next(line for line in high.splitlines() if line.startswith("| P = 8: HARP,"))

@@ -1,4 +1,4 @@
-"""Issue 35: the HARP rewrite on Qwen3 and Gemma3 graphs written by optimum (``optimum-cli export onnx
+"""The HARP rewrite on Qwen3 and Gemma3 graphs written by optimum (``optimum-cli export onnx
 --task text-generation-with-past``, optimum-onnx 0.1.0 with transformers 4.57 in its own venv), not by
 this project.
 

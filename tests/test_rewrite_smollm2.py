@@ -62,7 +62,7 @@ def test_smollm2_rewrite_verify_generate(smollm2, smollm2_export):
     np.testing.assert_array_equal(out, ref)  # both stop at the same end-of-turn token, or run 16
 
 
-# docs/results.md ("SmolLM2-135M the same way"): the export's `model.onnx` 541 MB, each weight stored
+# docs/results-scale.md ("SmolLM2-135M the same way"): the export's `model.onnx` 541 MB, each weight stored
 # once; a P = 2 rewrite of layers 28-29 removes `params_removed` 884,736 = 2 x (576 x 576 + 576 x 192)
 DOCUMENTED_EXPORT_BYTES = 541e6
 EXPORT_SIZE_RTOL = 0.01   # graph structure, names and metadata move it by well under 1 %; a second copy
@@ -95,7 +95,7 @@ def test_smollm2_export_stores_each_weight_once_at_the_documented_size(smollm2, 
     param_bytes = 4 * sum(int(np.prod(s)) for s in _weight_params(resolved.folder).values())
     assert param_bytes <= size <= param_bytes * (1 + EXPORT_SIZE_RTOL), (size, param_bytes)
     assert abs(size - DOCUMENTED_EXPORT_BYTES) <= EXPORT_SIZE_RTOL * DOCUMENTED_EXPORT_BYTES, \
-        f"model.onnx is {size / 1e6:.1f} MB; docs/results.md says 541 MB (+- 1 %)"
+        f"model.onnx is {size / 1e6:.1f} MB; docs/results-scale.md says 541 MB (+- 1 %)"
 
 
 def test_smollm2_p2_rewrite_removes_the_documented_qk_params(smollm2, smollm2_export):

@@ -1,4 +1,4 @@
-"""Sampling parameters declared once (harp_trt/sampling.py, issue 33): a served request's
+"""Sampling parameters declared once (harp_trt/sampling.py): a served request's
 ``sampling_parameters`` JSON and ``harp-trt generate``'s flags are the same fields, with one set of
 defaults and one validation whose message names what the user wrote (the key, or the flag)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``bench/serve_load.py`` at a small size (issue 32): a tiny dense and HARP engine (P = 2 of 4
+"""``bench/serve_load.py`` at a small size: a tiny dense and HARP engine (P = 2 of 4
 layers) behind one real tritonserver (2.51, the nvidia-pytriton wheel), driven by real AIPerf
 (0.13.0, its pinned tool venv installed from the wheelhouse) through Triton's ``generate_stream``.
 

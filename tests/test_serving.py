@@ -1,4 +1,4 @@
-"""The continuously batched generator behind the Triton model (harp_trt/serving.py, issue 32), on
+"""The continuously batched generator behind the Triton model (harp_trt/serving.py), on
 real tiny ORT engines: admission by a KV budget (a HARP engine admits L/(L-P) times the dense one's
 sequences, the rest queue and all complete, a request larger than the budget is refused at once),
 chunked prefill interleaved with the others' decode steps, and every answer equal to

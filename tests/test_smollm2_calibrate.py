@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("p", [2, 4])
 def test_searched_alphas_beat_alpha1_on_heldout(smollm2, test_cache, p):
     store = ArtifactStore(test_cache)
-    # 1024 tokens and a 5-value grid keep the suite short; docs/results.md's tables use 2048-4096 and 11
+    # 1024 tokens and a 5-value grid keep the suite short; docs/results-accuracy.md's tables use 2048-4096 and 11
     cfg = CalibrateConfig(layers=p, tokens=1024, seq_len=512, alpha_grid=(0.0, 0.25, 0.5, 0.75, 1.0))
     art = run_calibrate("smollm2-135m", cfg, store)
     plan = Plan.load(art.path)

@@ -1,4 +1,4 @@
-"""TensorRT-LLM checkpoints of the QK-norm families (issue 35), window-1 route: Qwen3 as
+"""TensorRT-LLM checkpoints of the QK-norm families, window-1 route: Qwen3 as
 ``Qwen3ForCausalLM`` (QWenForCausalLM, qwen_type qwen3) and Gemma3 text as ``Gemma3ForCausalLM``
 (GemmaForCausalLM with the Gemma3 config group), pruned layers a one-token window over zeroed Q/K.
 

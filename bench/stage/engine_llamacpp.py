@@ -122,7 +122,7 @@ class LlamaCppEngine(Engine):
         """A state as if ``length`` tokens of ``batch`` sequences had been prefilled, the KV cache
         written with N(0, 1) f16 values through llama.cpp's own state reader
         (``LlamaContext.write_sequences``): a 7B prefill of 8192 tokens takes most of an hour on 2
-        cores, and a step's cost depends on the cache's length, not on what it holds (issue 31). The
+        cores, and a step's cost depends on the cache's length, not on what it holds. The
         tokens a rebuilt context would replay are zeros: the context is made with room for every
         decode step the caller announced (``headroom``), so none is rebuilt."""
         c = self._context(batch, length + self.headroom)

@@ -49,7 +49,7 @@ class OrtEngine(Engine):
     def written_state(self, batch: int, length: int, seed: int = 0) -> tuple[Any, int]:
         """A state as if ``length`` tokens of ``batch`` sequences had been prefilled, its KV cache
         written directly with N(0, 1) values: a decode step's cost depends on the cache's length, not
-        on what it holds, and a 7B prefill of 8192 tokens takes most of an hour on 2 cores (issue 31).
+        on what it holds, and a 7B prefill of 8192 tokens takes most of an hour on 2 cores.
         On a GroupQueryAttention engine the values are written straight into the ``StaticCache`` the
         decode steps append to (room for 256 more), so a 7B batch of 8192-token caches is held once,
         not once as arrays and again as the cache; else the first ``decode`` moves them there."""

@@ -88,7 +88,7 @@ class FuseSiblingMatMuls(GraphRule[SiblingMatMuls]):
         first = m.nodes[0]
         prefix = f"{first.name or 'MatMul'}/fused{len(m.nodes)}"
         # Concatenated when read (a save, a quantizer), never held: a 7B graph's fused gate/up
-        # weights would otherwise sit in memory together (15 GB at fp32; issue 23's streaming path).
+        # weights would otherwise sit in memory together (15 GB at fp32; the streaming path).
         parts = [n.inputs[1].const_value for n in m.nodes]
         shape = ir.Shape([int(parts[0].shape[0]), sum(m.widths)])
         lazy = ir.LazyTensor(lambda ps=parts: ir.Tensor(np.concatenate([p.numpy() for p in ps], axis=1)),

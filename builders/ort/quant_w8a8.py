@@ -5,7 +5,7 @@ the folded V.O GEMMs, the tied LM head) an integer GEMM that ONNX Runtime runs o
 kernels, the ones MLAS dispatches to AMX tiles on CPUs that have them (``MlasGemmU8S8DispatchAmx``,
 onnxruntime ``core/mlas/lib/qgemm_kernel_amx.cpp``; VNNI or AVX2 elsewhere). Weight-only
 ``MatMulNBits`` (int4/int8) never reaches those units: its CompInt8 kernels are VNNI dot products
-at block granularity, slower than fp32 SGEMM at prefill (issue 36's profile). Per GEMM ``Y = X W``::
+at block granularity, slower than fp32 SGEMM at prefill (bench/prefill_profile.py). Per GEMM ``Y = X W``::
 
     s   = max(|X|, over K) / 127                 one scale per token (row), [M, 1]
     Xq  = QuantizeLinear(X, s, zero point 128)   uint8, per row (axis 0)

@@ -14,7 +14,7 @@ In HF's [out, in] layout the product is ``Wq^T @ repeat_kv(Wk)``.
 ``gate-norm-folded`` is an earlier variant kept for comparison: it folds the input-norm gain g
 into both matrices and averages per-head norms, mean_h ||(W_q^h diag g)^T (W_k^k(h) diag g)||_F
 / sqrt(d). The gain makes it rank layers by their norm scale: on SmolLM2-135M layer 0's tiny
-gain alone makes it pick layers 0 and 1, which the paper's score does not (docs/results.md,
+gain alone makes it pick layers 0 and 1, which the paper's score does not (docs/results-accuracy.md,
 "Reproduction on SmolLM2-135M").
 
 RoPE and q/k biases are left out by both (rotations are orthogonal per position; biases do not
