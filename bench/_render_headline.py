@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from harp_trt.stats import ratio_ci95_across_runs
+
 __all__ = ["headline"]
 
 
@@ -30,19 +32,20 @@ def _mean_acc(d: dict[str, Any]) -> dict[str, float]:
 
 def _speed(runs: list[dict[str, Any]], p: int) -> str:
     """Each runtime's largest decode point of the runs whose plan pruned ``p`` layers, as
-    ``runtime (weights): median (range of N runs: min-max), context x batch``."""
+    ``runtime (bytes per weight as it stores them): median (range of N runs, min-max; the 95 %
+    interval across them), context x batch``."""
     cells = []
     for d in runs:
         if d["runs"][0]["plan"]["pruned"] != p:
             continue
-        quant = d["runs"][0]["settings"].get("quant") or "fp32"
         for rt, r in d["summary"]["runtimes"].items():
             point = max(r["decode"], key=lambda m: (m["context"], m["batch"]))
+            weights = d["runs"][0]["runtimes"][rt]["weight_bytes_per_param"]
             flag = " **ABOVE CEILING**" if point["above_ceiling_runs"] or point["median_above_ceiling"] else ""
-            gguf = d["runs"][0]["settings"].get("gguf_type")
-            weights = quant if rt in ("ort", "genai") else (gguf if gguf not in (None, "none") else "f16")
-            cells.append(f"{rt} ({weights}) {point['speedup_median']:.2f}x (range of {point['runs']} runs "
-                         f"{point['speedup_min']:.2f}-{point['speedup_max']:.2f}){flag}, "
+            ci = ratio_ci95_across_runs([x["speedup"] for x in point.get("per_run", [])])
+            across = f"; 95 % across them {ci[0]:.2f}-{ci[1]:.2f}" if ci else ""
+            cells.append(f"{rt} ({weights:g} bytes per weight) {point['speedup_median']:.2f}x (range of {point['runs']} runs "
+                         f"{point['speedup_min']:.2f}-{point['speedup_max']:.2f}{across}){flag}, "
                          f"{point['context']} x {point['batch']}")
     return "; ".join(cells) or "not measured"
 
@@ -66,7 +69,7 @@ def headline(files: list[dict[str, Any]]) -> str:
     ps = sorted({p for p, _ in rows})
     first = rows[(ps[0], "harp")]
     other = (first.get("other") or {}).get("corpus", "other text")
-    out = ["| plan | decode speed-up over dense: median (range of the runs), context x batch | ceiling L/(L-P) | "
+    out = ["| plan | decode speed-up over dense: median of the runs (their range; 95 % interval across them, t on log ratios), context x batch | ceiling L/(L-P) | "
            f"held-out perplexity: Wikipedia, unseen half / {other} | lm-eval mean accuracy |",
            "|---|---|---|---|---|",
            f"| dense | 1 | 1 | {first['heldout_dense']:.2f} / {first['other']['dense']:.2f} | "

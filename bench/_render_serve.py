@@ -11,9 +11,23 @@ __all__ = ["serve_load", "serve_load_headline"]
 
 
 def _spread(s: dict[str, Any] | None, fmt: str = "{:.1f}") -> str:
+    """``median (range of N runs: min-max)``, or ``value (one run)``: a range, never read as an interval."""
     if not s:
         return "-"
-    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
+    runs = s.get("runs")
+    if runs == 1 or s["min"] == s["max"] == s["median"] and runs is None:
+        return f"{fmt.format(s['median'])} (one run)"
+    return (f"{fmt.format(s['median'])} (range of {runs or 'the'} runs: {fmt.format(s['min'])}-"
+            f"{fmt.format(s['max'])})")
+
+
+def _at(per_run: list[dict[str, Any]], key: str) -> str:
+    """The concurrencies a figure was read at over the runs, per model: 'dense 1, HARP 1'."""
+    out = []
+    for model, name in (("dense", "dense"), ("harp", "HARP")):
+        cs = sorted({r[model][key] for r in per_run if r.get(model) and r[model].get(key) is not None})
+        out.append(f"{name} {', '.join(map(str, cs)) or '-'}")
+    return "; ".join(out)
 
 
 def _median(rows: list[dict[str, Any]], metric: str, stat: str) -> float | None:
@@ -32,16 +46,20 @@ def _headline(d: dict[str, Any]) -> list[str]:
             f"{adm['dense']['largest_batch_seen']}) | {adm['harp']['admits']} ({frac['harp']:.2f}; "
             f"{adm['harp']['largest_batch_seen']}) | {adm['harp_over_dense']:.2f} (unrounded "
             f"{frac['harp'] / frac['dense']:.3f}) | {ceiling:.3f} |"]
-    for key, what in (("saturation_tokens_per_s", "output tokens/s at saturation"),
-                      ("goodput_tokens_per_s", "goodput: output tokens/s within the SLO")):
+    per = d.get("goodput_per_run") or []
+    for key, what in (("saturation_tokens_per_s", "output tokens/s at saturation (the highest over the "
+                       f"concurrencies; reached at concurrency {_at(per, 'saturation_concurrency')})"),
+                      ("goodput_tokens_per_s", "goodput: the highest output tokens/s at a concurrency inside the "
+                       f"SLO (concurrency {_at(per, 'goodput_concurrency')})")):
         rows.append(f"| {what} | {_spread(s[key]['dense'])} | {_spread(s[key]['harp'])} | "
                     f"{_spread(s[key]['harp_over_dense'], '{:.2f}')} | {ceiling:.2f} |")
     eng = d.get("engine_decode_speedup")
     if eng:
         for b in eng["batches"]:
             rows.append(f"| engine-level decode speed-up, batch {b['batch']}, context {eng['context']} "
-                        f"(`bench/long_context.py`, no server) | | | {b['speedup_median']:.2f} "
-                        f"[{b['speedup_min']:.2f}, {b['speedup_max']:.2f}] | {b['ceiling']:.2f} |")
+                        f"(`bench/long_context.py`, no server) | | | "
+                        f"{_spread({k: b[f'speedup_{k}'] for k in ('median', 'min', 'max')} | {'runs': b.get('runs')}, '{:.2f}')}"
+                        f" | {b['ceiling']:.2f} |")
     return rows
 
 
@@ -120,7 +138,7 @@ def serve_load(d: dict[str, Any]) -> str:
             f"{d['provenance']['versions']['aiperf']} streaming through `generate_stream` on the same "
             f"{m.get('cores', '?')} cores ({m['cpu']}). SLO per run: p99 ITL <= {a['slo_itl']:g} x and p99 TTFT "
             f"<= {a['slo_ttft']:g} x dense's p50 at concurrency {min(p['concurrency'] for p in d['points'])} "
-            f"(run 0: {slo[0]['itl_ms']:.0f} ms, {slo[0]['ttft_ms'] / 1000:.1f} s). Medians [min, max] of "
+            f"(run 0: {slo[0]['itl_ms']:.0f} ms, {slo[0]['ttft_ms'] / 1000:.1f} s). Medians with the range of "
             f"{a['runs']} runs. `{d['provenance']['command']}` at {d['provenance']['commit']}.\n")
 
 
@@ -128,6 +146,6 @@ def serve_load_headline(d: dict[str, Any]) -> str:
     """The README's table: admission, saturation and goodput, HARP over dense beside L/(L-P), and the
     engine-level decode speed-up without the server."""
     a = d["args"]
-    return ("\n".join(_headline(d)) + f"\n\nMedians [min, max] of {a['runs']} runs of AIPerf "
+    return ("\n".join(_headline(d)) + f"\n\nMedians with the range of {a['runs']} runs of AIPerf "
             f"{d['provenance']['versions']['aiperf']}; `{d['provenance']['command']}` at "
             f"{d['provenance']['commit']}.\n")

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from harp_trt.bench._render_calibration import (fit_inputs, plan_accuracy, replacement, replacement_headline,
                                                 replacement_speed, replacement_texts)
 from harp_trt.bench._render_headline import headline
+from harp_trt.stats import ratio_ci95_across_runs
 from harp_trt.bench._render_serve import serve_load, serve_load_headline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,8 +81,11 @@ def _yes(flag: bool) -> str:
 
 
 def _speedup(p: dict[str, Any]) -> str:
-    """Median [min, max] of the runs, flagged where a run's interval or the median lies above the ceiling."""
-    text = f"{p['speedup_median']:.3f} [{p['speedup_min']:.3f}, {p['speedup_max']:.3f}]"
+    """Median (range of the runs; 95 % interval across them), flagged where a run's interval or the
+    median lies above the ceiling."""
+    ci = ratio_ci95_across_runs([r["speedup"] for r in p.get("per_run", [])])
+    text = (f"{p['speedup_median']:.3f} (range {p['speedup_min']:.3f}-{p['speedup_max']:.3f}"
+            + (f"; 95 % across runs {ci[0]:.3f}-{ci[1]:.3f})" if ci else ")"))
     if p["above_ceiling_runs"] or p["median_above_ceiling"]:
         runs = ", ".join(map(str, p["above_ceiling_runs"]))
         text += " **ABOVE CEILING" + (f" (run {runs})" if runs else " (median)") + "**"
@@ -124,7 +128,8 @@ def long_context(d: dict[str, Any]) -> str:
     ceiling L/(L-P) (a figure above it flagged), the claims that hold in every run, then the capacity
     inside a memory cap and where the figures come from."""
     s, first = d["summary"], d["runs"][0]
-    rows = [f"| runtime | point | dense / HARP, median | HARP speed-up, median [min, max] of {s['runs']} runs | "
+    rows = [f"| runtime | point | dense / HARP, median | HARP speed-up, median of {s['runs']} runs (their range; 95 % "
+            "interval across them, t on log ratios) | "
             "each run's 95 % interval | ideal | ceiling | median / ideal [worst run] | every run: low > 1, >= 90 % "
             "of ideal |", "|---|---|---|---|---|---|---|---|---|"]
     for rt, r in s["runtimes"].items():
@@ -152,7 +157,8 @@ def long_context(d: dict[str, Any]) -> str:
 def long_context_headline(ds: list[dict[str, Any]]) -> str:
     """One row per ``bench/long_context.py --runs N`` JSON: its largest decode point (longest context,
     largest batch), the capacity inside the memory cap where measured, and the claims of every run."""
-    rows = ["| runtime | decode, HARP / dense: median [min, max] of the runs | byte ideal | ceiling | median / "
+    rows = ["| runtime | decode, HARP / dense: median of the runs (their range; 95 % interval across them, t on log "
+            "ratios) | byte ideal | ceiling | median / "
             "ideal | every run: low > 1, >= 90 % of ideal | sequences inside a memory cap, HARP / dense (ideal) |",
             "|---|---|---|---|---|---|---|"]
     for d in ds:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["t_quantile"]
+__all__ = ["t_quantile", "ratio_ci95_across_runs"]
 
 
 def _t_central_mass(t: float, df: int) -> float:
@@ -38,3 +38,16 @@ def t_quantile(p: float, df: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if _t_central_mass(mid, int(df)) < target else (lo, mid)
     return (lo + hi) / 2
+
+
+def ratio_ci95_across_runs(ratios: list[float]) -> tuple[float, float] | None:
+    """95 % interval of a ratio (a speed-up) across independent runs: Student t on the runs' log
+    ratios, so it holds the between-run spread a single run's interval does not see. None for fewer
+    than 2 runs (a range of one run is no interval)."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(x) for x in ratios]
+    mean = sum(logs) / n
+    half = t_quantile(0.975, n - 1) * math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1) / n)
+    return math.exp(mean - half), math.exp(mean + half)

@@ -161,6 +161,22 @@ def test_t_quantile_matches_scipy():
         t_quantile(0.4, 3)
 
 
+def test_ratio_interval_across_runs_is_scipys_t_interval_on_log_ratios():
+    """The interval the docs print beside a median of runs: scipy's t interval of the runs' log ratios,
+    exponentiated; wider than the runs' range for 3 close runs; none for one run."""
+    from scipy import stats
+
+    from harp_trt.stats import ratio_ci95_across_runs
+
+    runs = [1.313, 1.305, 1.299]
+    logs = np.log(runs)
+    lo, hi = stats.t.interval(0.95, len(runs) - 1, loc=logs.mean(), scale=stats.sem(logs))
+    got = ratio_ci95_across_runs(runs)
+    assert got == pytest.approx((np.exp(lo), np.exp(hi)), rel=1e-9)
+    assert got[0] < min(runs) and got[1] > max(runs)
+    assert ratio_ci95_across_runs([1.3]) is None
+
+
 def test_paired_speedup_point_and_degenerate_cases():
     from harp_trt.bench.stage.latency import paired_speedup
 

@@ -400,15 +400,15 @@ def test_the_size_scan_counts_lines(tmp_path):
 
 def _entry_point_gaps(root: Path) -> list[str]:
     """A public module of bench/ (not ``_*``) that is no entry point: no ``main``, no ``__main__``
-    guard, or not named in docs/bench.md (the scripts' index) as ``bench/NAME.py``."""
-    readme = (root / "docs" / "bench.md").read_text()
+    guard, or not named in docs/benchmarks.md (the scripts' index) as ``bench/NAME.py``."""
+    readme = (root / "docs" / "benchmarks.md").read_text()
     gaps = []
     for f in sorted((root / "bench").glob("[!_]*.py")):
         tree = ast.parse(f.read_text())
         has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
         guard = any(isinstance(n, ast.If) and "__main__" in ast.dump(n.test) for n in tree.body)
         for missing, what in ((not has_main, "main()"), (not guard, "__main__ guard"),
-                              (f"bench/{f.name}" not in readme, "docs/bench.md mention")):
+                              (f"bench/{f.name}" not in readme, "docs/benchmarks.md mention")):
             if missing:
                 gaps.append(f"bench/{f.name}: lacks {what}")
     scripts = {f.stem for f in (root / "bench").glob("[!_]*.py")}
@@ -422,12 +422,12 @@ def _entry_point_gaps(root: Path) -> list[str]:
 
 
 def test_every_public_bench_module_is_a_documented_entry_point(tmp_path):
-    """Scripts and helpers apart: bench/NAME.py runs (``main`` and the guard) and docs/bench.md
+    """Scripts and helpers apart: bench/NAME.py runs (``main`` and the guard) and docs/benchmarks.md
     names it; what scripts share lives in bench/_*.py, and no bench module imports a script."""
     assert _entry_point_gaps(ROOT) == []
     (tmp_path / "bench").mkdir()
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "bench.md").write_text("`bench/tool.py`")
+    (tmp_path / "docs" / "benchmarks.md").write_text("`bench/tool.py`")
     (tmp_path / "bench" / "tool.py").write_text("def main():\n    pass\n")
     (tmp_path / "bench" / "_helper.py").write_text("from harp_trt.bench.tool import main\n")
     assert _entry_point_gaps(tmp_path) == ["bench/tool.py: lacks __main__ guard",
