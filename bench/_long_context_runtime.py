@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from harp_trt.bench.stage import flops
+from harp_trt.builders.ort.config import weight_bytes
 from harp_trt.memory import peak_rss_bytes
 
 from ._long_context_measure import largest_fit, measure_decode, measure_prefill, prompt_length
@@ -20,15 +21,16 @@ log = logging.getLogger("long_context")
 
 def element_bytes(runtime: str, pair, quant: str) -> tuple[float, float]:
     """(weight bytes per parameter, KV bytes per element) as the runtime holds them. ORT/genai:
-    fp32 or the ``--quant`` element size (scales and unquantized matrices left out: the byte ideal
-    of a quantized engine is approximate), the session's KV dtype; llama.cpp: the dense GGUF's
+    fp32 or the ``--quant`` element size (``builders/ort/config.weight_bytes``; scales and
+    unquantized matrices left out: the byte ideal of a quantized engine is approximate), the
+    session's KV dtype; llama.cpp: the dense GGUF's
     matrices as stored (f16, or mixed types after ``--gguf-type``: ``gguf_meta.matrix_bytes_per_param``),
     the KV type it logged (``LlamaCppEngine.kv_dtype_bytes``)."""
     if runtime == "llamacpp":
         from harp_trt.bench.stage.gguf_meta import matrix_bytes_per_param
 
         return matrix_bytes_per_param(pair.dense.path), float(pair.dense.kv_dtype_bytes)
-    weights = {"none": 4.0, "int8": 1.0, "w8a8": 1.0, "int4": 0.5}[quant]
+    weights = weight_bytes(quant)
     if runtime == "ort":
         return weights, float(np.dtype(pair.dense.session.kv_dtype).itemsize)
     return weights, 4.0   # genai runs the ORT engine's graph: its fp32 KV

@@ -2,19 +2,29 @@
 stages and cached in its ``--workdir`` (``long_context.py``, ``serve_load.py``, the GPU scripts'
 ``--engine``). ``args`` is the script's namespace: ``--plan``, or ``--model`` / ``--shape`` (a random-
 weight model of a real shape, ``bench/_random_model.py``) with ``--prune-layers`` at ``--alpha``,
-and the engines' ``--quant`` / ``--gguf-type``."""
+and the engines' ``--quant`` (declared once for every script, ``add_quant_argument``) / ``--gguf-type``."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
 from harp_trt.bench._random_model import random_model
+from harp_trt.builders.ort.config import QUANT_MODES
 
 log = logging.getLogger("long_context")
 
 RUNTIMES = {"ort": "ort", "genai": "genai", "llamacpp": "gguf"}   # runtime -> pipeline backend
+
+
+def add_quant_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """The scripts' ``--quant``, declared once: the ORT engine's weights (a genai folder runs the same
+    graph), one of the ORT build's modes (``builders/ort/config.QUANT_MODES``)."""
+    parser.add_argument("--quant", default=default, choices=list(QUANT_MODES),
+                        help="ORT engine weights, as harp-trt build --quant (a genai folder runs the same graph; "
+                             "default %(default)s)")
 
 
 def shape_model(shape: str, tokenizer: str, seed: int, root: Path) -> Path:

@@ -44,14 +44,13 @@ from harp_trt.machine import describe  # noqa: E402
 from harp_trt.memory import parse_bytes  # noqa: E402
 
 from harp_trt.bench._long_context_peers import PEERS, load_peer, open_peer_plan, peer_path  # noqa: E402
-from harp_trt.bench._pipeline_engines import RUNTIMES, build_sources, make_plan  # noqa: E402
+from harp_trt.bench._pipeline_engines import RUNTIMES, add_quant_argument, build_sources, make_plan  # noqa: E402
 from harp_trt.bench._shapes import SHAPES  # noqa: E402
 
 __all__ = ["main", "parse_args", "run", "RUNTIMES"]
 
 log = logging.getLogger("long_context")
 
-WEIGHT_BYTES = {"none": 4, "int8": 1, "w8a8": 1, "int4": 0.5}                 # ORT weight element size per --quant
 QUIET_LOAD = 0.5   # 1-minute load average before the run at or below which the machine counts as quiet
 
 
@@ -77,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", default="wiki", help="text the plan's perplexities are read on (with --model)")
     p.add_argument("--calib-tokens", type=int, default=512, help="tokens of that text (default 512)")
     p.add_argument("--runtime", default="ort", choices=[*RUNTIMES, "all"])
-    p.add_argument("--quant", default="none", choices=list(WEIGHT_BYTES), help="ORT/genai weights")
+    add_quant_argument(p, default="none")
     p.add_argument("--gguf-type", default="none", help="llama.cpp: quantize both GGUFs with llama.cpp's quantizer "
                    "(q4_0, q4_k_m, ...; builders/gguf GGUF_TYPES; default none: the f16 files)")
     p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="llama.cpp's KV cache type")

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from harp_trt.bench._pipeline_engines import add_quant_argument
 from harp_trt.bench._random_model import write_random_model
 from harp_trt.bench._shapes import SHAPES  # one table for every script
 
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha-grid", default="0,0.5,1")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--backend", default="ort", help="build stage: backend (default %(default)s)")
-    ap.add_argument("--quant", default="int4", help="build stage: none | int4 | int8 (default %(default)s)")
+    add_quant_argument(ap, default="int4")   # the build stage's
     ap.add_argument("--keep-intermediates", action="store_true", help="build stage: keep export/rewrite weights")
     ap.add_argument("--dtype", default="bfloat16", help="calibration dtype (default %(default)s)")
     ap.add_argument("--replacement", default="harp",

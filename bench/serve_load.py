@@ -46,6 +46,8 @@ if __package__ in (None, ""):
 from harp_trt.config import parse_ints  # noqa: E402
 from harp_trt.errors import ConfigError, HarpError  # noqa: E402
 
+from harp_trt.bench._pipeline_engines import add_quant_argument  # noqa: E402
+
 __all__ = ["main", "parse_args", "goodput", "summarize"]
 
 log = logging.getLogger("serve_load")
@@ -61,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.5, help="alpha of every pruned layer (speed does not depend on it)")
     p.add_argument("--corpus", default="wiki", help="text the plan's perplexities are read on (default wiki)")
     p.add_argument("--calib-tokens", type=int, default=512, help="tokens of that text (default 512)")
-    p.add_argument("--quant", default="int4", help="ORT engine weights: none, int8, int4 (default int4)")
+    add_quant_argument(p, default="int4")
     p.add_argument("--isl", type=int, default=4096, help="prompt tokens (AIPerf's synthetic prompts)")
     p.add_argument("--osl", type=int, default=1024, help="output tokens of every request (ignore_eos)")
     p.add_argument("--concurrency", default="1,2,4,8", help="AIPerf concurrencies (default 1,2,4,8)")

@@ -3,18 +3,21 @@
 An engine folder (written by ``harp_trt.builders.ort``, read by ``generate``, the bench, the genai and
 Triton deployments and the served Triton model) holds the graph, its tokenizer and ``engine.json``,
 whose ``"format"`` is ``ENGINE_FORMAT``; ``builders/ort/builder.py``'s docstring lists its fields.
-This module owns the file name, the format string, how the file is read and written and how an
-engine's thread count is read, as ``harp_trt.onnx_io`` owns the ONNX I/O names
-(``tests/test_house_owners.py`` checks no other module spells them). Light: json and pathlib only,
-so the Triton model and the CLI import it freely."""
+This module owns the file name, the format string, how the file is read and written, which graph
+file an engine runs (``engine_model``) and how an engine's thread count is read, as
+``harp_trt.onnx_io`` owns the ONNX I/O names (``tests/test_house_owners.py`` checks no other module
+spells them). Light: json, pathlib and ``onnx_io``'s names only, so the Triton model and the CLI
+import it freely."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from .onnx_io import MODEL_FILE
+
 __all__ = ["ENGINE_JSON", "ENGINE_FORMAT", "is_engine", "engine_json", "read_engine_spec", "write_engine_spec",
-           "engine_threads"]
+           "engine_model", "engine_threads"]
 
 ENGINE_JSON = "engine.json"
 ENGINE_FORMAT = "harp-engine/1"
@@ -49,6 +52,14 @@ def write_engine_spec(folder: str | Path, spec: dict[str, Any]) -> Path:
     f = engine_json(folder)
     f.write_text(json.dumps({**spec, "format": ENGINE_FORMAT}, indent=2))
     return f
+
+
+def engine_model(folder: str | Path, spec: Mapping[str, Any] | None = None) -> Path:
+    """The graph file an engine in ``folder`` runs: ``engine.json``'s ``"model"`` (the file its
+    builder wrote), else ``MODEL_FILE``. ``spec``: the description already read (an empty one for a
+    folder without ``engine.json``); None reads it here, as ``read_engine_spec`` does."""
+    spec = read_engine_spec(folder) if spec is None else spec
+    return Path(folder) / spec.get("model", MODEL_FILE)
 
 
 def engine_threads(spec: Mapping[str, Any] | None, threads: int | str | None = None) -> int | None:

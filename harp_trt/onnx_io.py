@@ -21,7 +21,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from .errors import GraphError, ModelError, PreconditionError
 
@@ -30,7 +30,8 @@ __all__ = ["LOGITS_TO_KEEP", "LOGITS_KEEP_NONE", "LOGITS_TO_KEEP_META_KEY", "tok
            "present_name", "input_names", "output_names", "parse_kv_name", "parse_any_kv_name", "kv_layers_of_names",
            "copy_tokenizer", "tokenizer_files", "make_tokenizer_portable", "PORTABLE_TOKENIZER_CLASS",
            "LEGACY_SPECIAL_TOKENS_KEY", "file_digest",
-           "read_export_meta", "check_plan_weights"]
+           "read_export_meta", "check_plan_weights", "LOGITS", "LM_HEAD_ELEMENTWISE", "LM_HEAD_MAX_WALK",
+           "LmHeadWalk", "walk_to_lm_head"]
 
 EXPORT_META_KEY = "harp_trt.export"
 PLAN_META_KEY = "harp_trt.plan"
@@ -42,6 +43,11 @@ LOGITS_TO_KEEP = "logits_to_keep"
 # this model metadata key (built before it, a w8a8 head's Reshape read an empty axis as "copy")
 LOGITS_KEEP_NONE = -(2 ** 62)
 LOGITS_TO_KEEP_META_KEY = "harp_trt.logits_to_keep"
+LOGITS = "logits"
+# ops the LM head's output may pass through on its way to ``logits`` (one data input each:
+# casts, Gemma2's final soft-capping Div, Tanh, Mul)
+LM_HEAD_ELEMENTWISE = frozenset({"Cast", "Mul", "Div", "Add", "Sub", "Tanh"})
+LM_HEAD_MAX_WALK = 8
 MODEL_FILE = "model.onnx"
 EXTERNAL_DATA_SUFFIX = ".data"  # model.onnx -> model.onnx.data
 PROTOBUF_LIMIT = 2 ** 31        # bytes: the largest protobuf message
@@ -226,6 +232,41 @@ def file_digest(path: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+class LmHeadWalk(NamedTuple):
+    """What ``walk_to_lm_head`` found: the LM-head node (None where it found none), the element-wise
+    nodes from it to ``logits``, and, where the walk stopped at a node that is neither, that node
+    and its number of data inputs."""
+    head: Any
+    chain: list[Any]
+    blocker: Any = None
+    data_inputs: int = 0
+
+
+def walk_to_lm_head(logits: Any, producer: Callable[[Any], Any], data_inputs: Callable[[Any], list[Any]],
+                    head_ops: Iterable[str], *, default_domain_only: bool = False) -> LmHeadWalk:
+    """The one walk from the ``logits`` output up to the LM head, for any graph representation (an
+    ``onnx`` proto's names or an ``onnx_ir`` graph's values): from ``logits`` through at most
+    ``LM_HEAD_MAX_WALK`` nodes, each an ``LM_HEAD_ELEMENTWISE`` op with one data input, to a node
+    whose op is in ``head_ops``. ``producer(value)`` is the node writing a value (None at a graph
+    input), ``data_inputs(node)`` its inputs that are not constants; ``default_domain_only`` accepts
+    only nodes of the default ONNX domain (a graph before ORT's contrib ops)."""
+    head_ops = frozenset(head_ops)
+    value, chain = logits, []
+    for _ in range(LM_HEAD_MAX_WALK):
+        node = producer(value)
+        if node is None:
+            break
+        in_domain = not default_domain_only or node.domain == ""
+        if node.op_type in head_ops and in_domain:
+            return LmHeadWalk(node, chain)
+        data = data_inputs(node)
+        if node.op_type not in LM_HEAD_ELEMENTWISE or not in_domain or len(data) != 1:
+            return LmHeadWalk(None, chain, node, len(data))
+        chain.append(node)
+        value = data[0]
+    return LmHeadWalk(None, chain)
 
 
 def read_export_meta(onnx_path: Path, stage: str = "export") -> dict[str, Any]:

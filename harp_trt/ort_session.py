@@ -27,7 +27,7 @@ from .errors import ConfigError, GraphError
 from .extras import require
 from .kvcache import kv_cache_bytes
 from .decoding import Past, StaticCache, sample_next
-from .engine_spec import engine_threads
+from .engine_spec import engine_model, engine_threads, is_engine
 from .onnx_io import (EXPORT_META_KEY, LOGITS_KEEP_NONE, LOGITS_TO_KEEP, LOGITS_TO_KEEP_META_KEY,
                       kv_layers_of_names, past_name, present_name)
 
@@ -65,7 +65,7 @@ class OrtCausalLM:
         ort = require("onnxruntime", "ONNX Runtime sessions need it")
         path = Path(onnx_path)
         if path.is_dir():
-            path = path / _model_file_of(path)
+            path = engine_model(path, _read_engine_json(path) if is_engine(path) else {})
         if not path.is_file():
             raise GraphError(STAGE, f"no ONNX model at {path}",
                              "pass a model.onnx or an engine folder (harp-trt build / rewrite output)")
@@ -140,7 +140,7 @@ class OrtCausalLM:
         folder = Path(folder)
         spec = _read_engine_json(folder)
         threads = engine_threads(spec, intra_op_threads)
-        return cls(folder / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads,
+        return cls(engine_model(folder, spec), providers=providers, intra_op_threads=threads,
                    profile_prefix=profile_prefix)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -432,7 +432,7 @@ def _export_meta(custom: dict[str, str]) -> dict:
 
 
 def _read_engine_json(folder: Path) -> dict:
-    from .engine_spec import ENGINE_JSON, is_engine, read_engine_spec
+    from .engine_spec import ENGINE_JSON, read_engine_spec
 
     if not is_engine(folder):
         raise GraphError(STAGE, f"{folder} has no {ENGINE_JSON}", "build one with `harp-trt build` (harp_trt.builders.ort)")
@@ -440,9 +440,3 @@ def _read_engine_json(folder: Path) -> dict:
         return read_engine_spec(folder)
     except ValueError as e:
         raise GraphError(STAGE, str(e), "rebuild the engine") from None
-
-
-def _model_file_of(folder: Path) -> str:
-    from .engine_spec import is_engine
-
-    return _read_engine_json(folder).get("model", "model.onnx") if is_engine(folder) else "model.onnx"

@@ -22,7 +22,7 @@ from .errors import PostconditionError, PreconditionError
 from .extras import available, check
 from .store import MANIFEST, Artifact, ArtifactStore, publishing
 
-__all__ = ["Stage", "Hooks"]
+__all__ = ["Stage", "Hooks", "CompactIntermediates"]
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=StageConfig)
@@ -170,3 +170,14 @@ class Stage(Generic[C]):
         art = store.get(key)
         assert art is not None and (art.path / MANIFEST).exists()
         return Artifact(art.key, art.path, art.manifest, cached=False)
+
+
+class CompactIntermediates:
+    """``prunable`` for the stages whose ``intermediate`` files are ONNX weights (export, rewrite),
+    listed before ``Stage`` in their bases: only an artifact of the large-model (compact) path,
+    ``"storage": "compact"`` in its manifest, drops its weights once consumed; a small fp32 run keeps
+    them, as before, for the reruns and benches that read them."""
+
+    @classmethod
+    def prunable(cls, artifact: Artifact) -> bool:
+        return artifact.manifest.get("storage") == "compact"

@@ -342,5 +342,12 @@ def test_last_position_logits_refuses_an_unknown_head():
     graph = helper.make_graph([helper.make_node("Concat", ["a", "b"], ["logits"], axis=1)], "g",
                               [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, 3]) for n in "ab"],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4, 3])])
-    with pytest.raises(GraphError, match="Concat"):
+    with pytest.raises(GraphError, match=r"^\[genai\] the logits output comes out of a Concat") as e:
+        last_position_logits(helper.make_model(graph))
+    assert "no --last-logits" in e.value.hint
+    # a graph input straight to the logits through element-wise ops: no GEMM at all, a typed error too
+    graph = helper.make_graph([helper.make_node("Tanh", ["a"], ["logits"])], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 2, 3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 2, 3])])
+    with pytest.raises(GraphError, match="no LM-head GEMM"):
         last_position_logits(helper.make_model(graph))

@@ -15,7 +15,7 @@ import torch
 from conftest import ALL_FAMILIES, FAMILY_NAMES, make_tiny, save_tiny
 from harp_trt.errors import (ConfigError, GraphError, PreconditionError, VerificationError)
 from harp_trt.plan import Plan
-from harp_trt.rewrite.fold import fold_o_proj
+from harp_trt.fold import fold_o_proj
 from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage, rewrite_onnx
 from harp_trt.store import ArtifactStore
 
@@ -183,7 +183,7 @@ def test_rewrite_and_verify(exports, family):
 
 
 def test_fold_is_exact_for_gqa():
-    """o_proj(repeat_kv(v)) == v @ fold(W_O) for every grouping (fold.py)."""
+    """o_proj(repeat_kv(v)) == v @ fold(W_O) for every grouping (harp_trt/fold.py)."""
     rng = np.random.default_rng(0)
     for heads, kv, hd in [(4, 4, 8), (4, 2, 8), (9, 3, 64), (8, 1, 4)]:
         w_o = rng.standard_normal((heads * hd, 24))

@@ -17,7 +17,7 @@ the V and the kv x h O GEMMs) or ``"folded"`` (the GGUF's one h x h matrix, ``bu
 so each runtime's ideal counts the work it does.
 
 The pruned layer has no softmax, no RoPE and no scores: its attention is the per-token linear map
-V.O, and O folds over the repeated KV heads into a kv x h matrix (``harp_trt.rewrite.fold``), so
+V.O, and O folds over the repeated KV heads into a kv x h matrix (``harp_trt.fold.fold_o_proj``), so
 the O GEMM shrinks from q x h to kv x h. Norms, RoPE and residual adds are left out (a few FLOPs
 per element, under 1 % of a layer); the LM head (2hV) is counted for the positions an engine
 computes logits for (``logits="last"`` or ``"all"``). Sliding-window layers attend to at most

@@ -17,39 +17,32 @@ from __future__ import annotations
 from typing import Any
 
 from harp_trt.errors import GraphError
-from harp_trt.onnx_io import LOGITS_TO_KEEP
+from harp_trt.onnx_io import LOGITS, LOGITS_TO_KEEP, walk_to_lm_head
 
 __all__ = ["LM_HEAD_OPS", "lm_head_node", "last_position_logits", "LOGITS", "has_logits_to_keep",
            "pin_logits_to_keep"]
 
-LOGITS = "logits"
+# a built engine's LM head: plain, weight-only quantized or fused by ORT's optimizer
 LM_HEAD_OPS = frozenset({"MatMul", "MatMulNBits", "Gemm", "FusedMatMul"})
-# ops the LM head's output may pass through on its way to ``logits`` (one data input each)
-_ELEMENTWISE = frozenset({"Cast", "Mul", "Div", "Add", "Sub", "Tanh"})
-_MAX_WALK = 8
 
 
 def lm_head_node(graph: Any) -> tuple[Any, list[Any]]:
     """(the LM-head node, the element-wise nodes between it and ``logits``): the node whose output
     reaches ``logits`` through element-wise ops only and that multiplies by a weight
-    (``LM_HEAD_OPS``); ``GraphError`` where the chain is anything else."""
+    (``LM_HEAD_OPS``; the walk is ``harp_trt.onnx_io.walk_to_lm_head``); ``GraphError`` where the
+    chain is anything else."""
     producer = {o: n for n in graph.node for o in n.output}
     consts = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
-    name, chain = LOGITS, []
-    for _ in range(_MAX_WALK):
-        node = producer.get(name)
-        if node is None:
-            break
-        if node.op_type in LM_HEAD_OPS:
-            return node, chain
-        data = [i for i in node.input if i and i not in consts]
-        if node.op_type not in _ELEMENTWISE or len(data) != 1:
-            raise GraphError(f"the {LOGITS} output comes out of a {node.op_type} ({node.name}) with {len(data)} "
-                             "data inputs, not out of an LM-head GEMM and element-wise ops",
-                             "deploy this engine with every position's logits (no --last-logits)")
-        chain.append(node)
-        name = data[0]
-    raise GraphError(f"no LM-head GEMM ({', '.join(sorted(LM_HEAD_OPS))}) found before the graph's {LOGITS} output")
+    walk = walk_to_lm_head(LOGITS, producer.get, lambda n: [i for i in n.input if i and i not in consts], LM_HEAD_OPS)
+    if walk.head is not None:
+        return walk.head, walk.chain
+    if walk.blocker is not None:
+        node = walk.blocker
+        raise GraphError("genai", f"the {LOGITS} output comes out of a {node.op_type} ({node.name}) with "
+                         f"{walk.data_inputs} data inputs, not out of an LM-head GEMM and element-wise ops",
+                         "deploy this engine with every position's logits (no --last-logits)")
+    raise GraphError("genai", f"no LM-head GEMM ({', '.join(sorted(LM_HEAD_OPS))}) found before the graph's "
+                     f"{LOGITS} output")
 
 
 def last_position_logits(model: Any) -> Any:
@@ -60,7 +53,7 @@ def last_position_logits(model: Any) -> Any:
     graph = model.graph
     out = next((o for o in graph.output if o.name == LOGITS), None)
     if out is None:
-        raise GraphError(f"the graph has no {LOGITS!r} output")
+        raise GraphError("genai", f"the graph has no {LOGITS!r} output")
     head, chain = lm_head_node(graph)
     hidden = head.input[0]
     last = f"{hidden}/last_position"
@@ -96,7 +89,7 @@ def pin_logits_to_keep(model: Any, keep: int) -> Any:
     graph = model.graph
     kept = [i for i in graph.input if i.name != LOGITS_TO_KEEP]
     if len(kept) == len(graph.input):
-        raise GraphError(f"the graph has no {LOGITS_TO_KEEP!r} input")
+        raise GraphError("genai", f"the graph has no {LOGITS_TO_KEEP!r} input")
     del graph.input[:]
     graph.input.extend(kept)
     graph.initializer.append(helper.make_tensor(LOGITS_TO_KEEP, TensorProto.INT64, [1], [int(keep)]))

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from harp_trt.engine_spec import ENGINE_JSON, engine_json, engine_threads, is_engine, read_engine_spec
+from harp_trt.engine_spec import ENGINE_JSON, engine_json, engine_model, engine_threads, is_engine, read_engine_spec
 from harp_trt.errors import ConfigError, PostconditionError, PreconditionError, VerificationError
 from harp_trt.onnx_io import (EXTERNAL_DATA_SUFFIX, MODEL_FILE, TOKENIZER_FILES, folder_adds_bos,
                               kv_layers_of_names, present_name, read_export_meta)
@@ -70,7 +70,7 @@ class EngineInfo:
 
     @property
     def onnx(self) -> Path:
-        return self.path / self.spec.get("model", MODEL_FILE)
+        return engine_model(self.path, self.spec)
 
 
 def _fail(message: str, hint: str | None = _HINT) -> PreconditionError:
@@ -97,7 +97,7 @@ def inspect_engine(ref: str | os.PathLike, store=None) -> EngineInfo:
         spec = read_engine_spec(p)
     except ValueError as e:
         raise _fail(str(e), "rebuild the engine") from None
-    onnx_path = p / spec.get("model", MODEL_FILE)
+    onnx_path = engine_model(p, spec)
     if not onnx_path.is_file():
         raise _fail(f"engine {p.name} has no {onnx_path.name}", "rebuild the engine")
     meta = read_export_meta(onnx_path, STAGE)  # GraphError on a file that is not ONNX

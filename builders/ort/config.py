@@ -8,11 +8,19 @@ from harp_trt.config import StageConfig, option
 from harp_trt.stage_spec import StageSpec
 from harp_trt.errors import ConfigError
 
-__all__ = ["OrtBuildConfig", "QuantSpec", "LEVELS", "QUANT_MODES", "ACCURACY_LEVELS"]
+__all__ = ["OrtBuildConfig", "QuantSpec", "LEVELS", "QUANT_MODES", "ACCURACY_LEVELS", "weight_bytes"]
 
 LEVELS = ("disable", "basic", "extended", "all")  # ORT graph optimization levels, by name
 QUANT_MODES = {"none": 0, "int4": 4, "int8": 8, "w8a8": 8}   # mode -> weight bits
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+def weight_bytes(mode: str) -> float:
+    """Bytes per quantized weight element of an engine built with ``--quant mode``: its bits / 8,
+    and an unquantized engine's fp32 4 ("none"). Scales and the matrices left unquantized are not
+    counted."""
+    bits = QUANT_MODES[mode]
+    return bits / 8 if bits else 4.0
 
 
 @dataclass(frozen=True)

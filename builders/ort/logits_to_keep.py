@@ -36,16 +36,12 @@ import numpy as np
 import onnx_ir as ir
 
 from harp_trt.graph_rules import GraphRule, MatchResult, RuleReport
-from harp_trt.onnx_io import LOGITS_KEEP_NONE, LOGITS_TO_KEEP, LOGITS_TO_KEEP_META_KEY
+from harp_trt.onnx_io import (LM_HEAD_MAX_WALK, LOGITS, LOGITS_KEEP_NONE, LOGITS_TO_KEEP, LOGITS_TO_KEEP_META_KEY,
+                               walk_to_lm_head)
 
 __all__ = ["LOGITS_TO_KEEP", "LOGITS_KEEP_NONE", "LogitsToKeep", "LmHead"]
 
-LOGITS = "logits"
-_HEAD_OPS = frozenset({"MatMul", "Gemm"})
-# ops the LM head's output may pass through on its way to ``logits`` (one data input each:
-# Gemma2's final soft-capping is Div, Tanh, Mul)
-_ELEMENTWISE = frozenset({"Cast", "Mul", "Div", "Add", "Sub", "Tanh"})
-_MAX_WALK = 8
+_HEAD_OPS = frozenset({"MatMul", "Gemm"})   # before quantization: a plain GEMM of the default domain
 
 
 @dataclass
@@ -88,23 +84,17 @@ class LogitsToKeep(GraphRule[LmHead]):
     def check(self, graph: ir.Graph, logits: ir.Value) -> MatchResult[LmHead]:
         if any(v.name == LOGITS_TO_KEEP for v in graph.inputs):
             return MatchResult.fail(f"the graph already takes {LOGITS_TO_KEEP}")
-        value, chain = logits, []
-        for _ in range(_MAX_WALK):
-            node = value.producer()
-            if node is None:
-                break
-            if node.op_type in _HEAD_OPS and node.domain == "":
-                if node.op_type == "Gemm" and node.attributes.get("transA") is not None \
-                        and node.attributes["transA"].value:
-                    return MatchResult.fail("the LM head Gemm transposes its activations")
-                return MatchResult(LmHead(node, chain, logits))
-            data = _data_inputs(node)
-            if node.op_type not in _ELEMENTWISE or node.domain != "" or len(data) != 1:
-                return MatchResult.fail(f"{LOGITS} comes out of {node.op_type} ({node.name}) with {len(data)} data "
-                                        "inputs, not out of an LM-head GEMM and element-wise ops")
-            chain.append(node)
-            value = data[0]
-        return MatchResult.fail(f"no LM-head GEMM within {_MAX_WALK} nodes before {LOGITS}")
+        walk = walk_to_lm_head(logits, lambda v: v.producer(), _data_inputs, _HEAD_OPS, default_domain_only=True)
+        node = walk.head
+        if node is not None:
+            if node.op_type == "Gemm" and node.attributes.get("transA") is not None and node.attributes["transA"].value:
+                return MatchResult.fail("the LM head Gemm transposes its activations")
+            return MatchResult(LmHead(node, walk.chain, logits))
+        if walk.blocker is not None:
+            node = walk.blocker
+            return MatchResult.fail(f"{LOGITS} comes out of {node.op_type} ({node.name}) with {walk.data_inputs} data "
+                                    "inputs, not out of an LM-head GEMM and element-wise ops")
+        return MatchResult.fail(f"no LM-head GEMM within {LM_HEAD_MAX_WALK} nodes before {LOGITS}")
 
     def rewrite(self, graph: ir.Graph, m: LmHead) -> ir.Node:
         def const(name: str, array: np.ndarray) -> ir.Value:

@@ -53,8 +53,7 @@ from ..errors import ConfigError, GraphError, PreconditionError
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_SUFFIX, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, copy_tokenizer,
                       input_names, output_names, read_export_meta)
 from ..config import digest_of
-from ..stage import Stage
-from ..store import Artifact
+from ..stage import CompactIntermediates, Stage
 from ..weights import hf_config
 from .config import ExportConfig
 from .initializers import bind_lazily, drop_dead_initializers, fold_weight_transposes, optimize
@@ -312,7 +311,7 @@ def _check_opset(opset: int) -> None:
 
 
 # ---- the stage -------------------------------------------------------------------------------
-class ExportStage(Stage[ExportConfig]):
+class ExportStage(CompactIntermediates, Stage[ExportConfig]):
     """inputs: ``{"model": ResolvedModel}``. Writes ``model.onnx`` (+ ``model.onnx.data`` over
     2 GB), the tokenizer and config files, and a manifest with the KV layout and the numeric check.
 
@@ -326,12 +325,6 @@ class ExportStage(Stage[ExportConfig]):
     version = 2
     outputs = ("model.onnx", "config.json")
     intermediate = ("model.onnx", PROBE_DIR + "/model.safetensors")
-
-    @classmethod
-    def prunable(cls, artifact: Artifact) -> bool:
-        """Only the large-model (compact) path drops its weights once consumed: a small fp32 run
-        keeps them, as before, for the reruns and benches that read them."""
-        return artifact.manifest.get("storage") == "compact"
 
     def requirements(self, config: ExportConfig) -> tuple[tuple[str, str], ...]:
         return (("onnxruntime", "the export's check against PyTorch needs it"),)

@@ -1,7 +1,7 @@
 """The rewrite stage: turn a dense ONNX export into the HARP graph (arXiv 2507.01900, Eq. 4-5).
 
 Pruned layers' attention blocks become ``MatMul(MatMul(x, W_V) + b_V, alpha * W_O_fold)``
-(``rules/``, ``fold.py``), their KV-cache inputs/outputs and dead Q/K/rotary nodes go
+(``rules/``, ``harp_trt/fold.py``), their KV-cache inputs/outputs and dead Q/K/rotary nodes go
 (``passes.py``), and the result is checked in ONNX Runtime against PyTorch (``harp_trt/verify.py``).
 The dense export it starts from is its own stage, ``harp_trt/export/``."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ def __getattr__(name):  # lazy: `import harp_trt.rewrite` stays cheap
 
         return getattr(passes, name)
     if name == "fold_o_proj":
-        from .fold import fold_o_proj
+        from ..fold import fold_o_proj
 
         return fold_o_proj
     if name == "RewriteConfig":

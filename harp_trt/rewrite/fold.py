@@ -8,31 +8,14 @@ where query head h reads KV head g(h). Grouping the rows of W_O by KV head gives
 
     W_O_fold[j*d:(j+1)*d, :] = sum_{h: g(h)=j} W_O[h*d:(h+1)*d, :]     (exact, kv_dim x hidden)
 
-so the folded block costs (hidden x kv_dim) + (kv_dim x hidden) instead of hidden x hidden."""
+so the folded block costs (hidden x kv_dim) + (kv_dim x hidden) instead of hidden x hidden. That
+fold is ``harp_trt.fold.fold_o_proj``, the one the checkpoint writers' ``fold_vo`` uses too; this
+module holds the rewrite's own: alpha into a norm's gain, a plan's fitted maps by layer."""
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["fold_o_proj", "scale_norm_gain", "fitted_weights"]
-
-
-def fold_o_proj(w_o: np.ndarray, num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
-    """Sum ``w_o``'s input-row blocks over each KV group.
-
-    ``w_o`` is the o_proj weight in MatMul layout, ``[num_heads * head_dim, hidden]``; the result
-    is ``[num_kv_heads * head_dim, hidden]`` in float64-accumulated ``w_o.dtype``."""
-    if w_o.ndim != 2:
-        raise ValueError(f"o_proj weight must be 2-D, got shape {w_o.shape}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if w_o.shape[0] != num_heads * head_dim:
-        raise ValueError(f"o_proj weight has {w_o.shape[0]} input rows, expected "
-                         f"{num_heads} heads x {head_dim} = {num_heads * head_dim}")
-    n_rep = num_heads // num_kv_heads
-    if n_rep == 1:
-        return w_o
-    blocks = w_o.reshape(num_kv_heads, n_rep, head_dim, w_o.shape[1])
-    return blocks.sum(axis=1, dtype=np.float64).astype(w_o.dtype).reshape(num_kv_heads * head_dim, -1)
+__all__ = ["scale_norm_gain", "fitted_weights"]
 
 
 def scale_norm_gain(gain: np.ndarray, alpha: float) -> np.ndarray:

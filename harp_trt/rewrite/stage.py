@@ -28,7 +28,7 @@ from ..graph_rules import run_passes
 from ..onnx_io import (EXPORT_META_KEY, EXTERNAL_DATA_THRESHOLD, MODEL_FILE, PLAN_META_KEY, check_plan_weights, copy_tokenizer, file_digest,
                        parse_kv_name, read_export_meta)
 from ..plan import Plan
-from ..stage import Stage
+from ..stage import CompactIntermediates, Stage
 from ..store import Artifact
 from .config import RewriteConfig
 from .graph import STAGE, check_onnx, fix_constant_shapes, load_graph, save_graph
@@ -151,17 +151,11 @@ def rewrite_onnx(src: Path, plan: Plan, out_path: Path, external_data_mb: int = 
     return report
 
 
-class RewriteStage(Stage[RewriteConfig]):
+class RewriteStage(CompactIntermediates, Stage[RewriteConfig]):
     name = "rewrite"
     version = 1
     outputs = ("model.onnx", "plan.json", REPORT)
     intermediate = ("model.onnx",)
-
-    @classmethod
-    def prunable(cls, artifact: Artifact) -> bool:
-        """Only the large-model (compact) path drops its weights once consumed: a small fp32 run
-        keeps them, as before, for the reruns and benches that read them."""
-        return artifact.manifest.get("storage") == "compact"
 
     def requirements(self, config: RewriteConfig) -> tuple[tuple[str, str], ...]:
         return (("onnxruntime", "the rewrite's check against PyTorch needs it (or --no-verify)"),) if config.verify else ()

@@ -61,7 +61,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
 
-        from harp_trt.engine_spec import engine_threads, is_engine, read_engine_spec
+        from harp_trt.engine_spec import engine_model, engine_threads, is_engine, read_engine_spec
         from harp_trt.ort_session import OrtCausalLM
         from harp_trt.serving import BatchedGenerator
 
@@ -72,7 +72,7 @@ class TritonPythonModel:
         spec = read_engine_spec(engine) if is_engine(engine) else {}
         threads = engine_threads(spec, params.get("intra_op_threads"))
         providers = [p for p in params.get("providers", "").split(",") if p] or None
-        self.lm = OrtCausalLM(engine / spec.get("model", "model.onnx"), providers=providers, intra_op_threads=threads)
+        self.lm = OrtCausalLM(engine_model(engine, spec), providers=providers, intra_op_threads=threads)
         self.tokenizer = AutoTokenizer.from_pretrained(str(engine), trust_remote_code=False)
         self.max_input_len = int(params.get("max_input_len") or 4096)
         # "true": BOS first, as the model's tokenizer encodes a prompt (the repository writes the model's

@@ -2,7 +2,7 @@
 what its rewrite added (``LayerEdit``) and ``AttentionRule``, whose subclasses only say what their
 attention core looks like. The V path, o_proj, the residual add and the KV-cache I/O are traced
 here (``tracing.py``), and the rewrite is the same for every form: HARP Eq. 4-5 with the GQA fold
-(``fold.py``)."""
+(``harp_trt/fold.py``)."""
 from __future__ import annotations
 
 from collections import deque
@@ -13,8 +13,9 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from ...fold import fold_o_proj
 from ...graph_rules import GraphRule, MatchResult
-from ..fold import fold_o_proj, scale_norm_gain
+from ..fold import scale_norm_gain
 from ..graph import ancestors, const_array, is_const, name_hint_matches, only_consumer
 from .edit import add_node, remove_block, unique_name
 from .tracing import (LAYOUT_OPS, TraceError, cache_root, const_weight, describe_node, forward_cores, infer_head_dim,
