@@ -150,26 +150,27 @@ def test_calibrate_replacement_records_every_candidate(trained_qwen2, tmp_path, 
     assert "replacement" not in json.loads((Path(harp["artifact"]) / "plan.json").read_text())["extra"]
 
 
+@pytest.mark.slow
 def test_rrr_on_smollm2_beats_the_grid_and_reads_back(smollm2, smollm2_export, test_cache, capsys):
-    """On a real model (SmolLM2-135M, top 2 layers, 1024 tokens per half, a 5-value grid) the rrr
-    map beats the searched alpha in at least one layer; ``harp-trt eval`` rebuilds the plan's
-    model from the artifact's safetensors (resident and one layer at a time) with the plan's
+    """On a real model (SmolLM2-135M, layer 28, 512 tokens per text in windows of 256, a 3-value grid)
+    the rrr map beats the searched alpha on the select text; ``harp-trt eval`` rebuilds the plan's
+    model from the artifact's safetensors one layer at a time with the resident plan's
     held-out perplexity, 1e-5 relative; and the ONNX rewrite of the real export with the map passes
     its verification against PyTorch with the map (fp32 logits within 1e-4 of their scale, greedy
     tokens equal)."""
-    common = ["--tokens", "1024", "--seq-len", "512", "--workdir", str(test_cache), "--json"]
-    code, res, err = run_json(capsys, "calibrate", "--model", "smollm2-135m", "--layers", "2", "--replacement", "rrr",
-                              "--alpha-grid", "0,0.25,0.5,0.75,1", *common)
+    common = ["--tokens", "512", "--seq-len", "256", "--workdir", str(test_cache), "--json"]
+    code, res, err = run_json(capsys, "calibrate", "--model", "smollm2-135m", "--prune-layers", "28", "--replacement", "rrr",
+                              "--alpha-grid", "0,0.5,1", *common)
     assert code == 0, err
     art = Path(res["artifact"])
     plan = _check_record(art, "rrr")
-    assert plan["extra"]["replacement"]["layers"], plan["extra"]["replacement"]
+    assert plan["extra"]["replacement"]["layers"] == [28], plan["extra"]["replacement"]
     assert plan["ppl"]["searched"] < plan["ppl"]["alpha1"]
-    for extra in ([], ["--sequential"]):
-        code, ev, err = run_json(capsys, "eval", "--plan", str(art), *common, *extra)
-        assert code == 0, err
-        assert ev["fitted_layers"] == plan["extra"]["replacement"]["layers"]
-        assert ev["searched"] == pytest.approx(plan["ppl"]["heldout_searched"], rel=1e-5)
+    # one layer at a time, from the artifact's safetensors: the resident figure the plan recorded
+    code, ev, err = run_json(capsys, "eval", "--plan", str(art), *common, "--sequential")
+    assert code == 0, err
+    assert ev["fitted_layers"] == plan["extra"]["replacement"]["layers"]
+    assert ev["searched"] == pytest.approx(plan["ppl"]["heldout_searched"], rel=1e-5)
     from harp_trt.plan import Plan
     from harp_trt.rewrite.stage import REPORT, RewriteConfig, RewriteStage
 
