@@ -56,6 +56,7 @@ def bench_art(setup):
 
 
 # ---- the stage ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_tables_columns_units_and_rows(bench_art, setup):
     art, cfg = bench_art
     for f in ("latency.parquet", "latency.csv", "speedup.parquet", "speedup.csv", "accuracy.parquet",
@@ -369,6 +370,7 @@ def ort_engines(setup):
     return dense, harp
 
 
+@pytest.mark.slow
 def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     """Same plan in ONNX Runtime (dense export vs rewritten graph): same perplexities as the
     PyTorch reference, same measured KV bytes, every table filled."""

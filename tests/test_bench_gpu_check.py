@@ -26,6 +26,7 @@ def test_gpu_check_refuses_without_gpu():
     assert code == 2 and out["status"] == "refused" and "needs a CUDA GPU" in err and "--dry-run" in out["reason"]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_covers_every_stage():
     code, out, _ = _run("gpu_check.py", "--dry-run")
     assert code == 0 and out["status"] == "ok" and out["skipped"] == []
@@ -42,6 +43,7 @@ def test_gpu_check_dry_run_covers_every_stage():
     assert shape["params"] == 8_030_261_248 and shape["params"] - shape["harp_params"] == 8 * 4096 * 5120
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_on_llamacpp():
     """--engine llamacpp: the search in PyTorch, then prefill and decode in llama.cpp (its CPU build
     in a dry run; every layer offloaded on a GPU host) from the GGUFs the pipeline writes."""

@@ -69,6 +69,7 @@ def test_dry_run_same_code_path(tmp_path):
     assert kv["dense"] == 2 * kv["harp"] == 4 * 2 * 2 * 16 * 4
 
 
+@pytest.mark.slow
 def test_dry_run_on_genai(tmp_path):
     """--engine genai: the same CSV/PNG/JSON from onnxruntime-genai (the CUDA provider on a GPU
     host; the CPU build in a dry run) on the folders the pipeline builds, KV bytes as genai holds them."""

@@ -44,6 +44,7 @@ def _loglik(model, tok, context: str, cont: str) -> tuple[float, bool]:
     return float(rows.gather(-1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
 
 
+@pytest.mark.slow
 def test_lm_eval_run_on_local_task(pair, tmp_path):
     from harp_trt.bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
 

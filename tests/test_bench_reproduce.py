@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +49,7 @@ def _perplexity(folder, windows: torch.Tensor, alphas: dict[int, float]) -> floa
     return math.exp(nll / (windows.numel() - windows.shape[0]))
 
 
+@pytest.mark.slow
 def test_reproduce_rows_report_the_perplexities_of_their_plans(tmp_path, capsys, trained_qwen2):
     corpus = write_corpus(tmp_path / "c.txt", docs=16)
     assert main(["--model", str(trained_qwen2), "--ps", "1,2", "--strategies", "top,bottom@1,gate-norm",

@@ -85,6 +85,7 @@ def _keys(d, prefix=""):
     return out
 
 
+@pytest.mark.slow
 def test_build_genai_bench_steps_and_fields(genai_build):
     g, o = genai_build["genai"], genai_build["ort"]
     assert list(g["stages"]) == ["calibrate", "export", "rewrite", "build", "build:dense", "build:genai",

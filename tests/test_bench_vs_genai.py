@@ -12,6 +12,7 @@ import statistics
 import time
 
 import numpy as np
+import pytest
 
 from _exported import exported
 from harp_trt.bench._genai_baseline import stage_hf_folder
@@ -24,6 +25,7 @@ ENGINES = ("genai_int4", "dense_int4", "harp_int4")
 METRICS = ("prefill_512_s", "prefill_2048_s", "decode_tokens_per_s")
 
 
+@pytest.mark.slow
 def test_byte_ideal_of_two_int4_engines(tmp_path, monkeypatch):
     q = OrtBuildConfig(quant="int4", intra_op_threads=2)
     dense, harp = tmp_path / "dense", tmp_path / "harp"
@@ -80,6 +82,7 @@ def test_byte_ideal_of_two_int4_engines(tmp_path, monkeypatch):
     assert np.array_equal(seq, OrtCausalLM(harp).generate(np.asarray([prompt]), max_new_tokens=1 + n))
 
 
+@pytest.mark.slow
 def test_vs_genai_figures_agree_with_each_other(tmp_path, capsys):
     """The script on a tiny Llama (vocabulary 20000 and 4096 positions, for its 2048-token prompts
     of ids < 20000) against onnxruntime-genai's int4 build of the same folder (~45 s on 2 cores)."""

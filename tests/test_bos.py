@@ -73,6 +73,7 @@ def smollm2_tokenizers(test_cache):
     return {False: plain, True: gemma_style}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_generate_and_genai_feed_what_transformers_feeds(smollm2_tokenizers, tmp_path, capsys, add_bos):
     """A tiny Llama over SmolLM2's vocabulary (49152 tokens), exported and built as an ORT engine with

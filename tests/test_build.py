@@ -18,6 +18,7 @@ def tiny_build(tmp_path_factory, trained_qwen2):
     return base
 
 
+@pytest.mark.slow
 def test_build_ort_then_all_cached_then_force(tiny_build, capsys, monkeypatch):
     code, res, _ = run_json(capsys, *tiny_build, "--bench", "--bench-seq-lens", "16,32",
                             "--bench-repeats", "1")

@@ -155,6 +155,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_a_core_change_rekeys_every_dependent_stage(tmp_path):
     """In a copy of the repository, the real stage classes' code versions: equal to the original's
     (no path in the key), then a one-line change to ``harp_trt/dims.py`` changes every stage that

@@ -195,6 +195,7 @@ def test_generate_refuses_a_cached_artifact_that_is_not_an_engine(tmp_path, caps
     assert store.get(key) is not None and not list((store.root / ".tmp").iterdir())
 
 
+@pytest.mark.slow
 def test_sigterm_mid_stage_leaves_nothing_half_written(setup, tmp_path):
     """A runner's SIGTERM while a stage writes (here the export of a tiny model) unwinds like Ctrl-C:
     exit 130, the stage's temp folder removed, no artifact published."""

@@ -51,6 +51,7 @@ def built(tmp_path_factory):
     return human.stdout, human.stderr, json.loads(again.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_json_keeps_its_keys(built):
     _, _, res = built
     assert set(res) == JSON_KEYS and res["all_cached"]

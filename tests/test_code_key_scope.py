@@ -49,6 +49,7 @@ def _install(site: Path, name: str, version: str, top_level: str) -> None:
     (info / "top_level.txt").write_text(top_level + "\n")
 
 
+@pytest.mark.slow
 def test_an_onnx_upgrade_rekeys_the_stages_that_run_onnx_and_not_calibrate(site):
     """onnx 99.0 first on the path: exactly the stages whose code runs an onnx import re-key
     (export, rewrite, the builders that read graphs); calibrate, whose closure reaches onnx only
@@ -63,6 +64,7 @@ def test_an_onnx_upgrade_rekeys_the_stages_that_run_onnx_and_not_calibrate(site)
     assert "calibrate" not in changed and "onnx" not in import_closure((STAGE_MODULES["calibrate"],)).external
 
 
+@pytest.mark.slow
 def test_onnxruntime_gpu_is_keyed_apart_from_onnxruntime(site):
     """Both provide the module ``onnxruntime``: an installed onnxruntime-gpu enters the keys of the
     stages that import it under its own name, whatever onnxruntime's version."""
@@ -95,6 +97,7 @@ def test_the_libraries_are_the_distributions_the_code_imports():
         ("tokenizers", md.version("tokenizers")), ("transformers", md.version("transformers")))
 
 
+@pytest.mark.slow
 def test_a_comment_or_docstring_edit_rekeys_no_stage_a_code_edit_every_one(tmp_path):
     """In a copy of the repository: comments, blank lines and docstrings added to ``errors.py``
     (which all 9 stages import) change no key; one statement changes all 9. A Triton asset is
@@ -243,6 +246,7 @@ print(json.dumps(sorted(seen)))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["calibrate", "export"])
 def test_what_a_stage_run_imports_is_in_its_key(tmp_path, stage):
     """Oracle 3, the rule's ground truth: run the stage for real (a tiny llama) and trace every import

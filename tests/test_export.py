@@ -26,6 +26,7 @@ def _dims(vi) -> list:
     return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
 
 
+@pytest.mark.slow
 def test_io_contract(family):
     m = onnx.load(str(exported(family)), load_external_data=False)
     layers = list(range(4))
@@ -110,6 +111,7 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
         ExportStage().execute(ArtifactStore(tmp_path / "cache"), ExportConfig(), {})
 
 
+@pytest.mark.slow
 def test_export_stage_caches_by_weight_digest(tmp_path):
     from harp_trt.models import resolve_model
 
@@ -133,6 +135,7 @@ def test_export_stage_caches_by_weight_digest(tmp_path):
     assert again.cached and again.path == art.path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", ["qwen2", "gemma2"])
 def test_streamed_export_equals_in_memory_export(tmp_path, fam):
     """export_folder traces a meta skeleton and streams initializers from safetensors: the graph
@@ -158,6 +161,7 @@ def test_streamed_export_equals_in_memory_export(tmp_path, fam):
             np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_streamed_export_in_bfloat16(tmp_path):
     """A bf16 graph for GPU engines: bf16 initializers and KV I/O, the fp32 export's structure."""
     from harp_trt.export.export import export_folder
@@ -173,6 +177,7 @@ def test_streamed_export_in_bfloat16(tmp_path):
         export_folder(folder, tmp_path / "x", dtype="int8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("path", ["in-memory", "streamed"])
 def test_export_stores_each_weight_once(tmp_path, tied, path):

@@ -64,6 +64,7 @@ def tiny(tmp_path_factory):
     return save_tiny("llama", tmp / "tiny-llama"), write_corpus(tmp / "corpus.txt")
 
 
+@pytest.mark.slow
 def test_build_without_onnxruntime_names_cpu_and_gpu_extras_before_calibrating(tiny, tmp_path):
     folder, corpus = tiny
     res, err = run(("onnxruntime",), ["build", "--model", str(folder), "--workdir", str(tmp_path / "w"),
@@ -109,6 +110,7 @@ def test_triton_config_check_without_tritonclient_names_the_triton_extra():
                                "pip install -e '.[triton]' in the harp-trt checkout")
 
 
+@pytest.mark.slow
 def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_path, capsys):
     folder, corpus = tiny
     argv = ["calibrate", "--model", str(folder), "--layers", "2", "--tokens", "256", "--seq-len", "64",

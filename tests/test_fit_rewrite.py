@@ -42,6 +42,7 @@ def _fitted_plan(folder: Path, resolved, family: str, method: str = "rrr", seed:
     return Plan.load(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 def test_rrr_rewrite_equals_pytorch_with_the_fitted_map(exports, family, tmp_path):  # noqa: F811
     """GQA (llama), a v bias (qwen2, zeroed by the map), the post-attention norm (gemma2): the
@@ -120,6 +121,7 @@ def test_a_missing_map_is_refused(exports, tmp_path):  # noqa: F811
         Plan.load(tmp_path / "rrr").fitted_tensors()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["rrr", "lmmse"])
 def test_fitted_map_through_the_probe_path(tmp_path, method):
     """Quantized builds check a probe (harp_trt.probe: a few layers renumbered, bf16 compact export):

@@ -72,6 +72,7 @@ def _ours(engine: Path, n: int) -> list[int]:
     return [int(t) for t in lm.generate(np.asarray([PROMPT]), max_new_tokens=n)[0, len(PROMPT):]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kept,share", [("dense", [0, 1, 2, 3], True), ("top", [0, 1], True),
                                              ("middle", [0, 3], True), ("concat", [0, 3], False),
                                              ("int8", [0, 3], True), ("int4", [0, 3], True)])
@@ -204,6 +205,7 @@ def test_genai_deploy_refuses_a_non_empty_out(built, tmp_path, capsys):
     assert code == 2 and "not empty" in err and [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_build_backend_genai_then_deploy_is_cached(tmp_path, capsys):
     """`build --backend genai`: the ORT steps then the genai folder (a cached genai-<key>/
     artifact); `deploy genai --artifact <engine>` without --out returns that same artifact."""

@@ -114,6 +114,7 @@ def smol_tokenizer_files(smollm2) -> Path:
     return Path(smollm2[0].folder)
 
 
+@pytest.mark.slow
 def test_tiny_decilm_folder_converts_runs_and_matches_harp(smol_tokenizer_files, test_cache, tmp_path):
     model = make_tiny("llama", intermediate_size=256, vocab_size=49152)  # DeciLM widths: multiples of 256
     folder = tmp_path / "tiny"
@@ -137,6 +138,7 @@ def test_tiny_decilm_folder_converts_runs_and_matches_harp(smol_tokenizer_files,
     _compare(conv["gguf"], model, TINY_ALPHAS, folder)
 
 
+@pytest.mark.slow
 def test_smollm2_decilm_folder_converts_runs_and_matches_harp(smollm2, test_cache, tmp_path):
     resolved, model, _ = smollm2
     n = model.config.num_hidden_layers
@@ -148,6 +150,7 @@ def test_smollm2_decilm_folder_converts_runs_and_matches_harp(smollm2, test_cach
     _compare(conv["gguf"], model, SMOL_ALPHAS, resolved.folder)
 
 
+@pytest.mark.slow
 def test_vocab_routes_what_the_converter_refuses(smol_tokenizer_files, test_cache, tmp_path):
     """Why the runner changes the vocabulary step and only that: unchanged, ``DeciModel.set_vocab``
     sends a 49152-token GPT-2 vocabulary to ``_set_vocab_llama_hf``, which looks for a SentencePiece

@@ -63,6 +63,7 @@ def result(runs):
     return runs[0]["runs"][0], runs[1]
 
 
+@pytest.mark.slow
 def test_runs_are_independent_processes_and_summarised(runs):
     """Each run is its own process (its own command line, ``--runs 1``), and the summary's medians,
     spreads and every-run claims are those of the runs' rows."""

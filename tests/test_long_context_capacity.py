@@ -51,6 +51,7 @@ def _probe(rt, engine, batch, cap=0, fill="short"):
     return probe(rt, engine, CONTEXT[rt], batch, cap, 1, fill=fill, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rt", ["ort", "llamacpp"])
 def test_a_try_without_a_cap_fits_with_its_kv_resident(engines, rt):
     p = _probe(rt, engines[rt]["dense"], 2)
@@ -77,6 +78,7 @@ def test_a_cap_below_the_base_does_not_fit(engines, rt):
     assert p["error"] and (p["returncode"] != 0 or p["error"].split(":")[0] in ("MemoryError", "PreconditionError"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rt", ["ort", "llamacpp"])
 def test_largest_batch_fits_and_one_more_does_not(engines, rt):
     from harp_trt.bench._long_context_capacity import largest_batch
@@ -109,6 +111,7 @@ def test_largest_batch_fits_and_one_more_does_not(engines, rt):
         assert kv1 - kv0 >= 0.9 * (b1 - b0) * per_seq
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rt", ["ort", "llamacpp"])
 def test_measure_capacity_dense_and_harp_under_one_cap(engines, rt):
     from harp_trt.bench._long_context_capacity import AUTO_SEQUENCES, measure_capacity

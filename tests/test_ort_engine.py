@@ -53,6 +53,7 @@ def _decode_against_hf(model, lm, ids: np.ndarray, mask: np.ndarray, steps: int)
     return past
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["onnx", "engine"])
 def test_left_padded_prefill_and_decode_logits(family, kind):
     """Prefill (left padding, batch 2) then 3 decode steps with the cache, vs HF forward."""
@@ -97,6 +98,7 @@ def test_gqa_engine_runs_batched_chunks_after_a_past():
     assert np.abs(la - lb).max() <= ATOL and np.abs(pa[3][1] - pb[3][1]).max() <= ATOL
 
 
+@pytest.mark.slow
 def test_harp_engine_has_kv_only_for_kept_layers():
     dense = json.loads((engine("qwen2") / "engine.json").read_text())["kv"]
     harp = json.loads((engine("qwen2", harp=True) / "engine.json").read_text())["kv"]
@@ -220,6 +222,7 @@ def test_smollm2_engine_generates_like_hf(smollm2, smollm2_export):
     np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 def test_static_cache_decode_equals_the_growing_past(family):
     """In-place KV (GQA past/present buffer sharing): the same logits as a growing numpy past,
@@ -253,6 +256,7 @@ def test_static_cache_decode_equals_the_growing_past(family):
         lm.decode_step(cache, tok, mask, pos)  # mask one token short
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_sliding_window_layers_fuse_with_gqa_local_window(family, tmp_path):
     """A sliding window (every Mistral v0.1 layer; Gemma3's local layers) becomes GroupQueryAttention's

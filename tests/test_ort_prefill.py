@@ -64,6 +64,7 @@ def test_logits_to_keep_on_an_engine_without_the_input(family):
         lm.forward(ids, mask, pos, logits_to_keep=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("harp", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7])
 def test_chunked_prefill_equals_one_call(family, harp, chunk):
@@ -193,6 +194,7 @@ def test_prefill_profile_bench_on_a_tiny_model(tmp_path):
         render.prefill_profile(out)
 
 
+@pytest.mark.slow
 def test_prefill_profile_on_a_random_shape_with_another_block_size(tmp_path):
     """``--shape``: a random-weight model of a real shape (bench/_shapes.py) stands in for ``--model``,
     its engines built with ``--quant-block-size``, which the GEMM peaks use too; its perplexity is

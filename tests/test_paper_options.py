@@ -83,6 +83,7 @@ def tiny(tmp_path):
     return folder, write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache"
 
 
+@pytest.mark.slow
 def test_paper_objective_is_rolling_document_perplexity(tiny, capsys):
     """--objective paper: dense perplexity = exp(mean NLL) of lm-eval's rolling windows of the
     model's maximum length over whole BOS-prefixed documents, computed here with the model alone."""
@@ -112,6 +113,7 @@ def test_paper_objective_is_rolling_document_perplexity(tiny, capsys):
     assert plan["ppl"]["dense"] == pytest.approx(math.exp(total / count), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_given_alphas_top_down_make_a_plan_without_search(tiny, capsys):
     folder, corpus, cache = tiny
     res, plan = calibrated_plan(capsys, calib_args(folder, corpus, cache, "--alphas", "0.8,0.2",
@@ -124,6 +126,7 @@ def test_given_alphas_top_down_make_a_plan_without_search(tiny, capsys):
     assert code == 0 and res2["artifact"] == res["artifact"] and res2["cached"] is True
 
 
+@pytest.mark.slow
 def test_explicit_layers_are_searched(tiny, capsys):
     folder, corpus, cache = tiny
     _, plan = calibrated_plan(capsys, calib_args(folder, corpus, cache, "--prune-layers", "3,1", "--alpha-grid", "0,1"))
@@ -147,6 +150,7 @@ def test_paper_alphas_of_the_presets():
     assert PRESETS["llama3.1-8b"].paper_alphas == (0.8, 0.2, 0.1, 0.1, 0.0, 0.1, 0.0, 0.0)
 
 
+@pytest.mark.slow
 def test_score_command_and_calibrate_agree_on_the_bos_sink(tiny, capsys):
     """`harp-trt score --strategy sink` puts the BOS first exactly as calibrate does."""
     folder, corpus, cache = tiny

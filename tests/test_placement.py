@@ -23,6 +23,7 @@ def _windows():
     return torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 def test_sequential_search_equals_in_memory(tmp_path, family):
     folder = save_tiny(family, tmp_path / "m", num_hidden_layers=5)
     results = {}
@@ -101,6 +102,7 @@ def test_bf16_refused_on_a_gpu_without_it():
     check_dtype("cpu", "bfloat16", bf16_supported=True)
 
 
+@pytest.mark.slow
 def test_calibrate_cli_sequential_same_plan_same_key(tmp_path, capsys):
     """--sequential gives the in-memory plan and hits its cache entry (placement is not in the key);
     another dtype is another artifact; the plan records which path ran."""

@@ -57,6 +57,7 @@ def gemma3(tmp_path_factory):
     return folder, root / "cache", write_corpus(root / "corpus.txt")
 
 
+@pytest.mark.slow
 def test_gemma3_prunes_a_global_and_a_local_layer_and_fuses_the_kept_global_one(gemma3, capsys):
     """P = 2 (top: layers 2 global and 3 local) is verified against the PyTorch HARP model by the
     rewrite; P = 1 keeps the global layer 2, whose attention (QK-norm after the BNSH Transpose, its
@@ -82,6 +83,7 @@ def test_gemma3_prunes_a_global_and_a_local_layer_and_fuses_the_kept_global_one(
     assert windows == [8, 8, -1]   # -1: ORT's "no window"
 
 
+@pytest.mark.slow
 def test_qwen3_builds_with_gqa_fused_around_its_qk_norm(qwen3, capsys):
     folder, cache, corpus = qwen3
     cfg = json.loads((folder / "config.json").read_text())
@@ -147,6 +149,7 @@ def test_deploy_trtllm_writes_a_verified_qk_norm_checkpoint(family, arch, reques
     assert "QK-norm eps 1e-05 as TensorRT-LLM computes it (the model's own: 1e-06)" in trt["verify_reference"]
 
 
+@pytest.mark.slow
 def test_llama32_shape_end_to_end(tmp_path, capsys):
     """Tied embeddings and llama3 RoPE scaling through build, the GGUF and the TensorRT-LLM
     checkpoint, each verified against the PyTorch HARP model by its own stage."""
@@ -182,6 +185,7 @@ def test_presets_name_registered_families_and_the_multimodal_gemma3_is_refused_w
         family_for_model_type("gemma3")
 
 
+@pytest.mark.slow
 def test_genai_builders_qwen3_graph_is_rewritten_and_verified(tmp_path, capsys):
     """A Qwen3 graph written by onnxruntime-genai's own model builder (0.18, fp32 CPU; run here, in this
     venv): it equals transformers' model, and ``harp-trt rewrite --onnx`` on it (GroupQueryAttention fed

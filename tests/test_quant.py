@@ -92,6 +92,7 @@ def _dequantized_int4(folder) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndar
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])   # qwen3: QK-norm, GQA fused around it
 def test_int4_engine_stores_round_to_nearest_codes_and_tracks_fp32(family, tmp_path):
     """The int4 engine against three independent references: (1) its stored codes and scales,

@@ -92,6 +92,7 @@ def _another_value(stage: str, field: str, value, tmp_path):
 NOT_IN_KEY = {("bench", "eval_data"): "a path: the eval wheel it names is pinned"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STAGES.names())
 def test_stage_entries_resolve(name, fresh_code_versions):
     spec = STAGES.get(name)

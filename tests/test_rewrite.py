@@ -118,6 +118,7 @@ def _harp_params(folder, family: str, alpha: float) -> tuple[int, int]:
     return q + k, o + (gain if alpha != 1.0 else 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_rewrite_and_verify(exports, family):
     store, export, resolved = exports(family)

@@ -145,6 +145,7 @@ def test_structure_check_catches_a_differing_layer():
         check_structure(_layered(12, 1000, odd=7), probe, layers, {}, 12, 1000, "rewrite")
 
 
+@pytest.mark.slow
 def test_probe_verifies_and_catches_a_broken_layer(tmp_path):
     """A bf16 tiny model's compact probe (layers 0, 1, 4, 5 of 6: kept first/middle, alpha 0.5 and
     alpha 0 pruned), rewritten by the same pass: within 1e-4 of PyTorch HARP; one folded weight
@@ -233,6 +234,7 @@ def test_preflight_refuses_before_any_work(tmp_path, monkeypatch):
     assert main(["build", "--model", str(folder), "--quant", "int4", "--workdir", str(cache), "--json"]) == 2
 
 
+@pytest.mark.slow
 def test_second_quantized_build_drops_the_rebuilt_export_before_the_engine(tmp_path, capsys, monkeypatch):
     """An int4 build drops the export's and rewrite's weights once the engine is built; an int8 build
     of the same plan rebuilds both (same keys) and drops the export's again as soon as the rewrite is

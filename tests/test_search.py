@@ -1,6 +1,7 @@
 """Algorithm 1: cached search == naive search; tie-breaking; trace shape."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harp_trt.calib.search import search_alphas
@@ -14,6 +15,7 @@ def _windows(n=3, s=24, seed=1):
     return torch.randint(0, 128, (n, s), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 def test_cached_equals_naive(family):
     w = _windows()
     a, b = make_tiny(family), make_tiny(family)

@@ -40,6 +40,7 @@ def _plan(res) -> dict:
     return json.loads((Path(res["artifact"]) / "plan.json").read_text())
 
 
+@pytest.mark.slow
 def test_the_default_split_is_halves_and_is_recorded(tiny, capsys):
     from harp_trt.plan import Plan
 
@@ -58,6 +59,7 @@ def test_the_default_split_is_halves_and_is_recorded(tiny, capsys):
     assert Plan.from_dict(plan).search_split == "halves"
 
 
+@pytest.mark.slow
 def test_the_paper_split_searches_every_document_and_holds_out_the_named_text(tiny, capsys):
     """--search-split all: the search windows cover all 7 documents; held-out perplexity comes
     from the other file, all of it; the plan says the search perplexities are on search text."""
@@ -126,6 +128,7 @@ def test_paper_bos_applies_to_gemma_only():
     assert not paper_add_special_tokens("once", "gemma2")
 
 
+@pytest.mark.slow
 def test_gemma2_paper_bos_scores_one_more_token_per_document(tmp_path, capsys):
     """A tiny Gemma2 whose tokenizer adds BOS: --paper-bos lm-eval-0.4.7 scores each document's
     second BOS (one token more per document) and records the choice; once scores the text only."""

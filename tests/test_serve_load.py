@@ -70,6 +70,7 @@ def result(tmp_path_factory, test_cache, smollm2):
     return last
 
 
+@pytest.mark.slow
 def test_every_request_completes_through_aiperf(result):
     points = result["points"]
     assert {(p["model"], p["concurrency"]) for p in points} == {(m, c) for m in ("dense", "harp") for c in (1, 4)}

@@ -228,6 +228,7 @@ def test_portable_config_moves_the_special_token_list_and_keeps_the_rest(tmp_pat
     assert make_tokenizer_portable(tmp_path) is False and json.loads(cfg.read_text()) == named
 
 
+@pytest.mark.slow
 def test_transformers5_chat_folders_fail_in_4x(folders, consumer):
     """Why the rewrite exists: under 4.x the raw Qwen2-style folder fails on the special-token list
     (whatever its class), the raw generic one on its class, and both still fail on the list once only

@@ -58,6 +58,7 @@ def _config_io(cfg):
     return [one(t) for t in cfg.input], [one(t) for t in cfg.output]
 
 
+@pytest.mark.slow
 def test_config_tensors_equal_the_graph(engine, tmp_path):
     folder, _ = engine
     report = write_repository(folder, tmp_path / "repo", ONNX)
@@ -301,6 +302,7 @@ def test_stage_execute_caches_the_repository(engine, tmp_path):
         TritonRepoStage().execute(store, ONNX, {})
 
 
+@pytest.mark.slow
 def test_bf16_graph_is_refused_for_onnx_serving(tmp_path):
     from conftest import save_tiny
     from harp_trt.export.export import export_folder

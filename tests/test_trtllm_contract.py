@@ -80,6 +80,7 @@ def _unresolved(ref: str) -> str | None:
     return f"nothing defines {missing}" if missing else None
 
 
+@pytest.mark.slow
 def test_every_row_cites_a_source_an_existing_test_and_existing_code():
     rows = _rows()
     assert len(rows) >= 20
@@ -311,6 +312,7 @@ CHECKS = {"qwen-seq-length": _check_qwen_seq_length, "sink": _check_sink, "pp-wi
           "triton-trtllm-release": _check_triton_trtllm_release, "triton-docker-env": _check_triton_docker_env}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("item", ISSUE_ITEMS)
 def test_each_issue_item_is_a_row_and_holds_on_written_files(item, written, tmp_path):
     """The findings that started the document: each is a row, and what the row requires holds on
