@@ -98,6 +98,7 @@ def test_tables_columns_units_and_rows(bench_art, setup):
     assert dec["harp"]["kv_bytes_per_token"] == 2 * 2 * 32 * 4
 
 
+@pytest.mark.slow
 def test_speedup_table_uses_the_flop_count(bench_art, setup):
     from harp_trt.dims import ModelDims
     from harp_trt.bench.stage.flops import ideal_speedups
@@ -162,6 +163,7 @@ def _hf_loss_perplexity(model, windows) -> float:
     return math.exp(total / count)
 
 
+@pytest.mark.slow
 def test_heldout_perplexity_matches_reference(bench_art, setup):
     """The bench's dense/HARP perplexities equal the HF loss's on the held-out windows."""
     from harp_trt.data import load_corpus, token_windows
@@ -187,6 +189,7 @@ def test_heldout_perplexity_matches_reference(bench_art, setup):
     assert s["kv_reduction"] == pytest.approx(2.0)
 
 
+@pytest.mark.slow
 def test_stage_is_cached(bench_art, setup):
     from harp_trt.bench.stage.stage import run_bench
 
@@ -196,6 +199,7 @@ def test_stage_is_cached(bench_art, setup):
 
 
 # ---- CLI and gates ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_json_and_gates(bench_art, setup, capsys):
     from harp_trt.cli import main
 
@@ -224,6 +228,7 @@ def test_cli_json_and_gates(bench_art, setup, capsys):
 
 
 # ---- serving figures of a real run ---------------------------------------------------------------
+@pytest.mark.slow
 def test_summary_serving_figures(bench_art):
     """genai-perf names and units for TTFT / ITL (batch 1) and throughput at batch 1, 4, 16."""
     art, cfg = bench_art
@@ -271,6 +276,7 @@ def test_summary_serving_figures(bench_art):
 
 
 # ---- bad input ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_unknown_task_lists_valid_ones(setup, capsys):
     from harp_trt.cli import main
 
@@ -281,6 +287,7 @@ def test_unknown_task_lists_valid_ones(setup, capsys):
     assert "unknown lm-eval task 'hellaswg'" in err and "arc_easy" in err and "did you mean 'hellaswag'" in err
 
 
+@pytest.mark.slow
 def test_sequence_beyond_context(setup, capsys):
     from harp_trt.cli import main
 
@@ -291,6 +298,7 @@ def test_sequence_beyond_context(setup, capsys):
     assert "[512] exceed the model's context of 256 tokens" in err and "max_position_embeddings" in err
 
 
+@pytest.mark.slow
 def test_missing_eval_data(setup, tmp_path, capsys):
     from harp_trt.cli import main
 
@@ -306,6 +314,7 @@ def test_missing_eval_data(setup, tmp_path, capsys):
     assert "eval data for 'piqa' is missing" in err and "data-00000-of-00001.arrow" in err
 
 
+@pytest.mark.slow
 def test_model_from_another_plan(setup, tmp_path, capsys):
     from harp_trt.cli import main
 
@@ -315,6 +324,7 @@ def test_model_from_another_plan(setup, tmp_path, capsys):
     assert "is not the model the plan was calibrated on" in err
 
 
+@pytest.mark.slow
 def test_bad_config_values(setup, capsys):
     from harp_trt.bench.stage.config import BenchConfig
     from harp_trt.errors import ConfigError, UnknownNameError
@@ -335,6 +345,7 @@ def test_bad_config_values(setup, capsys):
         BenchConfig.from_dict({"batch_sizes": [4, 0]})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value, message", [
     ("0", "--batch-sizes must be positive request counts, got '0'"),
     ("1,-4", "--batch-sizes must be positive request counts, got '1,-4'"),
@@ -400,6 +411,7 @@ def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     assert pr["ideal_speedup"] == pytest.approx(prefill_flops(d, 16, None, "all") / prefill_flops(d, 16, pruned, "all"))
 
 
+@pytest.mark.slow
 def test_ort_engines_swapped_or_foreign(setup, ort_engines, capsys):
     from harp_trt.cli import main
 

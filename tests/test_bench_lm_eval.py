@@ -69,6 +69,7 @@ def test_lm_eval_run_on_local_task(pair, tmp_path):
         assert lms[variant].calls >= 1
 
 
+@pytest.mark.slow
 def test_loglikelihood_matches_logits(pair):
     from lm_eval.api.instance import Instance
 
@@ -83,6 +84,7 @@ def test_loglikelihood_matches_logits(pair):
         assert score == pytest.approx(want, abs=1e-4) and greedy == want_greedy
 
 
+@pytest.mark.slow
 def test_rolling_and_generate(pair):
     from lm_eval.api.instance import Instance
 

@@ -107,6 +107,7 @@ def test_build_genai_bench_steps_and_fields(genai_build):
     assert sg["prefill_ideal"] == so["prefill_ideal"]   # both graphs compute every position's logits
 
 
+@pytest.mark.slow
 def test_genai_kv_bytes_as_allocated(genai_build):
     """KV bytes per position of the buffers genai allocated (present.* outputs): HARP keeps
     kept/total of dense (tolerance 0: both are whole buffers), equal to the counted figure and to
@@ -140,6 +141,7 @@ def pairs(genai_build):
     o.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 def test_genai_engine_logits_equal_ort(pairs, batch):
     """prefill, 6 decode steps (past the prefill's headroom of 3: batch 1 regrows its generator)
@@ -165,6 +167,7 @@ def test_genai_engine_logits_equal_ort(pairs, batch):
     assert g.info["harp"]["kv_layers"] == [0, 1] and g.info["dense"]["kv_layers"] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_genai_pair_refuses_folders_of_another_plan(pairs, genai_build):
     from harp_trt.bench.stage.config import BenchConfig
     from harp_trt.bench.stage.engine_genai import load_genai_pair
@@ -179,6 +182,7 @@ def test_genai_pair_refuses_folders_of_another_plan(pairs, genai_build):
 
 
 # ---- the CLI ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_engine_choices_and_errors(genai_build, tiny, capsys):
     from harp_trt.cli import main
 
@@ -198,6 +202,7 @@ def test_engine_choices_and_errors(genai_build, tiny, capsys):
     assert "backend ort builds no engines for the genai bench; its bench engines: ort, torch" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_cli_engine_genai_on_folders(genai_build, capsys):
     """`harp-trt bench --engine genai --dense-engine DIR --harp-engine DIR` on the build's folders."""
     from harp_trt.cli import main
@@ -229,6 +234,7 @@ def test_backends_declare_registered_bench_engines():
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_build_gguf_bench_llamacpp_fields_and_kv(gguf_build, genai_build):
     """The llamacpp bench has the ORT bench's summary fields; llama.cpp's own KV accounting (flash
     attention on, f16 cache) gives HARP kept/total of dense, equal to the counted f16 figure; its
@@ -267,6 +273,7 @@ def _dims(build):
     return ModelDims.from_config(AutoConfig.from_pretrained(plan["model_ref"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
 def test_llamacpp_engine_logits_match_ort(gguf_build, pairs, batch):
     """llama.cpp's prefill, decode steps (batch 2 runs past its context's room: rebuilt and
@@ -304,6 +311,7 @@ def test_llamacpp_engine_logits_match_ort(gguf_build, pairs, batch):
         pair.close()
 
 
+@pytest.mark.slow
 def test_llamacpp_pair_refuses_gguf_of_another_plan(gguf_build):
     from harp_trt.bench.stage.config import BenchConfig
     from harp_trt.bench.stage.engine_llamacpp import load_llamacpp_pair
@@ -317,6 +325,7 @@ def test_llamacpp_pair_refuses_gguf_of_another_plan(gguf_build):
         load_llamacpp_pair(plan, swapped, BenchConfig())
 
 
+@pytest.mark.slow
 def test_bench_cli_llamacpp_reads_the_gguf_context(gguf_build, capsys):
     """A GGUF engine's limit is its own ``{arch}.context_length`` (no config.json beside it)."""
     from harp_trt.cli import main

@@ -43,6 +43,7 @@ def test_build_ort_then_all_cached_then_force(tiny_build, capsys, monkeypatch):
     assert not st["rewrite"]["cached"] and not st["build"]["cached"]
 
 
+@pytest.mark.slow
 def test_build_trtllm_stops_after_checkpoint(tiny_build, capsys):
     code, res, _ = run_json(capsys, *tiny_build, "--backend", "trtllm")
     assert code == 0
@@ -52,6 +53,7 @@ def test_build_trtllm_stops_after_checkpoint(tiny_build, capsys):
     assert "export" not in res["stages"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,needle", [
     (["--backend", "trtlm"], "did you mean 'trtllm'"),
     (["--force", "rewrit"], "--force takes a stage name"),
@@ -61,6 +63,7 @@ def test_build_bad_flags(tiny_build, capsys, extra, needle):
     assert code == 2 and res is None and needle in err
 
 
+@pytest.mark.slow
 def test_build_triton_wraps_the_ort_engine(tiny_build, capsys):
     code, res, _ = run_json(capsys, *tiny_build, "--backend", "triton")
     assert code == 0
@@ -77,6 +80,7 @@ def test_build_triton_wraps_the_ort_engine(tiny_build, capsys):
 QUANT_BOUNDS = {"int8": 0.003, "int4": 0.003}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_build_quant_benches_against_the_fp32_engines(tiny_build, capsys, quant):
     """--quant: both bench engines quantized alike, the exact fp32 engines built beside them and

@@ -58,6 +58,7 @@ def test_json_keeps_its_keys(built):
     assert all(set(s) == STAGE_KEYS for s in res["stages"].values())
 
 
+@pytest.mark.slow
 def test_no_path_is_cut_and_the_next_command_has_the_engine_path(built):
     out, _, res = built
     engine = res["engine"]
@@ -73,6 +74,7 @@ def test_no_path_is_cut_and_the_next_command_has_the_engine_path(built):
     assert f'next: harp-trt generate --artifact {engine} --prompt "The capital of France is"' in out.splitlines()
 
 
+@pytest.mark.slow
 def test_summary_is_a_table_a_person_reads(built):
     out, _, res = built
     lines = out.splitlines()
@@ -96,6 +98,7 @@ def test_summary_is_a_table_a_person_reads(built):
     assert re.search(rf"KV cache\s+{kv['harp']:,} B per token \(dense {kv['dense']:,}: 2\.00x smaller\)", out)
 
 
+@pytest.mark.slow
 def test_alpha_search_printed_as_text_without_matplotlib(built):
     import polars as pl
 
@@ -113,6 +116,7 @@ def test_alpha_search_printed_as_text_without_matplotlib(built):
         assert spark[ppl.index(min(ppl))] == SPARK[0] and spark[ppl.index(max(ppl))] == SPARK[-1]
 
 
+@pytest.mark.slow
 def test_logs_have_no_source_column_nor_torchvision_lines(built):
     _, err, _ = built
     assert "export ..." in err and "alpha search over layers" in err  # the phases are logged, and export ran

@@ -78,6 +78,7 @@ def test_build_without_onnxruntime_names_cpu_and_gpu_extras_before_calibrating(t
     assert error_line(err).startswith("MissingDependencyError: onnxruntime is not installed: ONNX Runtime sessions")
 
 
+@pytest.mark.slow
 def test_bench_without_lm_eval_names_the_eval_extra(tiny, tmp_path):
     folder, corpus = tiny
     res, err = run(("lm_eval",), ["build", "--model", str(folder), "--workdir", str(tmp_path / "w"),
@@ -91,6 +92,7 @@ def test_bench_without_lm_eval_names_the_eval_extra(tiny, tmp_path):
     assert not list((tmp_path / "w").glob("calibrate-*"))
 
 
+@pytest.mark.slow
 def test_gguf_backend_without_llama_cpp_names_the_gguf_extra_before_calibrating(tiny, tmp_path):
     folder, corpus = tiny
     res, err = run(("llama_cpp",), ["build", "--model", str(folder), "--workdir", str(tmp_path / "w"),

@@ -96,6 +96,7 @@ def test_genai_greedy_equals_ort(built, name, kept, share):
         assert report["quant"] == name and "MatMulNBits" in ops
 
 
+@pytest.mark.slow
 def test_genai_kv_memory_is_kept_layers_only(built):
     """Resident bytes one generator of CONTEXT tokens adds, per engine, against the kept layers'
     K+V bytes (2 * kv_heads * head_dim * 4 B per token and layer, from engine.json)."""
@@ -114,6 +115,7 @@ def test_genai_kv_memory_is_kept_layers_only(built):
         assert abs(ratio - 2 / 4) <= 0.03, (name, ratio)  # (L-P)/L with L=4, P=2
 
 
+@pytest.mark.slow
 def test_genai_folder_reopens_as_an_engine(built):
     """The genai folder keeps engine.json: `harp-trt generate` and OrtCausalLM open it too."""
     from harp_trt.ort_session import OrtCausalLM
@@ -122,6 +124,7 @@ def test_genai_folder_reopens_as_an_engine(built):
     assert OrtCausalLM.from_engine(folder).kv_layers == [0, 1]
 
 
+@pytest.mark.slow
 def test_bench_genai_engine_times_whole_genai_calls(built, monkeypatch):
     """The one genai timing engine (``bench/_genai_baseline.genai_engine``; vs_genai.py and
     prefill_profile.py time genai through it): ``generate`` is our greedy continuation up to EOS;
@@ -173,6 +176,7 @@ def _strip_metadata(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "random", "export", "no-metadata", "bad-json", "context"])
 def test_genai_deploy_bad_input(built, tmp_path, capsys, case):
     artifact, extra = tmp_path / "nothing", []
@@ -197,6 +201,7 @@ def test_genai_deploy_bad_input(built, tmp_path, capsys, case):
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+@pytest.mark.slow
 def test_genai_deploy_refuses_a_non_empty_out(built, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -228,6 +233,7 @@ def test_build_backend_genai_then_deploy_is_cached(tmp_path, capsys):
 
 
 # ---- --last-logits: the graph returns the last position's logits only (genai's prune_lm_head) -----
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["top", "int4", "external"])
 def test_last_logits_folder_runs_in_genai(built, name, monkeypatch):
     """genai runs the edited graph unchanged: its greedy tokens equal our session's on the engine,
@@ -282,6 +288,7 @@ def test_last_logits_folder_runs_in_genai(built, name, monkeypatch):
     assert GenaiBenchEngine(full, "harp", 2, 8, CONTEXT).logits(ids).shape == (1, len(PROMPT), 128)
 
 
+@pytest.mark.slow
 def test_deploy_genai_last_logits_flag(built, tmp_path, capsys):
     """`harp-trt deploy genai --last-logits --json` as a user runs it: the folder's graph returns one
     position and the JSON says so."""

@@ -72,6 +72,7 @@ def _check_logits(gguf: Path, folder: Path, alphas, ids) -> float:
     return rel
 
 
+@pytest.mark.slow
 def test_cli_deploy_llama_matches_the_reference(llama_cli, tiny, capsys):
     report = json.loads((llama_cli / "harp_gguf.json").read_text())
     assert report["architecture"] == "deci" and report["pruned_layers"] == [1, 2]
@@ -84,6 +85,7 @@ def test_cli_deploy_llama_matches_the_reference(llama_cli, tiny, capsys):
     _check_logits(llama_cli / "model.gguf", tiny["llama"], PLAN, TOKENS)
 
 
+@pytest.mark.slow
 def test_mistral_matches_the_reference(tiny, tmp_path):
     from harp_trt.builders.gguf.config import GgufConfig
     from harp_trt.builders.gguf.stage import deploy_gguf
@@ -113,6 +115,7 @@ def test_llama3_rope_scaling_matches_the_reference(tmp_path):
     _check_logits(tmp_path / "out" / "model.gguf", folder, PLAN, ids)
 
 
+@pytest.mark.slow
 def test_kv_bytes_with_flash_attention_are_kept_over_all_layers_of_dense(llama_cli, tiny, tmp_path):
     """llama.cpp's own KV accounting (its llama_kv_cache log line, f16 cache): with flash attention
     the HARP file costs exactly (L-P)/L of the dense file per token; without it the pruned layers'
@@ -134,6 +137,7 @@ def test_kv_bytes_with_flash_attention_are_kept_over_all_layers_of_dense(llama_c
         probe.kv_cache(tmp_path / "dense" / "model.gguf", flash_attn=True)["bytes_per_token"] * (L - P)
 
 
+@pytest.mark.slow
 def test_bf16_gguf_matches_the_rounded_reference(tiny, tmp_path):
     """bf16 weights (stored as GGML BF16) against a reference whose weights are rounded to bf16:
     within 2e-2 of the logit scale (measured 2.3e-3: llama.cpp also rounds activations)."""
@@ -148,6 +152,7 @@ def test_bf16_gguf_matches_the_rounded_reference(tiny, tmp_path):
     assert VERIFY_TOLERANCE["bf16"] == 2e-2
 
 
+@pytest.mark.slow
 def test_q8_0_gguf_generates(tiny, tmp_path):
     import gguf
 
@@ -245,6 +250,7 @@ def test_qwen2_gemma2_and_qwen3_are_refused(family, needle, tmp_path, capsys):
     assert needle in FAMILIES.get(family).gguf.refusal
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_and_writes_nothing(tiny, tmp_path, capsys):
     other = save_tiny("llama", tmp_path / "other", seed=1)
     plan = str(tiny["root"] / "plan-llama.json")

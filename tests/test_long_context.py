@@ -106,6 +106,7 @@ def test_summary_claims_hold_in_every_run_only():
     assert q["lower_above_1_every_run"] and q["fraction_ge_0_9_every_run"] and q["above_ceiling_runs"] == []
 
 
+@pytest.mark.slow
 def test_every_field(result):
     res, _ = result
     assert {"issue", "provenance", "note", "model", "plan", "settings", "machine", "runtimes", "plot",
@@ -137,6 +138,7 @@ def test_every_field(result):
         assert r["peak_rss_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_kv_bytes_per_token_as_allocated(result):
     res, _ = result
     for name, r in res["runtimes"].items():
@@ -148,6 +150,7 @@ def test_kv_bytes_per_token_as_allocated(result):
     assert res["runtimes"]["llamacpp"]["kv_bytes_per_element"] == 2   # llama.cpp's f16 cache
 
 
+@pytest.mark.slow
 def test_kv_capacity_measured(result):
     """Every runtime here allocates per layer: HARP holds >= L/(L-P) x dense's tokens in the budget."""
     res, _ = result
@@ -163,6 +166,7 @@ def test_kv_capacity_measured(result):
     assert (genai["sequences"], genai["step_tokens"]) == (4, 256)
 
 
+@pytest.mark.slow
 def test_ideals_match_flops(result):
     from transformers import AutoConfig
 
@@ -210,6 +214,7 @@ def test_bad_input_exits_2(argv, words, capsys):
     assert len(err) == 1 and words in err[0]
 
 
+@pytest.mark.slow
 def test_ort_replicate_equals_a_batch_prefill(result):
     """The ORT engine's decode set-up (one row's prefill, its KV copied into every row) decodes as a
     batch prefill of identical rows does: same logits within 1e-5 of their scale."""
@@ -241,6 +246,7 @@ def test_ort_replicate_equals_a_batch_prefill(result):
     assert torch.equal(e.prefill(ids)[0], l1)
 
 
+@pytest.mark.slow
 def test_runs_of_one_plan_merge_into_one_plot(result, tmp_path):
     """Runs made one runtime at a time (``--runtime ort``, then ``llamacpp``) go into one figure;
     a run of another plan is refused."""

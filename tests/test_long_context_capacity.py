@@ -70,6 +70,7 @@ def test_a_try_without_a_cap_fits_with_its_kv_resident(engines, rt):
     assert base["fits"] and "kv_bytes" not in base and base["base_vm"] > base["base_rss"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rt", ["ort", "llamacpp"])
 def test_a_cap_below_the_base_does_not_fit(engines, rt):
     base = _probe(rt, engines[rt]["dense"], 0)
@@ -130,6 +131,7 @@ def test_measure_capacity_dense_and_harp_under_one_cap(engines, rt):
         assert d >= 9 and r["fraction_of_ideal"] >= 0.9
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_errors_not_failed_tries(engines, capsys):
     from harp_trt.bench._long_context_capacity import largest_batch, main, probe
     from harp_trt.errors import ConfigError
@@ -145,6 +147,7 @@ def test_bad_arguments_are_errors_not_failed_tries(engines, capsys):
     assert "0 < steps < context" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_peak_is_the_childs_own(engines):
     """Linux keeps getrusage's ru_maxrss across fork and exec: a child that read it reported its
     parent's peak (5.5 GiB of "activations" on SmolLM2 from a bench process holding its engines). With

@@ -16,6 +16,8 @@ from test_calibrate_cli import write_corpus
 
 import llama_cpp  # noqa: F401  (the test extra installs it: a missing runtime fails, never skips)
 
+pytestmark = pytest.mark.slow  # a real server or runtime behind every test
+
 SHORT = ["--contexts", "24", "--batches", "1", "--prefill-lens", "none", "--decode-steps", "2", "--repeats", "2",
          "--warmup", "1", "--capacity-step", "256", "--threads", "1", "--calib-tokens", "256", "--runs", "1",
          "--memory-cap", "none"]

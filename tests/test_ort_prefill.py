@@ -26,6 +26,7 @@ def _prompt(lm: OrtCausalLM, s: int = S, seed: int = 0) -> tuple[np.ndarray, np.
     return ids, np.ones_like(ids), np.arange(s)[None]
 
 
+@pytest.mark.slow
 def test_engine_takes_logits_to_keep(family):
     """The engine takes the input (forward feeds 0: every position); engine.json names the LM
     head it cut; an exported graph has no such input."""
@@ -42,6 +43,7 @@ def test_engine_takes_logits_to_keep(family):
     assert not OrtCausalLM(exported(family), intra_op_threads=2).takes_logits_to_keep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [1, 5])
 def test_logits_to_keep_rows_equal_all_positions(family, keep):
     lm = OrtCausalLM(engine(family), intra_op_threads=2)

@@ -197,6 +197,7 @@ def test_build_cli_quant_defaults_are_the_config_defaults():
     assert _ort_config(args) == OrtBuildConfig()
 
 
+@pytest.mark.slow
 def test_w8a8_engine_runs_integer_gemms_with_ort_codes_and_tracks_fp32(tmp_path):
     """--quant w8a8 (builders/ort/quant_w8a8.py): every weight MatMul becomes MatMulIntegerToFloat on
     per-token uint8 activations (no MatMulNBits, no fp32 weight MatMul left); each weight's codes and

@@ -199,6 +199,7 @@ def test_fold_is_exact_for_gqa():
         fold_o_proj(np.zeros((32, 8)), 4, 2, 4)
 
 
+@pytest.mark.slow
 def test_external_data_round_trip(exports, tmp_path):
     """A graph stored with external data is read with it, and a large result is written with it."""
     import onnx_ir as ir
@@ -224,6 +225,7 @@ def test_external_data_round_trip(exports, tmp_path):
     assert res.max_abs_diff <= res.tolerance
 
 
+@pytest.mark.slow
 def test_verification_failure_names_output_step_and_diff(exports, tmp_path):
     from harp_trt.verify import verify_rewrite
 
@@ -235,6 +237,7 @@ def test_verification_failure_names_output_step_and_diff(exports, tmp_path):
         verify_rewrite(out, make_tiny("llama", seed=FAMILY_NAMES.index("llama")), {1: 0.9})  # the reference uses another alpha
 
 
+@pytest.mark.slow
 def test_stage_failure_leaves_no_artifact(exports):
     store, export, resolved = exports("mistral")
     plan = _plan(resolved, "mistral", (2,), (0.5,))
@@ -246,6 +249,7 @@ def test_stage_failure_leaves_no_artifact(exports):
     assert not any((store.root / ".tmp").iterdir())
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_typed_errors(exports, tmp_path):
     store, export, resolved = exports("llama")
     stage = RewriteStage()
@@ -283,6 +287,7 @@ def test_bad_inputs_are_typed_errors(exports, tmp_path):
     assert art.manifest["kv_inputs_removed"] == ["past_key_values.1.key", "past_key_values.1.value"]
 
 
+@pytest.mark.slow
 def test_cli_model_and_onnx_paths(exports, tmp_path, capsys):
     from harp_trt.cli import main
 
@@ -313,6 +318,7 @@ def test_cli_model_and_onnx_paths(exports, tmp_path, capsys):
     assert "is not the model the plan was calibrated on (digest ffffffffffff...)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_every_layer_pruned(exports, tmp_path):
     """With no KV cache left, the export's Shape(past_key_values.*) reads of batch size and past
     length are re-derived from input_ids / attention_mask; the graph needs no past inputs."""

@@ -23,6 +23,8 @@ from harp_trt.bench import serve_load
 from harp_trt.onnx_io import copy_tokenizer
 from test_calibrate_cli import write_corpus
 
+pytestmark = pytest.mark.slow  # a real server or runtime behind every test
+
 # OSL long enough that four requests overlap on a busy machine too: at ITL ~0.8 ms a 128-token request took
 # ~0.1 s, and beside another job AIPerf's fourth once started after the first had ended (HARP batch 2, not
 # 4); at 384 tokens one takes ~0.35 s (max_position_embeddings raised to hold ISL + OSL)
@@ -70,7 +72,6 @@ def result(tmp_path_factory, test_cache, smollm2):
     return last
 
 
-@pytest.mark.slow
 def test_every_request_completes_through_aiperf(result):
     points = result["points"]
     assert {(p["model"], p["concurrency"]) for p in points} == {(m, c) for m in ("dense", "harp") for c in (1, 4)}

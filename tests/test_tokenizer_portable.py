@@ -245,6 +245,7 @@ def test_transformers5_chat_folders_fail_in_4x(folders, consumer):
     assert new[str(raw["qwen2"])]["class"] == "Qwen2Tokenizer"
 
 
+@pytest.mark.slow
 def test_every_shipped_chat_tokenizer_loads_the_same_in_4x_and_5(folders, consumer):
     """The TensorRT-LLM artifact's ``tokenizer/``, the Triton pre/postprocessing copies and a
     ``copy_tokenizer`` copy load under 4.x with transformers 5's ids, special ids, decoding and chat

@@ -96,6 +96,7 @@ def test_config_tensors_equal_the_graph(engine, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".repo")]  # temp folder renamed away
 
 
+@pytest.mark.slow
 def test_gpu_instances_and_threads(engine, tmp_path):
     folder, _ = engine
     write_repository(folder, tmp_path / "r", TritonRepoConfig(serving="onnx", device="gpu", instances=2, threads=3,
@@ -114,6 +115,7 @@ def _load_client(repo):
     return mod
 
 
+@pytest.mark.slow
 def test_written_client_greedy_loop_matches_pytorch(engine, tmp_path):
     """client.py's KV-cache loop, fed the metadata Triton derives from the written config and run on
     the written model.onnx in ONNX Runtime (what the onnxruntime backend executes), generates the
@@ -149,6 +151,7 @@ def test_written_client_greedy_loop_matches_pytorch(engine, tmp_path):
     assert client.greedy_generate(infer, meta, prompt, 10, eos_ids={got[1]}) == got[:2]
 
 
+@pytest.mark.slow
 def test_external_data_travels_with_the_model(engine, tmp_path):
     import onnxruntime as ort
 
@@ -189,6 +192,7 @@ def test_wrong_artifact_kind_is_refused(tmp_path, capsys):
     assert not (tmp_path / "repo").exists()
 
 
+@pytest.mark.slow
 def test_missing_model_onnx(engine, tmp_path, capsys):
     folder, _ = engine
     art = tmp_path / "rewrite-abc"
@@ -210,6 +214,7 @@ def test_missing_model_onnx(engine, tmp_path, capsys):
     assert main(["deploy", "triton", "--serving", "onnx", "--artifact", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
 
 
+@pytest.mark.slow
 def test_existing_output_needs_force(engine, tmp_path, capsys):
     folder, _ = engine
     out = tmp_path / "repo"
@@ -244,6 +249,7 @@ def test_bad_config_values_and_unparsable_pbtxt():
         parse_model_config('name: "x"\nparameters { key: "p" value { string_value: "${engine_dir}" } }\n')
 
 
+@pytest.mark.slow
 def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
     """An engine folder written by harp_trt.builders.ort (GroupQueryAttention graph saved by this ONNX
     Runtime) cannot go to Triton's onnxruntime backend, whose ORT is older (exit 2, with the
@@ -284,6 +290,7 @@ def test_ort_engine_folder_from_the_ort_builder(engine, tmp_path, capsys):
     check_gpu_graph(gqa / "model.onnx", "cpu")
 
 
+@pytest.mark.slow
 def test_stage_execute_caches_the_repository(engine, tmp_path):
     """The pipeline's path: TritonRepoStage().execute(store, config, {"engine": Artifact})."""
     from harp_trt.builders.triton import TritonRepoStage
@@ -313,6 +320,7 @@ def test_bf16_graph_is_refused_for_onnx_serving(tmp_path):
         write_repository(tmp_path / "bf16", tmp_path / "repo", ONNX)
 
 
+@pytest.mark.slow
 def test_kv_budget_admission_in_the_repository(engine, tmp_path, capsys):
     """``deploy triton --kv-budget``: the model's parameters carry the budget (max_active 0: the budget
     decides), harp_triton.json and the repository README give the sequences admitted at the model's

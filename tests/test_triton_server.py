@@ -23,6 +23,8 @@ from conftest import save_tiny
 from harp_trt.cli import main
 from test_calibrate_cli import run_json, write_corpus
 
+pytestmark = pytest.mark.slow  # a real server or runtime behind every test
+
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +124,6 @@ def _generate_cli(capsys, engine, cache) -> str:
     return res["text"]
 
 
-@pytest.mark.slow
 def test_http_and_grpc_match_harp_trt_generate(server, capsys):
     srv = server["server"]
     want = _generate_cli(capsys, server["engine"], server["cache"])
@@ -232,7 +233,6 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, body, matc
     assert ok_code == 200 and ok["text_output"] and srv.ready()
 
 
-@pytest.mark.slow
 def test_trtllm_pre_and_postprocessing_in_the_server(server):
     """text -> preprocessing (real tokenizer) -> stand-in -> postprocessing (real detokenizer), compared
     with the tokenizer folder the repository ships (the model folder's own config.json would make
