@@ -1,6 +1,6 @@
 """``FamilySpec``: everything harp-trt needs to know about one decoder family, in one place.
 
-A new family is one file with a ``FamilySpec`` subclass plus one line in ``families/__init__.py``.
+A new family is one file here with a ``FamilySpec`` subclass as its ``FAMILY`` (found by the registry).
 Module names follow Hugging Face ``*ForCausalLM`` models (``model.layers[i].self_attn.q_proj``...).
 How the family lands in TensorRT-LLM is plain data here too (``TrtllmTarget``); ``builders/trtllm``
 reads it and never branches on family or architecture names (this package imports no builder)."""
