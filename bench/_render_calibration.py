@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["replacement", "replacement_headline", "replacement_speed", "replacement_texts", "fit_inputs",
+__all__ = ["calibration", "replacement", "replacement_headline", "replacement_speed", "replacement_texts", "fit_inputs",
            "plan_accuracy"]
 
 
@@ -26,6 +26,27 @@ def _by_p(d: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
 
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1 \
+        else ", ".join(map(str, layers))
+
+
+def calibration(d: dict[str, Any]) -> str:
+    """HARP's searched plans alone: per P the pruned layers, the searched alphas and held-out perplexity
+    dense / alpha = 1 / searched, with the share of alpha = 1's loss the search takes back."""
+    rows = ["| P | pruned layers | searched alphas | held-out PPL dense | alpha = 1 | searched | share of the alpha=1 "
+            "loss recovered |", "|---|---|---|---|---|---|---|"]
+    for p, by in sorted(_by_p(d).items()):
+        h = by["harp"]
+        share = (h["heldout_alpha1"] - h["heldout_searched"]) / (h["heldout_alpha1"] - h["heldout_dense"])
+        rows.append(f"| {p} | {_span(h['layers'])} | {', '.join(f'{a:g}' for a in h['alphas'])} | "
+                    f"{h['heldout_dense']:.2f} | {h['heldout_alpha1']:.2f} | **{h['heldout_searched']:.2f}** | "
+                    f"{share * 100:.0f} % |")
+    prov = d["provenance"]
+    return ("\n".join(rows) + f"\n\n{d['tokens']} tokens per half, windows of {d['seq_len']}; "
+            f"`{prov['command']}` at {prov['commit']}.\n")
 
 
 def replacement_texts(d: dict[str, Any]) -> str:

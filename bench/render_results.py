@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harp_trt.bench._render_calibration import (fit_inputs, plan_accuracy, replacement, replacement_headline,
-                                                replacement_speed, replacement_texts)
+from harp_trt.bench._render_calibration import (calibration, fit_inputs, plan_accuracy, replacement,
+                                                replacement_headline, replacement_speed, replacement_texts)
 from harp_trt.bench._render_headline import headline
 from harp_trt.stats import ratio_ci95_across_runs
 from harp_trt.bench._render_serve import serve_load, serve_load_headline
@@ -336,7 +336,7 @@ def int4_kernels(d: dict[str, Any]) -> str:
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check, "deps_newest": deps_newest,
-                                                         "headline": headline,
+                                                         "headline": headline, "calibration": calibration,
                                                          "int4_kernels": int4_kernels,
                                                          "long_context": long_context,
                                                          "long_context_headline": long_context_headline,

@@ -24,7 +24,7 @@ def test_every_rendered_block_equals_its_json():
     lc = [f"long_context_smollm2_{rt}.json" for rt in ("ort", "llamacpp", "genai")]
     assert {"README.md: headline replacement_smollm2_acc.json,long_context_smollm2_ort.json,"
             "long_context_smollm2_llamacpp.json", "results-scale.md: gpu_check gpu_check_h200.json",
-            "results.md: deps_newest deps-newest.json",
+            "results.md: deps_newest deps-newest.json", "results-accuracy.md: calibration replacement_smollm2.json",
             *(f"results-speed.md: long_context {f}" for f in [*lc, "long_context_smollm2_ort_written.json"]),
             f"results-speed.md: long_context_headline {','.join(lc)}"} <= set(out["blocks"])
 
