@@ -119,7 +119,9 @@ def test_calibrate_without_matplotlib_skips_the_png_and_keys_it_apart(tiny, tmp_
             "--corpus", str(corpus), "--workdir", str(tmp_path / "w"), "--json"]
     res, err = run(("matplotlib",), argv, "from harp_trt.calib.plots import plot_search; plot_search(None, [], None)")
     assert res["code"] == 0 and res["loaded"] == []  # calibrate imports no optional library
-    assert ("alpha_search.png not written: matplotlib is not installed; pip install -e '.[plots]' in the harp-trt checkout") in err
+    # a first run without the plots extra prints no warning: the PNG's absence is logged at info level and
+    # the summary prints the alpha search as text
+    assert "alpha_search.png not written" not in err and "WARNING" not in err, err
     assert ("MissingDependencyError: matplotlib is not installed: the alpha-search plot needs it; "
             "pip install -e '.[plots]' in the harp-trt checkout") in err  # the plot itself, called directly
     bare = [p for p in (tmp_path / "w").glob("calibrate-*") if p.is_dir()]
