@@ -8,8 +8,13 @@ the map-or-alpha choice's, held-out), so an in-sample win reads as one.
     python bench/calibration_table.py [--model smollm2-135m] [--ps 2,4,8] [--compare-p 4]
                                       [--strategies gate-norm,sink,bi,attn-sim] [--tokens 4096]
                                       [--replacements harp,rrr,lmmse] [--fit-inputs sequential,dense]
+                                      [--recover none,maps]
                                       [--other-corpus c4] [--eval-ps 4,8 --tasks T1,T2 --limit N]
                                       [--out F.json]
+
+``--recover``: each plan without and with end-to-end recovery (``calibrate --recover maps``,
+``calib/recover.py``); a recovered plan's row keeps its layer-wise perplexities beside
+(``*_layerwise``) and the recovery's record (steps, tokens, seconds, peak RSS, select-text KL).
 
 ``--eval-ps``: lm-eval accuracy (``--tasks``, ``--limit`` documents each) of the dense model and of
 every plan at those P (PyTorch fp32, fitted maps installed). ``--eval-from F.json``: the same for the
@@ -48,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replacements", default="harp", help="harp,rrr,lmmse: one calibrate run each (default harp)")
     ap.add_argument("--fit-inputs", default="sequential",
                     help="sequential,dense: one run of each fitted replacement per value (default sequential)")
+    ap.add_argument("--recover", default="none", help="none,maps: one run of each plan per value (default none)")
     ap.add_argument("--other-corpus", default="", help="a second text's held-out half: c4 or a file (default none)")
     ap.add_argument("--eval-ps", default="", help="P values whose plans get lm-eval accuracy (default none)")
     ap.add_argument("--tasks", default="lambada_openai,hellaswag,piqa,winogrande,arc_easy")
@@ -75,17 +81,18 @@ def main(argv=None) -> int:
     runs = [("top", int(p)) for p in args.ps.split(",")]
     runs += [(s, args.compare_p) for s in args.strategies.split(",") if s]
     rows = []
-    variants = [(rep, fi) for rep in args.replacements.split(",")
-                for fi in (["sequential"] if rep == "harp" else args.fit_inputs.split(","))]
+    variants = [(rep, fi, rec) for rep in args.replacements.split(",")
+                for fi in (["sequential"] if rep == "harp" else args.fit_inputs.split(","))
+                for rec in args.recover.split(",")]
     for strategy, p in runs:
-        for rep, fit_inputs in variants:
+        for rep, fit_inputs, recover in variants:
             cfg = CalibrateConfig(layers=p, strategy=strategy, tokens=args.tokens, seq_len=args.seq_len,
-                                  replacement=rep, fit_inputs=fit_inputs)
+                                  replacement=rep, fit_inputs=fit_inputs, recover=recover)
             t = time.perf_counter()
             art = run_calibrate(args.model, cfg, store)
             plan = Plan.load(art.path)
             q = plan.ppl
-            row = {"strategy": strategy, "P": p, "replacement": rep, "layers": list(plan.layers),
+            row = {"strategy": strategy, "P": p, "replacement": rep, "recover": recover, "layers": list(plan.layers),
                    "fit_inputs": fit_inputs if rep != "harp" else None,
                    "calib_dense": q["dense"], "select_dense": q.get("select_dense"),
                    "select_searched": q.get("select_searched"),
@@ -94,12 +101,14 @@ def main(argv=None) -> int:
                    "heldout_searched": q["heldout_searched"], "calib_searched": q["searched"],
                    "search_seconds": plan.extra["timings"]["search"], "fit_seconds": plan.extra["timings"].get("fit"),
                    "replacement_record": plan.extra.get("replacement"), "artifact": art.key,
+                   "recovery": plan.extra.get("recovery"),
+                   "layerwise": {k[: -len("_layerwise")]: v for k, v in q.items() if k.endswith("_layerwise")},
                    "plan": str(art.path / "plan.json"),
                    "cached": art.cached, "seconds": round(time.perf_counter() - t, 1)}
             if args.other_corpus:
                 row["other"] = _other(plan, art, args, store, resolve_model(args.model, store.root))
             rows.append(row)
-            print(f"done {strategy} P={p} {rep} {fit_inputs}: {q['heldout_searched']:.3f}", file=sys.stderr, flush=True)
+            print(f"done {strategy} P={p} {rep} {fit_inputs} recover={recover}: {q['heldout_searched']:.3f}", file=sys.stderr, flush=True)
     print("| strategy | P | replacement | pruned layers | alphas | fitted | held-out PPL dense | alpha=1 | searched |",
           file=sys.stderr)
     print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
@@ -127,6 +136,7 @@ def _accuracy(args, store, rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["P"] in eval_ps and r["strategy"] == "top" and r["replacement"] in args.eval_replacements.split(","):
             extra = f" {r['fit_inputs']}" if r.get("fit_inputs") not in (None, "sequential") else ""
+            extra += " recovered" if r.get("recover", "none") != "none" else ""
             plans[f"{r['replacement']} P={r['P']}{extra}"] = r.get("plan") or str(store.root / r["artifact"] / "plan.json")
     return plan_accuracy(resolve_model(args.model, store.root), plans, [t for t in args.tasks.split(",") if t],
                          args.limit or None, store.root)

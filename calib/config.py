@@ -13,12 +13,13 @@ from harp_trt.errors import ConfigError
 
 from .strategies import STRATEGIES
 
-__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "REPLACEMENTS", "FIT_INPUTS", "SEARCH_SPLITS", "PAPER_BOS"]
+__all__ = ["CalibrateConfig", "DEFAULT_GRID", "METHODS", "REPLACEMENTS", "FIT_INPUTS", "RECOVER", "SEARCH_SPLITS", "PAPER_BOS"]
 
 DEFAULT_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))  # Algorithm 1's grid
 METHODS = ("exhaustive", "golden")  # alpha search: every grid value, or golden-section (harp_trt.calib.search)
 REPLACEMENTS = ("harp", "rrr", "lmmse")  # what a pruned block becomes (calib.fit): HARP's alpha, or a fitted map
 FIT_INPUTS = ("sequential", "dense")     # which activations a map is fitted on (calib.fit)
+RECOVER = ("none", "maps")  # end-to-end recovery after the layer-wise choice (calib.recover)
 SEARCH_SPLITS = ("halves", "all")  # which documents the search reads (see CalibrateConfig)
 GIVEN = "given layers and alphas (no search)"  # help section of the flags that skip scoring or search
 
@@ -77,6 +78,14 @@ class CalibrateConfig(StageConfig):
     fit_inputs: str = option("sequential", choices=FIT_INPUTS, help=(
         "with a fitted --replacement: sequential = fit the layers bottom-up, each on the inputs of the model "
         "whose lower layers already carry their maps (default); dense = every layer from one dense pass"))
+    recover: str = option("none", choices=RECOVER, help=(
+        "maps: after the layer-wise choice, train the pruned layers' replacement parameters (V and O with alpha "
+        "folded in, or lmmse's W and b) end to end to the dense model's next-token distribution (KL) on the fit "
+        "text, early-stopped on the select text; kept only where it beats the layer-wise plan there. Same shapes, "
+        "so every engine carries it (default %(default)s)"))
+    recover_tokens: int = option(32768, help="fit-text tokens recovery trains on (default %(default)s)")
+    recover_steps: int = option(200, help="most Adam steps of recovery, one window each (default %(default)s)")
+    recover_lr: float = option(1e-4, help="recovery's Adam learning rate (default %(default)s)")
     prune_layers: tuple[int, ...] = option((), parse=parse_ints, cli_default=None, group=GIVEN, help=(
         "prune exactly these layers, e.g. 28,29 (instead of a strategy's choice)"))
     alphas: tuple[float, ...] = option((), parse=parse_grid, cli_default=None, group=GIVEN, help=(
@@ -128,10 +137,29 @@ class CalibrateConfig(StageConfig):
         if self.replacement != "harp" and self.alphas:
             raise ConfigError(f"--replacement {self.replacement} is chosen by the alpha search, which --alphas skips",
                               "drop --alphas, or use --replacement harp")
+        self.check_recover()
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"CalibrateConfig.device is a device kind (cpu or cuda), got {self.device!r}")
+
+    def check_recover(self) -> None:
+        if self.recover not in RECOVER:
+            raise ConfigError(f"--recover must be one of {', '.join(RECOVER)}, got {self.recover!r}")
+        if self.recover == "none":
+            return
+        if self.objective != "windows":
+            raise ConfigError("--recover trains on fixed windows of the fit text", "use --objective windows")
+        if self.recover_steps < 1 or self.recover_tokens < self.seq_len:
+            raise ConfigError(f"--recover-steps must be >= 1 and --recover-tokens at least one window of "
+                              f"{self.seq_len}; got {self.recover_steps} and {self.recover_tokens}")
+        if not 0.0 < self.recover_lr < 1.0:
+            raise ConfigError(f"--recover-lr must lie in (0, 1), got {self.recover_lr}")
+
+    @property
+    def uses_select(self) -> bool:
+        """A fitted map or recovery is chosen on the select text, so the fit text is split off."""
+        return self.replacement != "harp" or self.recover != "none"
 
     def check_split(self) -> None:
         if self.search_split not in SEARCH_SPLITS:
@@ -156,6 +184,9 @@ class CalibrateConfig(StageConfig):
         d["alphas"] = [round(float(a), 6) for a in self.alphas]
         if d.get("replacement") == "harp":  # the paper's plans keep the keys they had before fitted maps
             d.pop("replacement")
+        if d.get("recover") == "none":  # and before recovery
+            for k in ("recover", "recover_tokens", "recover_steps", "recover_lr"):
+                d.pop(k, None)
         return d
 
 

@@ -109,7 +109,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
         tok = load_tokenizer(inp.resolved.folder)
         sources = split_sources(config, inp)
         texts = _windows(config, tok, model.config, sources)
-        calib, held, select = texts["search"], texts["heldout"], texts.get("select")
+        calib, held = texts["search"], texts["heldout"]
         timings["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -122,15 +122,9 @@ class CalibrateStage(Stage[CalibrateConfig]):
         dense = {name: stack.perplexity(w) for name, w in texts.items()}
         timings["dense_ppl"] = time.perf_counter() - t
 
+        teachers = _teachers(config, stack, tok, sources, texts, selected, phase, timings)
         fitted, fixed = _fit_and_fixed(config, stack, texts, selected, phase, timings)
-        if config.alphas:
-            phase(f"given alphas on layers {selected}")
-            res = given_alphas(stack, family, calib, selected, config.alphas)
-        else:
-            phase(f"alpha search over layers {selected}")
-            res = search_alphas(stack, family, calib, selected, config.alpha_grid, naive=inp.naive,
-                                progress=inp.progress, method=config.search, fitted=fitted, select=select,
-                                report=held)
+        res = _search(config, inp, stack, texts, selected, fitted, phase)
         timings["search"] = res.seconds
 
         phase("held-out perplexity")
@@ -139,6 +133,7 @@ class CalibrateStage(Stage[CalibrateConfig]):
         timings["heldout_ppl"] += time.perf_counter() - t
 
         ppl = _ppl_record(dense, fixed, res, ppl_held_searched, bool(fitted))
+        recovered = _recover(config, stack, selected, teachers, res, texts, ppl, phase, timings) if teachers else None
         plan = Plan(model_ref=inp.resolved.ref, model_digest=inp.resolved.digest, family=family.name,
                     num_layers=model.config.num_hidden_layers, strategy=strategy_name,
                     layers=tuple(selected), alphas=tuple(res.alphas[l] for l in selected),
@@ -153,8 +148,10 @@ class CalibrateStage(Stage[CalibrateConfig]):
                            "placement": _placement_record(placement, stack),
                            "timings": {k: round(v, 3) for k, v in timings.items()},
                            "versions": library_versions()})
-        if fitted:
-            plan.extra["replacement"] = _save_fitted(out_dir, config, fitted, res, stack)
+        if fitted or (recovered is not None and recovered.kept):
+            plan.extra["replacement"] = _save_fitted(out_dir, config, fitted, res, stack, recovered)
+        if recovered is not None:
+            plan.extra["recovery"] = recovered.record
         plan.save(out_dir / "plan.json")
         pl.DataFrame(res.trace).write_parquet(out_dir / "search_trace.parquet")
         pl.DataFrame({"layer": list(range(len(scores))), "score": scores,
@@ -169,6 +166,19 @@ class CalibrateStage(Stage[CalibrateConfig]):
                 "alphas": list(plan.alphas), "ppl": ppl, "placement": plan.extra["placement"]}
 
 
+def _search(config: CalibrateConfig, inp: CalibrateInputs, stack, texts: dict, selected: list[int], fitted: dict,
+            phase):
+    """Algorithm 1 over ``selected`` on the search text (with each fitted candidate chosen on the
+    select text), or the given ``--alphas``."""
+    if config.alphas:
+        phase(f"given alphas on layers {selected}")
+        return given_alphas(stack, stack.family, texts["search"], selected, config.alphas)
+    phase(f"alpha search over layers {selected}")
+    return search_alphas(stack, stack.family, texts["search"], selected, config.alpha_grid, naive=inp.naive,
+                         progress=inp.progress, method=config.search, fitted=fitted, select=texts.get("select"),
+                         report=texts["heldout"])
+
+
 def _ppl_record(dense: dict, fixed: dict, res, heldout_searched: float, fitted: bool) -> dict[str, float]:
     """The plan's perplexities: on the search text (the fit text for a fitted plan), the held-out
     text and (fitted) the select text; alpha1 at HARP's alpha = 1 on every selected layer."""
@@ -177,6 +187,8 @@ def _ppl_record(dense: dict, fixed: dict, res, heldout_searched: float, fitted: 
            "heldout_alpha0": fixed["heldout"][0.0], "heldout_searched": heldout_searched}
     if fitted:
         ppl.update(select_dense=dense["select"], select_searched=res.ppl_select)
+    elif "select" in dense:  # harp with --recover: the select text decides recovery's stopping point
+        ppl["select_dense"] = dense["select"]
     return ppl
 
 
@@ -251,11 +263,12 @@ def _fit_and_fixed(config: CalibrateConfig, stack, texts: dict, selected: list[i
     return fitted, fixed
 
 
-def _save_fitted(out_dir: Path, config: CalibrateConfig, fitted: dict, res, stack) -> dict[str, Any]:
+def _save_fitted(out_dir: Path, config: CalibrateConfig, fitted: dict, res, stack, recovered=None) -> dict[str, Any]:
     """``replacement.safetensors`` (the checkpoint tensors of the layers where the fitted map won,
-    ``harp_trt.plan.Plan.fitted_tensors``) and the plan's record of every fitted candidate: its fit
-    statistics and, by text (fit: in-sample; select: the decision; heldout: report only), the
-    perplexity of the map and of the layer's best alpha when the layer was decided."""
+    ``harp_trt.plan.Plan.fitted_tensors``, or every layer recovery trained) and the plan's record of
+    every fitted candidate: its fit statistics and, by text (fit: in-sample; select: the decision;
+    heldout: report only), the perplexity of the map and of the layer's best alpha when the layer
+    was decided."""
     from safetensors.torch import save_file
 
     from harp_trt.dims import ModelDims
@@ -263,18 +276,72 @@ def _save_fitted(out_dir: Path, config: CalibrateConfig, fitted: dict, res, stac
 
     from .fit import cost_record
 
-    kept = sorted(res.fitted)
-    tensors = {k: v for l in kept for k, v in fitted[l].tensors.items()}
+    if recovered is not None and recovered.kept:
+        kept, tensors = list(recovered.layers), dict(recovered.tensors)
+    else:
+        kept = sorted(res.fitted)
+        tensors = {k: v for l in kept for k, v in fitted[l].tensors.items()}
     digest = None
     if tensors:
         save_file(tensors, str(out_dir / FITTED_FILE),
                   metadata={"format": "harp-fitted/1", "method": config.replacement})
         digest = file_digest(out_dir / FITTED_FILE)  # in plan.json, so later stages' keys cover the maps
-    return {"method": config.replacement, "fit_inputs": config.fit_inputs, "layers": kept,
+    return {"method": config.replacement, "fit_inputs": config.fit_inputs if fitted else None, "layers": kept,
+            "recovered": recovered is not None and recovered.kept,
             "file": FITTED_FILE if tensors else None, "sha256": digest,
             "cost": cost_record(config.replacement, ModelDims.from_config(stack.model.config)),
             "start_ppl": res.ppl_alpha1,
             "candidates": {str(l): {**f.map.record(), **res.decisions.get(l, {})} for l, f in sorted(fitted.items())}}
+
+
+def _teachers(config: CalibrateConfig, stack, tok, sources: dict, texts: dict, selected: list[int], phase,
+              timings) -> tuple | None:
+    """With ``--recover``: the dense model's states on the recovery windows (``--recover-tokens`` of
+    the fit text) and on the select text (``calib.recover.dense_teacher``), taken before any layer
+    is pruned; else None."""
+    if config.recover == "none":
+        return None
+    from harp_trt.data import token_windows
+
+    from .recover import dense_teacher
+
+    phase(f"dense states for recovery ({config.recover_tokens} fit tokens)")
+    t = time.perf_counter()
+    corpus, split = sources["search"]
+    windows = token_windows(tok, corpus, split, config.seq_len, config.recover_tokens)
+    lo = min(selected)
+    out = dense_teacher(stack, windows, lo), dense_teacher(stack, texts["select"], lo)
+    timings["recover_teacher"] = time.perf_counter() - t
+    return out
+
+
+def _recover(config: CalibrateConfig, stack, selected: list[int], teachers: tuple, res, texts: dict,
+             ppl: dict, phase, timings):
+    """Train the replacement parameters end to end (``calib.recover``). Where the trained state
+    wins on the select text, every trained layer's alpha becomes 1 (folded into its weights) and
+    the plan's perplexities are those of the recovered model; the layer-wise ones are kept beside
+    under ``*_layerwise``."""
+    from .recover import RecoverySettings, recover
+
+    if "select_searched" not in ppl:
+        ppl["select_searched"] = stack.perplexity(texts["select"])
+    phase(f"recovering layers {selected} end to end ({config.recover_steps} steps at most)")
+    settings = RecoverySettings(steps=config.recover_steps, lr=config.recover_lr)
+    out = recover(stack, selected, *teachers, settings)
+    timings["recover"] = out.record["seconds"]
+    t = time.perf_counter()
+    for key, name in (("searched", "search"), ("select_searched", "select"), ("heldout_searched", "heldout")):
+        if key in ppl:
+            ppl[f"{key}_layerwise"] = ppl[key]
+            ppl[key] = stack.perplexity(texts[name])
+    timings["heldout_ppl"] += time.perf_counter() - t
+    if out.kept:
+        for l in out.layers:
+            res.alphas[l] = 1.0
+    log.info("recovery %s: select KL %.4f -> %.4f, held-out perplexity %.3f -> %.3f",
+             "kept" if out.kept else "not kept", out.record["select_kl_start"], out.record["select_kl_best"],
+             ppl["heldout_searched_layerwise"], ppl["heldout_searched"])
+    return out
 
 
 def _at_fixed_alphas(stack, texts: dict, selected: list[int], fitted: dict) -> dict[str, dict[float, float]]:
@@ -306,7 +373,7 @@ def split_sources(config: CalibrateConfig, inp: CalibrateInputs) -> dict[str, tu
     every document of the corpus (its even / odd ones as fit / select) and the other, named text."""
     base = "all" if config.search_split == "all" else "calib"
     held = (inp.heldout_corpus, "all") if config.search_split == "all" else (inp.corpus, "heldout")
-    if config.replacement == "harp":
+    if not config.uses_select:
         return {"search": (inp.corpus, base), "heldout": held}
     prefix = "all/" if base == "all" else ""
     return {"search": (inp.corpus, prefix + "fit"), "select": (inp.corpus, prefix + "select"), "heldout": held}
