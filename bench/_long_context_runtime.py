@@ -1,6 +1,6 @@
 """One runtime's figures for ``bench/long_context.py``: decode and prefill (measured interleaved),
 KV bytes per token and KV capacity (measured in the runtime), each beside its ideal from
-``bench/stage/flops.py``."""
+``harp_trt/flops.py``."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from harp_trt.bench.stage import flops
+from harp_trt import flops
 from harp_trt.builders.ort.config import weight_bytes
 from harp_trt.memory import peak_rss_bytes
 

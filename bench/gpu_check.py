@@ -114,9 +114,9 @@ def shape_check(model: str, layers: int = 8) -> dict:
 
 
 def _flag_ceiling(out: dict, speedups: dict, n_layers: int, pruned: int) -> None:
-    """L / (L - P) beside the speed-ups (``bench/stage/flops.py``: no step gets faster than that);
+    """L / (L - P) beside the speed-ups (``harp_trt/flops.py``: no step gets faster than that);
     the names of any speed-up above it, a measurement bug to find."""
-    from harp_trt.bench.stage.flops import speedup_ceiling
+    from harp_trt.flops import speedup_ceiling
 
     out["speedup_ceiling"] = round(speedup_ceiling(n_layers, pruned), 4)
     out["above_ceiling"] = sorted(k for k, v in speedups.items() if v > out["speedup_ceiling"])

@@ -19,7 +19,7 @@ and on ORT and llama.cpp the sequences of ``--cap-context`` that decode inside `
 in capped child processes (``bench/_long_context_capacity.py``). ``--runs N`` (default 3) repeats all
 of it in N processes and summarises them (``bench/_long_context_runs.py``: median [min, max], claims
 that hold in every run); ``--kv-fill written`` writes the decode cache instead of prefilling it (ORT).
-Every figure sits next to its ideal from ``bench/stage/flops.py``: bytes per decode step (weights
+Every figure sits next to its ideal from ``harp_trt/flops.py``: bytes per decode step (weights
 once plus every sequence's KV, at the runtime's weight and KV element sizes), prefill FLOPs, the
 counted KV bytes per token, and L/(L-P) for capacity. Speed-ups carry 95 % intervals
 (``harp_trt.bench.stage.latency.paired_speedup``). Writes ``long_context.png`` (matplotlib, if installed) and

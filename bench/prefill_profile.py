@@ -65,7 +65,7 @@ _ATTN_OPS = {"GroupQueryAttention", "Attention", "MultiHeadAttention", "Softmax"
 def flop_parts(cfg: dict[str, Any], seq: int, kept: int) -> dict[str, int]:
     """FLOPs of a causal prefill of ``seq`` tokens, by part (a multiply-add = 2): the LM head over
     ``kept`` positions, the decoder's weight GEMMs, and attention's scores and AV over the causal
-    triangle (sum of keys 1..seq), as ``bench/stage/flops.py`` counts them."""
+    triangle (sum of keys 1..seq), as ``harp_trt/flops.py`` counts them."""
     h, layers, inter, vocab = (int(cfg[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
                                                      "vocab_size"))
     heads = int(cfg["num_attention_heads"])

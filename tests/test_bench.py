@@ -101,7 +101,7 @@ def test_tables_columns_units_and_rows(bench_art, setup):
 @pytest.mark.slow
 def test_speedup_table_uses_the_flop_count(bench_art, setup):
     from harp_trt.dims import ModelDims
-    from harp_trt.bench.stage.flops import ideal_speedups
+    from harp_trt.flops import ideal_speedups
     from harp_trt.families import FAMILIES
 
     art, cfg = bench_art
@@ -402,7 +402,7 @@ def test_ort_engine_matches_torch(setup, bench_art, ort_engines):
     spd = pl.read_parquet(art.path / "speedup.parquet")
     # the ORT graph computes logits for every prompt position: the ideal counts them
     from harp_trt.dims import ModelDims
-    from harp_trt.bench.stage.flops import prefill_flops
+    from harp_trt.flops import prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())

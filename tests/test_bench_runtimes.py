@@ -253,7 +253,7 @@ def test_build_gguf_bench_llamacpp_fields_and_kv(gguf_build, genai_build):
     assert s["ppl"]["harp"] == pytest.approx(so["ppl"]["harp"], rel=LLAMACPP_PPL_RTOL)
     # llama.cpp computes the last position's logits in a prefill (ORT's graph every position's): the
     # ideal counts one LM head, the same in dense and HARP, so it dilutes the ratio less
-    from harp_trt.bench.stage.flops import prefill_flops
+    from harp_trt.flops import prefill_flops
     from harp_trt.plan import Plan
 
     plan = Plan.load(Path(gguf_build["stages"]["calibrate"]["artifact"]))

@@ -11,7 +11,7 @@ def test_ideal_speedup_hand_counted():
     """Tiny llama: h=64, 4 heads x 16 (q=64), 2 KV heads (kv=32), MLP 128, vocab 128, 4 layers;
     layer 3 pruned at alpha=1. Decode after 9 tokens attends to T=10 keys."""
     from harp_trt.dims import ModelDims
-    from harp_trt.bench.stage.flops import decode_flops, ideal_speedups, prefill_flops
+    from harp_trt.flops import decode_flops, ideal_speedups, prefill_flops
     from harp_trt.families import FAMILIES
 
     d = ModelDims.from_config(FAMILIES.get("llama")().tiny_config())
@@ -35,7 +35,7 @@ def test_ideal_speedup_hand_counted():
     assert ideal["decode_bytes"]["dense_bytes"] == 4 * (dense_params + 4 * 2 * 32 * 9)
     assert ideal["decode_bytes"]["harp_bytes"] == 4 * (harp_params + 3 * 2 * 32 * 9)
     # llama.cpp's deci GGUF stores the pruned layer as one h x h matrix (64*64), not V + O (2*64*32)
-    from harp_trt.bench.stage.flops import decode_bytes_per_token
+    from harp_trt.flops import decode_bytes_per_token
     folded_params = harp_params - 2 * 64 * 32 + 64 * 64
     assert decode_bytes_per_token(d, 9, {3: 1.0}, 2, 2, "folded") == 2 * (folded_params + 3 * 2 * 32 * 9)
     assert prefill_flops(d, 3, {3: 1.0}, pruned_form="folded") == 3 * 222816 + (2 * 64 * 64 + 49152) * 3 + 16384
@@ -45,7 +45,7 @@ def test_ideal_speedup_hand_counted():
 
 def test_sliding_window_caps_keys():
     from harp_trt.dims import ModelDims
-    from harp_trt.bench.stage.flops import prefill_flops
+    from harp_trt.flops import prefill_flops
 
     full = ModelDims(1, 8, 1, 1, 8, 8, 8, (None,))
     win = ModelDims(1, 8, 1, 1, 8, 8, 8, (2,))
@@ -130,7 +130,7 @@ def _pairs(rng, n, ratio, noise, drift=0.0):
 def test_ceiling_bounds_every_ideal_and_flags_only_whole_intervals_above_it():
     """L / (L - P) for SmolLM2's 30 layers at P = 8 is 1.3636; the FLOP and byte ideals never exceed
     it (they keep the MLPs, V.O and the LM head); a row is flagged only when its lower bound is above."""
-    from harp_trt.bench.stage.flops import above_ceiling, ideal_speedups, speedup_ceiling
+    from harp_trt.flops import above_ceiling, ideal_speedups, speedup_ceiling
     from harp_trt.dims import ModelDims
 
     assert speedup_ceiling(30, 8) == pytest.approx(30 / 22) and speedup_ceiling(30, 0) == 1.0

@@ -17,6 +17,7 @@ _ALPHAS = {"--alpha-order", "--paper-alphas", "--naive"}   # how the alphas are 
 NOT_CONFIG = {
     "build": {"--model", "--force"} | _ALPHAS,          # --force STAGE: which cached artifacts to redo
     "calibrate": {"--model", "--force"} | _ALPHAS,      # --force: redo a cached artifact
+    "sweep": {"--model"} | _ALPHAS,                     # calibrate's flags (refused: the sweep searches)
     "score": {"--model", "--save"},                     # --save: where the table goes
     "eval": {"--plan", "--model"},
     "rewrite": {"--model", "--plan", "--onnx", "--force"},

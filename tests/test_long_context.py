@@ -1,7 +1,7 @@
 """``bench/long_context.py`` on a tiny llama, one run over the three runtimes (our ORT
 engine, onnxruntime-genai, llama.cpp) at tiny contexts: every field of its JSON, KV bytes per token
 as each runtime allocates them ((L-P)/L of dense), the KV capacity of a fixed budget measured by
-allocating it (>= L/(L-P) x dense), and ideals equal to bench/stage/flops.py's."""
+allocating it (>= L/(L-P) x dense), and ideals equal to harp_trt/flops.py's."""
 from __future__ import annotations
 
 import json
@@ -170,7 +170,7 @@ def test_kv_capacity_measured(result):
 def test_ideals_match_flops(result):
     from transformers import AutoConfig
 
-    from harp_trt.bench.stage import flops
+    from harp_trt import flops
     from harp_trt.dims import ModelDims
 
     res, model = result

@@ -122,6 +122,21 @@ def test_calibrate_recover_writes_a_plan_that_reads_back(trained_qwen2, tmp_path
     assert ev["searched"] == pytest.approx(ppl["heldout_searched"], rel=1e-5)
 
 
+def test_recovery_settings_are_in_the_key_only_with_recover():
+    """A plan without recovery keeps the key it had before recovery existed; with it, each of its
+    settings changes the key."""
+    from dataclasses import replace
+
+    from harp_trt.calib.config import CalibrateConfig
+
+    base = CalibrateConfig()
+    assert not any(k.startswith("recover") for k in base.key_material())
+    assert replace(base, recover_tokens=1024).key_material() == base.key_material()
+    on = replace(base, recover="maps")
+    for field, value in (("recover_tokens", 1024), ("recover_steps", 10), ("recover_lr", 1e-3)):
+        assert replace(on, **{field: value}).key_material() != on.key_material(), field
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--recover", "maps", "--objective", "paper"], "--recover trains on fixed windows"),
     (["--recover", "maps", "--recover-lr", "2"], "--recover-lr must lie in (0, 1)"),

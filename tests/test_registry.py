@@ -89,7 +89,9 @@ def _another_value(stage: str, field: str, value, tmp_path):
 
 
 # config fields the key leaves out on purpose, with why (bench/stage/config.py: BenchConfig.key_material)
-NOT_IN_KEY = {("bench", "eval_data"): "a path: the eval wheel it names is pinned"}
+NOT_IN_KEY = {("bench", "eval_data"): "a path: the eval wheel it names is pinned",
+              # in the key with --recover only, so plans without recovery keep their keys (tests/test_recover.py)
+              **{("calibrate", f"recover_{k}"): "with --recover only" for k in ("tokens", "steps", "lr")}}
 
 
 @pytest.mark.slow

@@ -160,7 +160,7 @@ def write_report(path: Path, summary: dict[str, Any], speedup: pl.DataFrame, lat
         "",
         "## Speed-up against the ideal",
         "",
-        "`ideal_speedup` is the dense / HARP ratio of FLOPs (`bench/stage/flops.py`); for decode "
+        "`ideal_speedup` is the dense / HARP ratio of FLOPs (`harp_trt/flops.py`); for decode "
         "`ideal_speedup_bytes` is the ratio of bytes read per token (weights + KV cache). "
         "`realised` = (speed-up - 1) / (ideal - 1): the share of the possible gain the engine delivers. "
         f"`ceiling` = L / (L - P) = {s.get('speedup_ceiling') or float('nan'):.4f} bounds every speed-up (attention "

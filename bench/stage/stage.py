@@ -208,7 +208,7 @@ def _measure(plan: Plan, pair, inp: BenchInputs, config: BenchConfig, out_dir: P
     import polars as pl
 
     from .accuracy_rows import accuracy_rows
-    from .flops import ideal_speedups
+    from harp_trt.flops import ideal_speedups
     from .latency import (LatencySettings, measure_generation, measure_prefill, paired_speedups,
                           serving_figures, summarise)
     from .report import plot_accuracy, plot_latency, write_report

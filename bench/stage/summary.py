@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import BenchConfig
-from .flops import above_ceiling
+from harp_trt.flops import above_ceiling
 
 __all__ = ["speedup_rows", "write_tables", "summarise_bench", "label"]
 

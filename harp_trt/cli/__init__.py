@@ -23,7 +23,7 @@ __all__ = ["main", "COMMANDS"]
 # command name -> its module harp_trt.cli.<name>, imported when the parser is built (a command's module
 # imports no framework at module level, so `harp-trt --help` does not import torch); listed in this order
 COMMANDS: Registry = Registry("command")
-COMMANDS.register_modules(__name__, ("build", "score", "calibrate", "eval", "rewrite", "cache", "bench", "deploy",
+COMMANDS.register_modules(__name__, ("build", "score", "calibrate", "sweep", "eval", "rewrite", "cache", "bench", "deploy",
                                      "generate"))
 
 
