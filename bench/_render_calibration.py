@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["calibration", "replacement", "replacement_headline", "replacement_speed", "replacement_texts", "fit_inputs",
-           "plan_accuracy"]
+           "plan_accuracy", "recovery"]
 
 
 def _cut(dense: float, harp: float, fitted: float) -> str:
@@ -217,3 +217,35 @@ def plan_accuracy(d: dict[str, Any]) -> str:
     return ("\n".join(out) + f"\n\nAccuracy in % ± lm-eval's standard error; (difference from dense, * where it exceeds "
             f"2 standard errors of the difference); {', '.join(map(str, n))} documents per task "
             f"(`--limit {d.get('lm_eval_limit')}`, the first documents of each set); `{prov['command']}` at {prov['commit']}.\n")
+
+
+def recovery(files: list[dict[str, Any]] | dict[str, Any]) -> str:
+    """End-to-end recovery (``calibration_table.py --recover maps``): per recovered plan its held-out
+    perplexity before (the layer-wise plan of the same run) and after, the share of HARP's gap to dense
+    closed (HARP = the searched-alpha row of the first JSON at that P), the second text, the select
+    text's KL that stopped it, and its cost."""
+    files = files if isinstance(files, list) else [files]
+    harp = {r["P"]: r for d in files for r in d["rows"] if r["replacement"] == "harp" and r.get("recover", "none") == "none"}
+    out = ["| P | plan | held-out perplexity, Wikipedia: layer-wise -> recovered (dense) | HARP's gap closed: layer-wise -> "
+           "recovered | c4, recovered (dense) | select KL: start -> best | steps (best) | fit tokens, seen | seconds, "
+           "peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+    for d in files:
+        for r in d["rows"]:
+            rec = r.get("recovery")
+            if not rec:
+                continue
+            lw, dense, h = r["layerwise"]["heldout_searched"], r["heldout_dense"], harp.get(r["P"])
+            cut = (f"{_cut(dense, h['heldout_searched'], lw)} -> {_cut(dense, h['heldout_searched'], r['heldout_searched'])}"
+                   if h else "-")
+            other = r.get("other") or {}
+            out.append(f"| {r['P']} | {r['replacement']}{'' if rec['kept'] else ' (not kept)'} | {lw:.2f} -> "
+                       f"{r['heldout_searched']:.2f} ({dense:.2f}) | {cut} | {_f(other.get('searched'))} "
+                       f"({_f(other.get('dense'))}) | {rec['select_kl_start']:.3f} -> {rec['select_kl_best']:.3f} | "
+                       f"{rec['steps']} ({rec['best_step']}) | {rec['fit_tokens']}, {rec['tokens_seen']} | "
+                       f"{rec['seconds']:.0f} s, {rec['peak_rss_bytes'] / 2**30:.1f} GiB |")
+    prov = [d["provenance"] for d in files if any(r.get("recovery") for r in d["rows"])]
+    cmds = "; ".join(f"`{p['command']}` at {p['commit']}" for p in prov)
+    return ("\n".join(out) + "\n\nHARP's gap closed = (HARP searched - plan) / (HARP searched - dense) on the held-out half, "
+            "HARP searched being the paper's plan at that P (its alphas searched on every even document); a recovered "
+            "plan's own search and fit read the even documents' even half, its early stop their odd half. Seconds and "
+            f"peak RSS: the recovery alone, CPU fp32, 2 threads. {cmds}.\n")

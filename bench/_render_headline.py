@@ -57,17 +57,25 @@ def _layers(speed: list[dict[str, Any]]) -> int:
     return counts.pop()
 
 
+LABELS = {("harp", "none"): "HARP, searched alphas", ("rrr", "none"): "HARP + fitted rrr maps",
+          ("harp", "maps"): "HARP, V/O trained end to end (`--recover maps`)",
+          ("rrr", "maps"): "HARP + rrr maps, trained end to end (`--recover maps`)"}
+
+
 def headline(files: list[dict[str, Any]]) -> str:
-    """Rows dense, then per P HARP searched and rrr; columns speed, ceiling, perplexity, accuracy."""
-    acc = next(d for d in files if _kind(d) == "accuracy")
+    """Rows dense, then per P HARP searched, rrr and the recovered plans (calibration_table's JSONs,
+    ``--recover``); columns speed, ceiling, perplexity, accuracy."""
+    accs = [d for d in files if _kind(d) == "accuracy"]
+    acc = accs[0]
     speed = [d for d in files if _kind(d) == "speed"]
     layers = _layers(speed)
-    means = _mean_acc(acc)
+    means = {k: v for d in accs for k, v in _mean_acc(d).items()}
     rows = {}
-    for r in acc["rows"]:
-        rows[(r["P"], r["replacement"])] = r
-    ps = sorted({p for p, _ in rows})
-    first = rows[(ps[0], "harp")]
+    for d in accs:
+        for r in d["rows"]:
+            rows[(r["P"], r["replacement"], r.get("recover", "none"))] = r
+    ps = sorted({k[0] for k in rows})
+    first = rows[(ps[0], "harp", "none")]
     other = (first.get("other") or {}).get("corpus", "other text")
     out = ["| plan | decode speed-up over dense: median of the runs (their range; 95 % interval across them, t on log ratios), context x batch | ceiling L/(L-P) | "
            f"held-out perplexity: Wikipedia, unseen half / {other} | lm-eval mean accuracy |",
@@ -75,15 +83,16 @@ def headline(files: list[dict[str, Any]]) -> str:
            f"| dense | 1 | 1 | {first['heldout_dense']:.2f} / {first['other']['dense']:.2f} | "
            f"{_pct(means.get('dense'))} |"]
     for p in ps:
-        for name, label in (("harp", "HARP, searched alphas"), ("rrr", "HARP + fitted rrr maps")):
-            r = rows.get((p, name))
+        for (name, rec), label in LABELS.items():
+            r = rows.get((p, name, rec))
             if r is None:
                 continue
-            sp = _speed(speed, p) if name == "harp" else "as HARP's (the same GEMMs and shapes)"
+            sp = _speed(speed, p) if (name, rec) == ("harp", "none") else "as HARP's (the same GEMMs and shapes)"
+            key = f"{name} P={p}" + (" recovered" if rec != "none" else "")
             out.append(f"| P = {p}: {label} | {sp} | {layers / (layers - p):.3f} | {r['heldout_searched']:.2f} / "
-                       f"{r['other']['searched']:.2f} | {_pct(means.get(f'{name} P={p}'))} |")
-    n = sorted({r["n"] for r in acc["lm_eval"] if r.get("metric") == "acc"})
-    tasks = sorted({r["task"] for r in acc["lm_eval"] if r.get("metric") == "acc"})
+                       f"{r['other']['searched']:.2f} | {_pct(means.get(key))} |")
+    n = sorted({r["n"] for d in accs for r in d["lm_eval"] if r.get("metric") == "acc"})
+    tasks = sorted({r["task"] for d in accs for r in d["lm_eval"] if r.get("metric") == "acc"})
     return ("\n".join(out) + f"\n\n{acc['model']}, the top P of its {layers} layers pruned. Perplexity on "
             f"{acc['tokens']} tokens per text (windows of {acc['seq_len']}) that neither the search nor the fit read; "
             f"accuracy: the mean of {', '.join(tasks)} ({', '.join(map(str, n))} documents each, PyTorch fp32); speed: "
