@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["calibration", "replacement", "replacement_headline", "replacement_speed", "replacement_texts", "fit_inputs",
-           "plan_accuracy", "recovery"]
+           "plan_accuracy", "recovery", "sweep"]
 
 
 def _cut(dense: float, harp: float, fitted: float) -> str:
@@ -249,3 +249,24 @@ def recovery(files: list[dict[str, Any]] | dict[str, Any]) -> str:
             "HARP searched being the paper's plan at that P (its alphas searched on every even document); a recovered "
             "plan's own search and fit read the even documents' even half, its early stop their odd half. Seconds and "
             f"peak RSS: the recovery alone, CPU fp32, 2 threads. {cmds}.\n")
+
+
+def sweep(d: dict[str, Any]) -> str:
+    """``harp-trt sweep --json``: the frontier over P and the plan it picked at the budget."""
+    pick = (d.get("chosen") or {}).get("P")
+    out = [f"| P | pruned layers | alphas | held-out perplexity (dense {d['frontier'][0]['heldout_dense']:.2f}) | "
+           f"increase | decode ceiling L/(L-P) | byte ideal at {d['context']} x {d['batch']} | KV saved |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in d["frontier"]:
+        mark = " **picked**" if r["P"] == pick else ""
+        out.append(f"| {r['P']}{mark} | {_span(r['layers'])} | {', '.join(f'{a:g}' for a in r['alphas'])} | "
+                   f"{r['heldout']:.2f} | {r['ppl_increase'] * 100:+.1f} % | {r['ceiling']:.3f} | {r['byte_ideal']:.3f} | "
+                   f"{r['kv_saved'] * 100:.0f} % |")
+    budget = d.get("max_ppl_increase")
+    picked = (f"At `--max-ppl-increase {budget:g}` the sweep picks P = {pick}." if pick is not None else
+              f"No P is within `--max-ppl-increase {budget:g}`." if budget is not None else "")
+    prov = d["provenance"]
+    return ("\n".join(out) + f"\n\n{d['model']} ({d['num_layers']} layers), strategy {d['strategy']}, replacement "
+            f"{d['replacement']}, recover {d['recover']}; byte ideal with {d['weight_bytes']:g} bytes per weight. {picked} "
+            f"{d['seconds'] / 60:.0f} min in all (cached plans cost nothing), peak RSS {d['peak_rss_bytes'] / 2**30:.1f} GiB. "
+            f"`{prov['command']}` at {prov['commit']}.\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harp_trt.bench._render_calibration import (calibration, fit_inputs, plan_accuracy, recovery, replacement,
+                                                sweep,
                                                 replacement_headline, replacement_speed, replacement_texts)
 from harp_trt.bench._render_headline import headline
 from harp_trt.stats import ratio_ci95_across_runs
@@ -348,7 +349,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"gpu_check": gpu_check,
                                                          "replacement": replacement, "replacement_headline": replacement_headline,
                                                          "replacement_speed": replacement_speed,
                                                          "replacement_texts": replacement_texts, "fit_inputs": fit_inputs,
-                                                         "plan_accuracy": plan_accuracy, "recovery": recovery}
+                                                         "plan_accuracy": plan_accuracy, "recovery": recovery,
+                                                         "sweep": sweep}
 
 
 def render_file(text: str) -> tuple[str, list[str]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ def run(args) -> dict:
     from ..plan import Plan
     from ..stage import Hooks
     from ..store import ArtifactStore
+    from ..versions import provenance
     from ._options import values_from_args
 
     if args.prune_layers or args.alphas or args.paper_alphas:
@@ -94,7 +96,12 @@ def run(args) -> dict:
             "frontier": rows, "max_ppl_increase": sw.max_ppl_increase,
             "chosen": None if chosen is None else {"P": chosen["P"], "plan": chosen["artifact"],
                                                    "written_to": sw.plan_out or None},
-            "png": png, "seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": peak_rss_bytes()}
+            "png": png, "seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": peak_rss_bytes(),
+            "provenance": provenance(sys.argv[1:]), "_hide": ("frontier", "provenance"),
+            "_tables": {"frontier": [{"P": r["P"], "layers": r["layers"], "held-out ppl": r["heldout"],
+                                      "increase %": round(r["ppl_increase"] * 100, 2), "ceiling": r["ceiling"],
+                                      "byte ideal": r["byte_ideal"], "KV saved": r["kv_saved"],
+                                      "picked": chosen is not None and r["P"] == chosen["P"]} for r in rows]}}
 
 
 def _num_layers(folder) -> int:
