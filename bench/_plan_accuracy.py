@@ -12,9 +12,9 @@ __all__ = ["plan_accuracy"]
 
 
 def plan_accuracy(resolved, plans: dict[str, str], tasks: list[str], limit: int | None,
-                  workdir_root: Path) -> list[dict[str, Any]]:
+                  workdir_root: Path, dense: bool = True) -> list[dict[str, Any]]:
     """``plans``: variant name -> plan.json path (its ``replacement.safetensors`` beside it). The
-    dense model is evaluated first as ``dense``."""
+    dense model is evaluated first as ``dense`` (unless ``dense`` is False: an earlier JSON has it)."""
     from harp_trt.bench.stage.engine_torch import TorchEngine
     from harp_trt.bench.stage.lm_eval_adapter import EngineLM, evaluate_tasks
     from harp_trt.bench.stage.tasks import eval_data_root, write_task_yamls
@@ -26,7 +26,7 @@ def plan_accuracy(resolved, plans: dict[str, str], tasks: list[str], limit: int 
     yaml_dir = Path(workdir_root) / "tmp-plan-accuracy-tasks"
     write_task_yamls(tasks, eval_data_root(workdir_root), yaml_dir)
     rows: list[dict[str, Any]] = []
-    for variant, plan_path in [("dense", None), *plans.items()]:
+    for variant, plan_path in [("dense", None)] * dense + list(plans.items()):
         t = time.perf_counter()
         model, family = load_model(resolved, dtype="float32")
         if plan_path:

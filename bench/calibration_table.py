@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=500, help="documents per lm-eval task; 0 = all (default %(default)s)")
     ap.add_argument("--eval-replacements", default="harp,rrr,lmmse",
                     help="which plans at --eval-ps get lm-eval accuracy (default %(default)s)")
+    ap.add_argument("--eval-no-dense", action="store_true",
+                    help="leave the dense model out of lm-eval (an earlier JSON with the same --tasks/--limit has it)")
     ap.add_argument("--eval-from", default="", help="an earlier run's JSON: only add lm-eval accuracy of its plans")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -139,7 +141,7 @@ def _accuracy(args, store, rows: list[dict]) -> list[dict]:
             extra += " recovered" if r.get("recover", "none") != "none" else ""
             plans[f"{r['replacement']} P={r['P']}{extra}"] = r.get("plan") or str(store.root / r["artifact"] / "plan.json")
     return plan_accuracy(resolve_model(args.model, store.root), plans, [t for t in args.tasks.split(",") if t],
-                         args.limit or None, store.root)
+                         args.limit or None, store.root, dense=not args.eval_no_dense)
 
 
 def _eval_from(args, store, argv) -> int:
