@@ -247,8 +247,8 @@ def recovery(files: list[dict[str, Any]] | dict[str, Any]) -> str:
     cmds = "; ".join(f"`{p['command']}` at {p['commit']}" for p in prov)
     return ("\n".join(out) + "\n\nHARP's gap closed = (HARP searched - plan) / (HARP searched - dense) on the held-out half, "
             "HARP searched being the paper's plan at that P (its alphas searched on every even document); a recovered "
-            "plan's own search and fit read the even documents' even half, its early stop their odd half. Seconds and "
-            f"peak RSS: the recovery alone, CPU fp32, 2 threads. {cmds}.\n")
+            "plan's own search and fit read the even documents' even half, its early stop their odd half. Seconds: the "
+            f"recovery alone; peak RSS: the calibrating process's when it ended; CPU fp32, 2 threads. {cmds}.\n")
 
 
 def sweep(d: dict[str, Any]) -> str:
