@@ -14,7 +14,9 @@ depend on shapes only) and reports, as one JSON object on the last stdout line:
   speed-up and whether alphas and perplexities agree;
 * ``prefill``: dense vs HARP (P = 8) at 1k-64k tokens (``bench/_gpu_torch.py``'s timing, fewer
   repeats), with the paper's H100 figure for reference;
-* ``decode``: tokens/s at the largest batch each model fits, and KV bytes per token.
+* ``decode``: tokens/s at the largest batch each model fits, and KV bytes per token;
+* ``recovery``: ``calibrate --recover maps`` on the searched model, a few steps of one window each
+  (two fit windows, one select window): seconds per step and peak GPU memory over the model's bytes.
 
 ``--engine genai|llamacpp`` times prefill and decode on onnxruntime-genai (CUDA) or llama.cpp (all
 layers on the GPU) instead, from artifacts the pipeline builds (``bench/_gpu_engines.py``; refused,
@@ -48,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3.1-8b", choices=GPU_MODELS)
     ap.add_argument("--layers", type=int, default=8, help="P for the full search and prefill (default %(default)s)")
+    ap.add_argument("--recover-steps", type=int, default=4, help="Adam steps of the recovery check (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=32768, help="calibration tokens (default %(default)s)")
     ap.add_argument("--seq-len", type=int, default=4096, help="window length (default %(default)s)")
     ap.add_argument("--seq-lens", default="1024,4096,16384,65536", help="prefill lengths")
@@ -101,6 +104,41 @@ def naive_vs_cached(dense, family, small) -> dict:
             "speedup": round(naive["seconds"] / max(cached["seconds"], 1e-9), 2),
             "identical_alphas": naive["alphas"] == cached["alphas"],
             "ppl_rel_diff": abs(naive["ppl_searched"] / cached["ppl_searched"] - 1)}
+
+
+def dense_states(dense, family, windows, layers) -> tuple:
+    """Recovery's teacher (``calib/recover.py``): the dense model's states on two windows (fit) and
+    one more (select), entering the lowest pruned layer and at the end."""
+    from harp_trt.calib.recover import dense_teacher
+    from harp_trt.layerwise import LayerStack
+
+    stack = LayerStack.wrap(dense, family)
+    return dense_teacher(stack, windows[:2], min(layers)), dense_teacher(stack, windows[2:3], min(layers))
+
+
+def recovery_figures(model, family, layers, teachers, steps: int) -> dict:
+    """``calibrate --recover maps`` at these shapes: a few Adam steps on the searched model's pruned
+    V/O (one window each, bf16 autocast on float32 master weights), seconds per step and the peak
+    memory beside the model's own bytes (the calibrate stage's bound)."""
+    import torch
+
+    from harp_trt.calib.recover import RecoverySettings, recover
+    from harp_trt.layerwise import LayerStack
+
+    device = next(model.parameters()).device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    res = recover(LayerStack.wrap(model, family), layers, *teachers,
+                  RecoverySettings(steps=steps, eval_every=steps, lr=1e-4))
+    sync(device)
+    rec = res.record
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"steps": rec["steps"], "tokens_per_step": int(teachers[0].windows.shape[1]), "seconds": rec["seconds"],
+            "seconds_per_step": rec["seconds_per_step"], "select_kl_start": rec["select_kl_start"],
+            "select_kl_best": rec["select_kl_best"], "kept": rec["kept"], "model_bytes": weights,
+            "peak_gpu_bytes": peak, "peak_over_model": round(peak / weights, 3) if peak else None,
+            "peak_rss_bytes": rec["peak_rss_bytes"]}
 
 
 def shape_check(model: str, layers: int = 8) -> dict:
@@ -209,12 +247,18 @@ def run(args) -> dict:
 
     # the full search: P layers x 11 candidates on all windows
     layers = list(range(n - args.layers, n))
+    # recovery's teacher, taken before the search prunes the model (two fit windows and one select window)
+    teachers = dense_states(dense, family, windows, layers) if windows.shape[0] >= 3 else None
     full = search_figures(dense, family, windows, layers, GRID, naive=False)
     out["alpha_search"] = {"layers": layers, "grid": list(GRID), "tokens": int(windows.numel()),
                            "windows": int(windows.shape[0]), "seconds": full["seconds"], "alphas": full["alphas"],
                            "ppl_alpha1": full["ppl_alpha1"], "ppl_searched": full["ppl_searched"],
                            "target_s": 120, "paper": "< 2 hours on one H100"}
-    del windows, small
+    if teachers is not None and spent() < args.budget_s:
+        out["recovery"] = recovery_figures(dense, family, layers, teachers, args.recover_steps)
+    else:
+        out["skipped"].append("recovery")
+    del windows, small, teachers
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

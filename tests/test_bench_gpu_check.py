@@ -37,6 +37,9 @@ def test_gpu_check_dry_run_covers_every_stage():
     assert s["ppl_searched"] <= s["ppl_alpha1"] * (1 + 1e-6)  # candidates run batched: rounding differs
     assert set(out["prefill"]) == {"16", "32"} and set(out["prefill"]["16"]) == {"dense", "harp"}
     assert out["decode"]["kv_bytes_per_token"]["harp"] < out["decode"]["kv_bytes_per_token"]["dense"]
+    rec = out["recovery"]  # calibrate --recover maps at these shapes: the steps ran, the figures are there
+    assert rec["steps"] == 4 and rec["tokens_per_step"] == 16 and rec["seconds_per_step"] > 0 and rec["model_bytes"] > 0
+    assert rec["select_kl_best"] <= rec["select_kl_start"] and rec["peak_gpu_bytes"] is None
     # the real shape, built on the meta device: Llama-3.1-8B's 8,030,261,248 parameters, less the
     # q/k projections of 8 layers (2 x 4096 x (4096 + 1024) each)
     shape = out["shape_check"]
