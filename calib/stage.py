@@ -85,6 +85,16 @@ class CalibrateStage(Stage[CalibrateConfig]):
         if config.layers >= n:
             raise PreconditionError(self.name, f"--layers {config.layers} must be smaller than the model's "
                                     f"{n} layers (valid: 1..{n - 1})")
+        if config.recover != "none":  # refused before any work (calib/recover.py checks again)
+            from harp_trt.families import family_of
+
+            if placement is not None and placement.sequential:
+                raise PreconditionError(self.name, "--recover trains the pruned layers end to end and needs the "
+                                        "model in memory, not --sequential", "drop --sequential or --recover")
+            if family_of(cfg).alpha_after_post_attn_norm:
+                raise PreconditionError(self.name, f"--recover does not support {family_of(cfg).name}: its alpha "
+                                        "sits after the post-attention norm and cannot be folded into o_proj",
+                                        "drop --recover")
         out = [l for l in config.prune_layers if l >= n]
         if out:
             raise PreconditionError(self.name, f"--prune-layers {out} out of range for a {n}-layer model "

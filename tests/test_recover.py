@@ -141,6 +141,7 @@ def test_recovery_settings_are_in_the_key_only_with_recover():
     (["--recover", "maps", "--objective", "paper"], "--recover trains on fixed windows"),
     (["--recover", "maps", "--recover-lr", "2"], "--recover-lr must lie in (0, 1)"),
     (["--recover", "maps", "--recover-tokens", "8"], "--recover-tokens at least one window"),
+    (["--recover", "maps", "--sequential"], "needs the model in memory, not --sequential"),
 ])
 def test_recover_bad_flags_are_refused(tiny, capsys, extra, needle):  # noqa: F811
     assert_refused(capsys, tiny, extra, needle)
