@@ -79,7 +79,7 @@ def test_llamacpp_quantized_weights_and_converter_peer(tmp_path):
     q = _run(["--shape", "tiny-llama", "--tokenizer", "smollm2-135m", "--prune-layers", "4,5",
               "--corpus", str(write_corpus(tmp_path / "c.txt")), "--runtime", "llamacpp",
               "--workdir", str(tmp_path / "cache"), *SHORT, "--gguf-type", "q8_0", "--peer", "llamacpp-convert",
-              "--kv-fill", "written", "--batches", "1,2", "--out", str(tmp_path / "q8_0")])["runtimes"]["llamacpp"]
+              "--kv-fill", "written", "--batches", "2", "--out", str(tmp_path / "q8_0")])["runtimes"]["llamacpp"]
     assert q["weight_bytes_per_param"] == 34 / 32
     files = [Path(q["engines"][v]["gguf"]) for v in ("dense", "harp")]
     for f in files:
@@ -103,7 +103,8 @@ def test_llamacpp_quantized_weights_and_converter_peer(tmp_path):
             assert c.decode(np.zeros((2, 1), np.int32), 30, False).shape == (2, 1, m.n_vocab)
 
 
-def test_capacity_under_a_memory_cap_wired(tmp_path):
+@pytest.mark.parametrize("rt, per_seq", [("ort", 16 * 2**20), ("llamacpp", 8 * 2**20)])
+def test_capacity_under_a_memory_cap_wired(tmp_path, rt, per_seq):
     """``--memory-cap auto --cap-context 4096``: the engines this run timed, measured by
     bench/_long_context_capacity.py in capped children (its own tests check the search). head_dim 64:
     one dense sequence's KV at 4096 is 16 MiB on ORT (fp32), 8 MiB on llama.cpp (f16); P = 2 of 4."""
@@ -111,19 +112,18 @@ def test_capacity_under_a_memory_cap_wired(tmp_path):
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
     common = ["--model", str(model), "--corpus", str(write_corpus(tmp_path / "c.txt")), "--prune-layers", "2,3",
               "--workdir", str(tmp_path / "cache"), *SHORT, "--memory-cap", "auto", "--cap-context", "4096"]
-    for rt, per_seq in (("ort", 16 * 2**20), ("llamacpp", 8 * 2**20)):
-        res = _run([*common, "--runtime", rt, "--out", str(tmp_path / rt)])
-        assert res["settings"]["memory_cap"] == "auto" and res["settings"]["cap_context"] == 4096
-        c = res["runtimes"][rt]["capacity_under_cap"]
-        assert c["runtime"] == rt and c["context"] == 4096 and c["ideal"] == 2.0
-        assert c["kv_bytes_per_token"]["dense"] * 4096 == per_seq
-        assert c["cap_bytes"] == int(c["base"]["dense"]["base_vm"] + 10.5 * per_seq)
-        d, h = c["dense"]["batch"], c["harp"]["batch"]
-        assert 1 <= d <= 10 and d < h and c["ratio"] == h / d, c
-        for v in ("dense", "harp"):   # the timed engines, from this run's cache
-            assert c[v]["tries"][0]["engine"].startswith(str(tmp_path / "cache"))
-        if rt == "ort":
-            assert c["fraction_of_ideal"] >= 0.9, c
+    res = _run([*common, "--runtime", rt, "--out", str(tmp_path / rt)])
+    assert res["settings"]["memory_cap"] == "auto" and res["settings"]["cap_context"] == 4096
+    c = res["runtimes"][rt]["capacity_under_cap"]
+    assert c["runtime"] == rt and c["context"] == 4096 and c["ideal"] == 2.0
+    assert c["kv_bytes_per_token"]["dense"] * 4096 == per_seq
+    assert c["cap_bytes"] == int(c["base"]["dense"]["base_vm"] + 10.5 * per_seq)
+    d, h = c["dense"]["batch"], c["harp"]["batch"]
+    assert 1 <= d <= 10 and d < h and c["ratio"] == h / d, c
+    for v in ("dense", "harp"):   # the timed engines, from this run's cache
+        assert c[v]["tries"][0]["engine"].startswith(str(tmp_path / "cache"))
+    if rt == "ort":
+        assert c["fraction_of_ideal"] >= 0.9, c
 
 
 def test_written_kv_decodes_at_the_same_positions(tmp_path):
