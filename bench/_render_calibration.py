@@ -186,13 +186,16 @@ def replacement_speed(files: list[dict[str, Any]] | dict[str, Any]) -> str:
             + "; ".join(cmds) + ".\n")
 
 
-def plan_accuracy(d: dict[str, Any]) -> str:
+def plan_accuracy(files: list[dict[str, Any]] | dict[str, Any]) -> str:
     """lm-eval accuracy per task (``acc``; LAMBADA's too) of the dense model and each plan, value
     +- lm-eval's standard error, and the plan's difference from dense with whether it exceeds twice
-    the standard error of the difference (the two runs share their documents, so this is conservative)."""
+    the standard error of the difference (the two runs share their documents, so this is conservative).
+    Several JSONs (the same tasks and ``--limit``) add their plans' rows to the first's."""
     import math
 
-    rows = [r for r in d.get("lm_eval", []) if r.get("metric") == "acc" and r.get("stderr") is not None]
+    files = files if isinstance(files, list) else [files]
+    d = files[0]
+    rows = [r for f in files for r in f.get("lm_eval", []) if r.get("metric") == "acc" and r.get("stderr") is not None]
     tasks = sorted({r["task"] for r in rows})
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["variant"], r["task"]): r for r in rows}
@@ -213,10 +216,12 @@ def plan_accuracy(d: dict[str, Any]) -> str:
             cells.append(cell)
         out.append(f"| {v} | " + " | ".join(cells) + f" | {sum(vals) / len(vals) * 100:.1f} |")
     n = sorted({r["n"] for r in rows})
-    prov = d.get("lm_eval_provenance") or d["provenance"]
+    limits = sorted({str(f.get("lm_eval_limit")) for f in files})
+    provs = [f.get("lm_eval_provenance") or f["provenance"] for f in files]
+    cmds = "; ".join(f"`{p['command']}` at {p['commit']}" for p in provs)
     return ("\n".join(out) + f"\n\nAccuracy in % ± lm-eval's standard error; (difference from dense, * where it exceeds "
             f"2 standard errors of the difference); {', '.join(map(str, n))} documents per task "
-            f"(`--limit {d.get('lm_eval_limit')}`, the first documents of each set); `{prov['command']}` at {prov['commit']}.\n")
+            f"(`--limit {', '.join(limits)}`, the first documents of each set); {cmds}.\n")
 
 
 def recovery(files: list[dict[str, Any]] | dict[str, Any]) -> str:
