@@ -44,7 +44,7 @@ def _other(plan, art, args, store, resolved) -> dict:
             **plan_perplexities(plan, resolved.folder, windows, resolve_placement("cpu", "float32"))}
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--ps", default="2,4,8")
@@ -67,7 +67,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="also write the JSON here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
 
     from harp_trt.calib import run_calibrate
     from harp_trt.calib.config import CalibrateConfig
