@@ -14,7 +14,7 @@ from harp_trt.memory import peak_rss_bytes
 
 from ._long_context_measure import largest_fit, measure_decode, measure_prefill, prompt_length
 
-__all__ = ["measure_runtime", "element_bytes", "pruned_form", "decode_ideal", "prefill_ideal", "capacity_allocator"]
+__all__ = ["measure_runtime", "element_bytes", "pruned_form", "prefill_ideal", "capacity_allocator"]
 
 log = logging.getLogger("long_context")
 
@@ -51,17 +51,6 @@ def pruned_form(runtime: str) -> str:
     """How the runtime's HARP engine stores a pruned layer (``flops.PRUNED_FORMS``): llama.cpp's deci
     GGUF holds one folded h x h matrix (``builders/gguf/writer.py``), the ONNX graphs V and kv x h O."""
     return "folded" if runtime == "llamacpp" else "vo"
-
-
-def decode_ideal(d, pruned, context: int, batch: int, wb: float, kvb: float, form: str = "vo") -> dict[str, float]:
-    """Bytes one decode step reads at ``context`` for ``batch`` sequences: the weights once plus each
-    sequence's KV (``flops.decode_bytes_per_token``; batch 1 is exactly its figure), a pruned layer
-    counted as the runtime stores it (``form``)."""
-    def step(p):
-        weights = flops.decode_bytes_per_token(d, 0, p, wb, kvb, form)
-        return weights + batch * (flops.decode_bytes_per_token(d, context, p, wb, kvb, form) - weights)
-    dense, harp = step(None), step(pruned)
-    return {"dense_bytes": dense, "harp_bytes": harp, "ideal": dense / harp, "pruned_form": form}
 
 
 def prefill_ideal(d, pruned, seq: int, logits: str, form: str = "vo") -> dict[str, float]:
@@ -185,7 +174,7 @@ def measure_runtime(runtime: str, pair, peers: dict[str, Any], args) -> dict[str
         for b in args.batches:
             m = measure_decode(engines, d.vocab, c, b, args.decode_steps, args.repeats, args.warmup, args.seed,
                                args.kv_fill)
-            m["ideal"] = decode_ideal(d, pair.pruned, c, b, wb, kvb, pruned_form(runtime))
+            m["ideal"] = flops.decode_ideal(d, pair.pruned, c, b, wb, kvb, pruned_form(runtime))
             m["fraction_of_ideal"] = m["speedup"]["speedup"] / m["ideal"]["ideal"]
             _ceiling(m, d.num_layers, len(pair.pruned))
             out["decode"].append(m)

@@ -130,9 +130,9 @@ def trainable_tensors(stack, layers: Sequence[int]) -> dict[str, torch.Tensor]:
     from harp_trt.plan import FITTED_LINEAR
 
     fam, out = stack.family, {}
+    cpu = lambda t: t.detach().to("cpu", torch.float32).contiguous()  # noqa: E731
     for l, mods in _modules(stack, layers).items():
         pre = fam.layer_prefix.format(i=l)
-        cpu = lambda t: t.detach().to("cpu", torch.float32).contiguous()  # noqa: E731
         if "harp_linear" in mods:
             out[f"{pre}{FITTED_LINEAR}.weight"] = cpu(mods["harp_linear"].weight)
             out[f"{pre}{FITTED_LINEAR}.bias"] = cpu(mods["harp_linear"].bias)
@@ -145,8 +145,9 @@ def trainable_tensors(stack, layers: Sequence[int]) -> dict[str, torch.Tensor]:
 
 
 def _kl(stack, student: torch.Tensor, teacher: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed ``KL(p_teacher || p_student)`` over the window's predicting positions (padding out)."""
-    keep = (window[0, 1:] != PAD).to(student.device)
+    """Summed ``KL(p_teacher || p_student)`` over the window's scored positions (``ppl.window_nll``'s
+    rule: a label >= 0; padding and context marks out)."""
+    keep = (window[0, 1:] >= 0).to(student.device)
     s = stack.family.logits(stack.model, student[:, :-1]).float().log_softmax(-1)[0][keep]
     with torch.no_grad():
         t = stack.family.logits(stack.model, teacher[:, :-1]).float().log_softmax(-1)[0][keep]

@@ -341,9 +341,9 @@ def _recover(config: CalibrateConfig, stack, selected: list[int], teachers: tupl
     timings["recover"] = out.record["seconds"]
     t = time.perf_counter()
     for key, name in (("searched", "search"), ("select_searched", "select"), ("heldout_searched", "heldout")):
-        if key in ppl:
+        if key in ppl:  # not kept: the model is the layer-wise one (alpha folded), its figures stand
             ppl[f"{key}_layerwise"] = ppl[key]
-            ppl[key] = stack.perplexity(texts[name])
+            ppl[key] = stack.perplexity(texts[name]) if out.kept else ppl[key]
     timings["heldout_ppl"] += time.perf_counter() - t
     if out.kept:
         for l in out.layers:

@@ -38,7 +38,8 @@ from harp_trt.dims import ModelDims
 from harp_trt.kvcache import kv_cache_bytes
 
 __all__ = ["SOFTMAX_FLOPS_PER_SCORE", "speedup_ceiling", "above_ceiling", "layer_flops_per_token", "flops_per_token",
-           "prefill_flops", "decode_flops", "PRUNED_FORMS", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token"]
+           "prefill_flops", "decode_flops", "PRUNED_FORMS", "decode_bytes_per_token", "ideal_speedups", "kv_bytes_per_token",
+           "decode_ideal"]
 
 # max-subtract, exp, sum and divide per score element
 SOFTMAX_FLOPS_PER_SCORE = 4
@@ -172,3 +173,14 @@ def ideal_speedups(d: ModelDims, pruned: Mapping[int, float], seq_lens, decode_c
             "decode_bytes": {"dense_bytes": bd, "harp_bytes": bh, "ideal": bd / bh},
             "kv_bytes_per_token": {"dense": kv_bytes_per_token(d, None, kvb),
                                    "harp": kv_bytes_per_token(d, pruned, kvb)}}
+
+
+def decode_ideal(d, pruned, context: int, batch: int, wb: float, kvb: float, form: str = "vo") -> dict[str, float]:
+    """Bytes one decode step reads at ``context`` for ``batch`` sequences: the weights once plus each
+    sequence's KV (``decode_bytes_per_token``; batch 1 is exactly its figure), a pruned layer
+    counted as the runtime stores it (``form``)."""
+    def step(p):
+        weights = decode_bytes_per_token(d, 0, p, wb, kvb, form)
+        return weights + batch * (decode_bytes_per_token(d, context, p, wb, kvb, form) - weights)
+    dense, harp = step(None), step(pruned)
+    return {"dense_bytes": dense, "harp_bytes": harp, "ideal": dense / harp, "pruned_form": form}

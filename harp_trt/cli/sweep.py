@@ -77,7 +77,8 @@ def run(args) -> dict:
     base, placement = calibrate_config_from_args(args)
     store = ArtifactStore(args.workdir)
     resolved = resolve_model(args.model, store.root)
-    layers = _num_layers(resolved.folder)
+    dims = _dims(resolved.folder)
+    layers = dims.num_layers
     sw.validate(layers)
     rows = []
     for p in range(1, sw.max_p + 1):
@@ -85,7 +86,7 @@ def run(args) -> dict:
         art = run_stage("calibrate", dataclasses.replace(base, layers=p), {"model": resolved}, store,
                         hooks=Hooks(None, None, placement))
         plan = Plan.load(art.path)
-        rows.append({**_row(plan, resolved.folder, sw), "artifact": str(art.path), "cached": art.cached,
+        rows.append({**_row(plan, dims, sw), "artifact": str(art.path), "cached": art.cached,
                      "seconds": round(time.perf_counter() - t, 3)})
     chosen = _pick(rows, sw.max_ppl_increase)
     if chosen is not None and sw.plan_out:
@@ -104,29 +105,24 @@ def run(args) -> dict:
                                       "picked": chosen is not None and r["P"] == chosen["P"]} for r in rows]}}
 
 
-def _num_layers(folder) -> int:
+def _dims(folder):
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(folder, trust_remote_code=False).num_hidden_layers)
-
-
-def _row(plan, folder, sw: Sweep) -> dict:
-    """One frontier row: the plan's held-out perplexity against dense, and what P buys."""
-    from transformers import AutoConfig
-
-    from .. import flops
     from ..dims import ModelDims
 
-    d = ModelDims.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
-    pruned = plan.alpha_map
-    step = lambda p: flops.decode_bytes_per_token(d, 0, p, sw.weight_bytes) + sw.batch * (  # noqa: E731
-        flops.decode_bytes_per_token(d, sw.context, p, sw.weight_bytes)
-        - flops.decode_bytes_per_token(d, 0, p, sw.weight_bytes))
+    return ModelDims.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=False))
+
+
+def _row(plan, d, sw: Sweep) -> dict:
+    """One frontier row: the plan's held-out perplexity against dense, and what P buys."""
+    from .. import flops
+
+    ideal = flops.decode_ideal(d, plan.alpha_map, sw.context, sw.batch, sw.weight_bytes, sw.weight_bytes)
     dense, held = plan.ppl["heldout_dense"], plan.ppl["heldout_searched"]
     return {"P": len(plan.layers), "layers": list(plan.layers), "alphas": list(plan.alphas),
             "fitted_layers": list(plan.fitted_layers), "heldout_dense": dense, "heldout": held,
             "ppl_increase": held / dense - 1, "ceiling": flops.speedup_ceiling(d.num_layers, len(plan.layers)),
-            "kv_saved": len(plan.layers) / d.num_layers, "byte_ideal": step(None) / step(pruned)}
+            "kv_saved": len(plan.layers) / d.num_layers, "byte_ideal": ideal["ideal"]}
 
 
 def _pick(rows: list[dict], budget: float | None) -> dict | None:
